@@ -1,0 +1,55 @@
+"""Shared benchmark helpers: prompts, medians, thread pinning, table printing."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PROMPTS = ROOT / "samples" / "eval_prompts.jsonl"
+
+
+def load_prompts(path: Path = DEFAULT_PROMPTS, limit: int | None = None) -> list[str]:
+    prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+    return prompts[:limit] if limit else prompts
+
+
+def pin_threads(threads: int) -> None:
+    """Same thread count for every contender: torch, ONNX Runtime (via options) and BLAS."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+    except ImportError:
+        pass
+
+
+def median_of(samples: Sequence[float]) -> float:
+    return float(statistics.median(samples))
+
+
+def timed_runs(fn: Callable[[], dict[str, float]], repeat: int, warmup: int = 1) -> dict[str, float]:
+    """Median of each metric over `repeat` runs, after `warmup` untimed runs."""
+    for _ in range(warmup):
+        fn()
+    runs = [fn() for _ in range(repeat)]
+    return {key: median_of([r[key] for r in runs]) for key in runs[0]}
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    lines = [" | ".join(c.ljust(widths[c]) for c in columns), "-|-".join("-" * widths[c] for c in columns)]
+    lines += [" | ".join(_fmt(r.get(c)).ljust(widths[c]) for c in columns) for r in rows]
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return "" if value is None else str(value)

@@ -1,0 +1,133 @@
+"""`adaptive-export build`: model -> static graphs -> ONNX with shared weights -> bundle."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import onnx
+from tqdm import tqdm
+
+from exporter.model_loading import LoadedModel
+from exporter.onnx_export import OPSET, export_graph
+from exporter.tokenizer_export import chat_format, save_tokenizer, special_tokens
+from exporter.weights import WeightStore, externalize
+from graphs.plan import BuildPlan
+from graphs.span_graph import GraphSpec, ModelParts
+from runtimes.errors import UsageError
+from runtimes.manifest import FORMAT, SCHEMA_VERSION
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_LEN = 2048
+WEIGHTS_FILE = "weights.bin"
+SUPPORTED_BACKENDS = ("onnx", "coreml", "tensorrt")
+
+# Backend compilers register here (name -> function(bundle_dir, manifest, parts, plan) -> entry).
+BackendCompiler = Callable[[Path, dict[str, Any], ModelParts, BuildPlan], dict[str, Any]]
+EXTRA_BACKENDS: dict[str, BackendCompiler] = {}
+
+
+@dataclass
+class BuildOptions:
+    output: Path
+    backends: tuple[str, ...] = ("onnx",)
+    max_len: int = DEFAULT_MAX_LEN
+    force: bool = False
+    router_threshold: float = 0.5
+    speculation: dict[str, Any] | None = None
+    calibration: dict[str, Any] | None = None
+    extra_files: dict[str, bytes] = field(default_factory=dict)
+    progress: bool = True
+
+
+def graph_entry(graph: GraphSpec) -> dict[str, Any]:
+    return {
+        "kind": graph.kind,
+        "layers": list(graph.layers),
+        "source": graph.source,
+        "logits": graph.logits,
+        "router_scores": graph.router_scores,
+        "exit_hidden": graph.exit_hidden,
+        "exit_adapter": graph.exit_adapter,
+        "config": graph.config,
+        "exit_layer": graph.exit_layer,
+        "inputs": graph.input_names(),
+        "outputs": graph.output_names(),
+    }
+
+
+def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress: bool) -> dict[str, Any]:
+    """Export every graph to root/onnx with one shared weights file."""
+    folder = root / "onnx"
+    folder.mkdir()
+    entries: dict[str, Any] = {}
+    with WeightStore(folder / WEIGHTS_FILE) as store:
+        store.name_parameters((n, p.detach().numpy()) for n, p in parts.hf_model.named_parameters())
+        if parts.routers is not None:
+            store.name_parameters([("routers.weight", parts.routers.weight.detach().numpy())])
+        for layer, adapter in parts.exit_adapters.items():
+            store.name_parameters((f"exit_adapter.{layer}.{n}", p.detach().numpy()) for n, p in adapter.named_parameters())
+        for graph in tqdm(graphs, desc="export ONNX", unit="graph", disable=not progress):
+            model = export_graph(parts, graph)
+            externalize(model, store, WEIGHTS_FILE)
+            onnx.save(model, str(folder / f"{graph.name}.onnx"))
+            entries[graph.name] = {"file": f"onnx/{graph.name}.onnx"}
+            entries[graph.name]["initializers"] = sorted(
+                init.name for init in model.graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL
+            )
+        tensors = {t.name: {"dtype": t.dtype, "shape": list(t.shape), "offset": t.offset, "bytes": t.length} for t in store.tensors.values()}
+        weight_bytes = store.total_bytes
+    return {"weights": f"onnx/{WEIGHTS_FILE}", "weight_bytes": weight_bytes, "opset": OPSET, "tensors": tensors, "graphs": entries}
+
+
+def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: BuildOptions, parts: ModelParts | None = None) -> dict[str, Any]:
+    """Export, compile and write the bundle atomically; returns the manifest."""
+    from exporter.bundle_writer import staging_dir, write_manifest
+
+    unknown = [b for b in options.backends if b != "onnx" and b not in EXTRA_BACKENDS]
+    if unknown:
+        raise UsageError(f"backend {unknown[0]!r} is not available for build", f"choose from {', '.join(['onnx', *EXTRA_BACKENDS])}")
+    if "onnx" not in options.backends:
+        raise UsageError("every bundle needs the onnx backend (the reference the others are checked and built from)", "add onnx to --backend, e.g. --backend onnx,coreml")
+    parts = parts or ModelParts(loaded.hf_model, loaded.spec)
+    graphs = plan.graphs()
+    with staging_dir(options.output, options.force) as root:
+        backends = {"onnx": export_onnx(root, parts, graphs, options.progress)}
+        save_tokenizer(loaded.tokenizer, root / "tokenizer.json")
+        manifest: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "format": FORMAT,
+            "model": {**loaded.spec.to_json(), "source": loaded.source},
+            "max_len": options.max_len,
+            "dtype": "float32",
+            "router_threshold": options.router_threshold,
+            "tokenizer": {"file": "tokenizer.json", "chat": chat_format(loaded.tokenizer), **special_tokens(loaded.tokenizer, loaded.hf_model)},
+            "configs": [
+                {"id": c.id, "kept": list(c.kept), "engines": {"decode": f"decode_{c.id}", **_exit_engines(graphs, c.id)}}
+                for c in plan.configs
+            ],
+            "speculation": options.speculation,
+            "graphs": {g.name: graph_entry(g) for g in graphs},
+            "backends": backends,
+            "calibration": "calibration.json" if options.calibration is not None else None,
+        }
+        if options.calibration is not None:
+            (root / "calibration.json").write_text(json.dumps(options.calibration, indent=2) + "\n")
+        for name, data in options.extra_files.items():
+            (root / name).write_bytes(data)
+        for backend in options.backends:
+            if backend != "onnx":
+                manifest["backends"][backend] = EXTRA_BACKENDS[backend](root, manifest, parts, plan)
+        write_manifest(root, manifest)
+    return manifest
+
+
+def _exit_engines(graphs: list[GraphSpec], config_id: str) -> dict[str, str]:
+    engines: dict[str, str] = {}
+    for graph in graphs:
+        if graph.config == config_id and graph.kind in ("draft", "verify"):
+            engines[graph.kind] = graph.name
+    return engines

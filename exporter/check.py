@@ -1,0 +1,246 @@
+"""`adaptive-export check`: every engine of a bundle against the PyTorch reference.
+
+Two kinds of checks, each a JUnit test case:
+- engine parity: each graph on a fixed token sequence (a past prefix plus new tokens),
+  logits, new K/V rows (and router scores / exit hidden states) against the same static
+  graph run in PyTorch; decode graphs of the full model also against HF transformers.
+- greedy tokens: the runtime's greedy output against HF `generate` on prompts, per
+  configuration; a divergence passes only where the reference shows a float tie
+  (top-1/top-2 margin < TIE_MARGIN at the first divergent position).
+
+Tolerances (fp32 graphs): logits |diff| <= LOGIT_ATOL + LOGIT_RTOL * max|ref|. ORT fuses
+and reorders fp32 sums, so errors of 1e-5..1e-4 are expected over 30 layers; 1e-3 is an
+order of magnitude above what we measure and far below the gap between distinct tokens.
+"""
+from __future__ import annotations
+
+import json
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtimes.bundle import Bundle
+from runtimes.kv_arena import KVArena
+
+REPORT_SCHEMA = "adaptive-export-check/1"
+TOLERANCES = {"float32": {"atol": 1e-3, "rtol": 1e-4}, "float16": {"atol": 5e-2, "rtol": 1e-2}}
+TIE_MARGIN = 1e-3
+BUILTIN_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain in one sentence what a compiler does.",
+]
+
+
+@dataclass
+class CheckResult:
+    backend: str
+    engine: str
+    check: str
+    passed: bool
+    executed: bool = True
+    max_abs: float | None = None
+    max_rel: float | None = None
+    tolerance: float | None = None
+    seconds: float = 0.0
+    detail: str = ""
+
+
+@dataclass
+class CheckReport:
+    bundle: str
+    model: str
+    results: list[CheckResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": REPORT_SCHEMA,
+            "bundle": self.bundle,
+            "model": self.model,
+            "passed": self.passed,
+            "tolerances": TOLERANCES,
+            "tie_margin": TIE_MARGIN,
+            "summary": {"total": len(self.results), "failed": sum(not r.passed for r in self.results)},
+            "results": [asdict(r) for r in self.results],
+        }
+
+    def junit(self) -> ET.ElementTree:
+        suite = ET.Element("testsuite", name="adaptive-export-check", tests=str(len(self.results)),
+                           failures=str(sum(not r.passed for r in self.results)), skipped=str(sum(not r.executed for r in self.results)))
+        for r in self.results:
+            case = ET.SubElement(suite, "testcase", classname=f"{r.backend}.{r.engine}", name=r.check, time=f"{r.seconds:.3f}")
+            if not r.executed:
+                ET.SubElement(case, "skipped", message=r.detail)
+            elif not r.passed:
+                ET.SubElement(case, "failure", message=r.detail).text = json.dumps(asdict(r))
+        return ET.ElementTree(suite)
+
+
+def compare(actual: np.ndarray, expected: np.ndarray, dtype: str = "float32", scale_tol: float = 1.0) -> tuple[bool, float, float, float]:
+    tol = TOLERANCES[dtype]
+    diff = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+    bound = (tol["atol"] + tol["rtol"] * float(np.abs(expected).max(initial=0.0))) * scale_tol
+    max_abs = float(diff.max(initial=0.0))
+    max_rel = float((diff / np.maximum(np.abs(expected), 1e-6)).max(initial=0.0))
+    return max_abs <= bound and bool(np.isfinite(actual).all()), max_abs, max_rel, bound
+
+
+def engine_parity(bundle: Bundle, backend: Any, parts: Any, graph_name: str, seed: int = 0, scale_tol: float = 1.0) -> CheckResult:
+    """Run one graph in the backend and in PyTorch on the same inputs; compare every output."""
+    import torch
+
+    from graphs.span_graph import GraphSpec, SpanGraph
+
+    info = bundle.graph(graph_name)
+    spec = GraphSpec(name=graph_name, kind=info["kind"], layers=tuple(info["layers"]), source=info["source"],
+                     logits=info["logits"], router_scores=info["router_scores"], exit_hidden=info["exit_hidden"],
+                     exit_adapter=info["exit_adapter"], config=info["config"], exit_layer=info["exit_layer"])
+    rng = np.random.default_rng(seed)
+    model = bundle.model
+    past_len, count = 7, (9 if info["kind"] == "prefill" else 1 if info["kind"] == "draft" else 4)
+    if info["kind"] == "prefill":
+        past_len = 0
+    first = (rng.integers(0, model["vocab_size"], (1, count)) if spec.source == "ids"
+             else rng.standard_normal((1, count, model["hidden_size"])).astype(np.float32))
+    arena = KVArena(bundle.num_layers, past_len + count, model["num_kv_heads"], model["head_dim"])
+    arena.data[:, :, :past_len] = rng.standard_normal(arena.data[:, :, :past_len].shape).astype(np.float32) * 0.5
+    arena.length = past_len
+    started = time.perf_counter()
+    out = backend.run(graph_name, first, arena, past_len)
+    module = SpanGraph(parts, spec).eval()
+    with torch.no_grad():
+        past = [torch.from_numpy(arena.data[i, 0, :past_len]) for i in spec.layers] + [torch.from_numpy(arena.data[i, 1, :past_len]) for i in spec.layers]
+        ref = module(torch.from_numpy(first), *past)
+    names = spec.output_names()
+    worst = (True, 0.0, 0.0, 0.0)
+    failures = []
+    actual_by_name = {"logits": out.logits, "router_scores": out.router_scores, "exit_hidden": out.exit_hidden}
+    for index, name in enumerate(names):
+        expected = ref[index].numpy()
+        if name.startswith("new_"):
+            kind, layer = name[4:].rsplit("_", 1)
+            actual = arena.data[int(layer), 0 if kind == "key" else 1, past_len : past_len + count]
+        else:
+            actual = actual_by_name[name]
+        ok, max_abs, max_rel, bound = compare(np.asarray(actual), expected, bundle.manifest["dtype"], scale_tol)
+        if not ok:
+            failures.append(f"{name}: max |diff| {max_abs:.3g} > {bound:.3g}")
+        if max_abs > worst[1] or not ok:
+            worst = (ok and worst[0], max_abs, max_rel, bound)
+    return CheckResult(backend.name, graph_name, "parity", not failures, max_abs=worst[1], max_rel=worst[2],
+                       tolerance=worst[3], seconds=time.perf_counter() - started,
+                       detail="; ".join(failures) or f"{len(names)} outputs within tolerance")
+
+
+def first_divergence(actual: list[int], expected: list[int]) -> int | None:
+    for index, (a, b) in enumerate(zip(actual, expected)):
+        if a != b:
+            return index
+    return None if len(actual) == len(expected) else min(len(actual), len(expected))
+
+
+def reference_greedy(parts: Any, prompt_ids: list[int], new_tokens: int, eos_ids: set[int], kept: list[int]) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens and per-step logits in PyTorch: HF transformers itself for the full
+    model; for a skip configuration, prefill over every layer and decode over the kept
+    layers with the static PyTorch graphs (validated against HF in the tests)."""
+    import torch
+
+    from graphs.span_graph import GraphSpec, SpanGraph
+
+    every = tuple(range(parts.spec.num_layers))
+    tokens: list[int] = []
+    steps: list[np.ndarray] = []
+    with torch.no_grad():
+        if tuple(kept) == every:
+            out = parts.hf_model(torch.tensor([prompt_ids]), use_cache=True)
+            step = lambda token: parts.hf_model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)  # noqa: E731
+            logits = out.logits[0, -1]
+            for _ in range(new_tokens):
+                steps.append(logits.float().numpy())
+                tokens.append(int(logits.argmax()))
+                if tokens[-1] in eos_ids or len(tokens) == new_tokens:
+                    break
+                out = step(tokens[-1])
+                logits = out.logits[0, -1]
+            return tokens, steps
+        n = len(every)
+        prefill = SpanGraph(parts, GraphSpec("prefill", "prefill", every, logits="last")).eval()
+        decode = SpanGraph(parts, GraphSpec("decode", "decode", tuple(kept))).eval()
+        empty = [torch.zeros(0, parts.spec.num_kv_heads, parts.spec.head_dim)] * (2 * n)
+        out = prefill(torch.tensor([prompt_ids]), *empty)
+        keys, values = list(out[1 : 1 + n]), list(out[1 + n :])
+        logits = out[0][0, -1]
+        for _ in range(new_tokens):
+            steps.append(logits.numpy())
+            tokens.append(int(logits.argmax()))
+            if tokens[-1] in eos_ids or len(tokens) == new_tokens:
+                break
+            out = decode(torch.tensor([[tokens[-1]]]), *[keys[i] for i in kept], *[values[i] for i in kept])
+            for j, layer in enumerate(kept):
+                keys[layer] = torch.cat((keys[layer], out[1 + j]))
+                values[layer] = torch.cat((values[layer], out[1 + len(kept) + j]))
+            logits = out[0][0, -1]
+    return tokens, steps
+
+
+def greedy_check(generator: Any, parts: Any, config: dict[str, Any], prompt: str, new_tokens: int, mode: str = "ar") -> CheckResult:
+    started = time.perf_counter()
+    result = generator.generate(prompt, max_new_tokens=new_tokens, config=config["id"], mode=mode)
+    expected, steps = reference_greedy(parts, result.prompt_ids, new_tokens, generator.codec.eos_ids, config["kept"])
+    at = first_divergence(result.tokens, expected)
+    passed, detail = True, f"{len(result.tokens)} tokens identical"
+    if at is not None:
+        if at < len(steps):
+            top2 = np.sort(steps[at])[-2:]
+            margin = float(top2[1] - top2[0])
+        else:
+            margin = float("inf")
+        passed = margin < TIE_MARGIN
+        detail = f"first divergence at token {at} (reference top-1/top-2 margin {margin:.2e}: {'a float tie' if passed else 'a real mismatch'})"
+    engine = config["engines"]["decode"] if mode == "ar" else f"spec:{config['id']}"
+    return CheckResult(generator.backend.name, engine, f"greedy[{prompt[:32]}]", passed,
+                       seconds=time.perf_counter() - started, detail=detail)
+
+
+def run_check(bundle_dir: str, model: str | None, prompts: list[str] | None, new_tokens: int = 16, scale_tol: float = 1.0, progress: bool = True) -> CheckReport:
+    from tqdm import tqdm
+
+    from calibration.artifacts import load_parts
+    from runtimes.backends import make_backend
+    from runtimes.bundle import load_bundle
+    from runtimes.generate import Generator
+
+    bundle = load_bundle(bundle_dir)
+    loaded, parts = load_parts(bundle, model)
+    report = CheckReport(bundle=str(bundle_dir), model=loaded.source)
+    prompts = prompts or BUILTIN_PROMPTS
+    for backend_name in bundle.manifest["backends"]:
+        backend = make_backend(bundle, backend_name)
+        if not backend.executes:
+            for graph in bundle.backend_entry(backend_name)["graphs"]:
+                report.results.append(CheckResult(backend_name, graph, "parity", True, executed=False, detail=backend.skip_reason))
+            continue
+        graphs = list(bundle.backend_entry(backend_name)["graphs"])
+        for graph in tqdm(graphs, desc=f"check {backend_name} engines", unit="engine", disable=not progress):
+            report.results.append(engine_parity(bundle, backend, parts, graph, scale_tol=scale_tol))
+        generator = Generator(bundle, backend=backend_name)
+        cases = [(c, p, "ar") for c in bundle.manifest["configs"] for p in prompts]
+        cases += [(c, p, "spec") for c in bundle.manifest["configs"] if "draft" in c["engines"] for p in prompts]
+        for config, prompt, mode in tqdm(cases, desc=f"check {backend_name} greedy", unit="prompt", disable=not progress):
+            report.results.append(greedy_check(generator, parts, config, prompt, new_tokens, mode))
+    return report
+
+
+def write_report(report: CheckReport, json_path: str | None, junit_path: str | None) -> None:
+    if json_path:
+        Path(json_path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    if junit_path:
+        report.junit().write(junit_path, encoding="utf-8", xml_declaration=True)

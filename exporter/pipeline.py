@@ -1,0 +1,37 @@
+"""`build` from parsed CLI arguments: load, calibrate what was asked, plan, export, write."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from exporter.build import SUPPORTED_BACKENDS, BuildOptions, build_bundle
+from exporter.bundle_writer import check_output_dir
+from exporter.model_loading import load_model
+from graphs.plan import BuildPlan
+from graphs.span_graph import ModelParts
+from runtimes.errors import UsageError
+
+
+def parse_backends(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [n for n in names if n not in SUPPORTED_BACKENDS]
+    if not names or unknown:
+        raise UsageError(f"unknown backend {unknown[0] if unknown else text!r}", f"use a comma-separated list of: {', '.join(SUPPORTED_BACKENDS)}")
+    return names
+
+
+def run_build(args: argparse.Namespace) -> dict[str, Any]:
+    backends = parse_backends(args.backend)
+    output = Path(args.output)
+    check_output_dir(output, args.force)  # fail fast, before minutes of loading and export
+    unsupported = [flag for flag, value in (("--routers", args.routers), ("--speculate", args.speculate)) if value]
+    if args.quantize != "none":
+        unsupported.append("--quantize")
+    if unsupported:
+        raise UsageError(f"{unsupported[0]} is not available in this build of adaptive-export", "build without it")
+    loaded = load_model(args.model)
+    parts = ModelParts(loaded.hf_model, loaded.spec)
+    plan = BuildPlan(num_layers=loaded.spec.num_layers)
+    options = BuildOptions(output=output, backends=backends, max_len=args.max_len, force=args.force)
+    return build_bundle(loaded, plan, options, parts)

@@ -1,0 +1,120 @@
+"""Store every weight once for all graphs of a bundle.
+
+Each large initializer of each exported graph is keyed by its content (sha256 of the
+bytes, dtype and shape). The first time a tensor is seen it is appended to one shared
+file and named after the model parameter with the same bytes (stable across graphs and
+builds); graphs then refer to it as ONNX external data by name, offset and length.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Iterable
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+# Initializers below this size (shape vectors, scalars) stay inside each graph.
+MIN_SHARED_BYTES = 1024
+ALIGNMENT = 64  # keeps every tensor aligned for zero-copy numpy views and SIMD loads
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+
+
+def content_key(array: np.ndarray) -> str:
+    digest = hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+    return f"{array.dtype.str}:{array.shape}:{digest}"
+
+
+@dataclass
+class WeightStore:
+    """Append-only writer of the shared weights file, deduplicating by content."""
+
+    path: Path
+    canonical_names: dict[str, str] = field(default_factory=dict)  # content key -> parameter name
+    tensors: dict[str, StoredTensor] = field(default_factory=dict)  # content key -> stored
+    _file: BinaryIO | None = None
+    _offset: int = 0
+
+    def __enter__(self) -> "WeightStore":
+        self._file = self.path.open("wb")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._file is not None
+        self._file.close()
+
+    def name_parameters(self, named: Iterable[tuple[str, np.ndarray]]) -> None:
+        """Remember the model's own names so shared tensors are named after their parameter."""
+        for name, array in named:
+            self.canonical_names.setdefault(content_key(array), name)
+
+    def add(self, array: np.ndarray) -> StoredTensor:
+        key = content_key(array)
+        stored = self.tensors.get(key)
+        if stored is not None:
+            return stored
+        assert self._file is not None, "WeightStore must be used as a context manager"
+        padding = (-self._offset) % ALIGNMENT
+        self._file.write(b"\0" * padding)
+        self._offset += padding
+        data = np.ascontiguousarray(array).tobytes()
+        name = self.canonical_names.get(key) or f"const.{key.rsplit(':', 1)[1][:16]}"
+        stored = StoredTensor(name, array.dtype.str, tuple(array.shape), self._offset, len(data))
+        self._file.write(data)
+        self._offset += len(data)
+        self.tensors[key] = stored
+        return stored
+
+    @property
+    def total_bytes(self) -> int:
+        return self._offset
+
+
+def externalize(model: onnx.ModelProto, store: WeightStore, location: str) -> None:
+    """Move the graph's large initializers into the store and point the graph at them."""
+    renames: dict[str, str] = {}
+    for init in model.graph.initializer:
+        array = numpy_helper.to_array(init)
+        if array.nbytes < MIN_SHARED_BYTES:
+            continue
+        stored = store.add(array)
+        if init.name != stored.name:
+            renames[init.name] = stored.name
+        init.ClearField("raw_data")
+        for fld in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+            init.ClearField(fld)
+        init.name = stored.name
+        init.data_location = onnx.TensorProto.EXTERNAL
+        del init.external_data[:]
+        for key, value in (("location", location), ("offset", str(stored.offset)), ("length", str(stored.length))):
+            entry = init.external_data.add()
+            entry.key, entry.value = key, value
+    if renames:
+        for node in model.graph.node:
+            for index, name in enumerate(node.input):
+                if name in renames:
+                    node.input[index] = renames[name]
+    _dedupe_initializers(model)
+
+
+def _dedupe_initializers(model: onnx.ModelProto) -> None:
+    """Two initializers with equal content now share one name: keep a single entry."""
+    seen: set[str] = set()
+    keep = []
+    for init in model.graph.initializer:
+        if init.name not in seen:
+            seen.add(init.name)
+            keep.append(init)
+    if len(keep) != len(model.graph.initializer):
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(keep)

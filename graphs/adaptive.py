@@ -1,0 +1,39 @@
+"""The two small trainable additions: FiRST routers and LayerSkip-style exit adapters."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class Routers(nn.Module):
+    """One bias-free linear router R^H -> R per decoder layer (FiRST), stored as [L, H].
+
+    Router i scores the input of layer i (layer 0: the token embeddings).
+    """
+
+    def __init__(self, num_layers: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_layers, hidden_size))
+
+    def score(self, layer: int, x: Tensor) -> Tensor:
+        """Sequence-mean sigmoid of router `layer` over x [T, H]: a scalar."""
+        return torch.sigmoid(x @ self.weight[layer]).mean()
+
+
+class ExitAdapter(nn.Module):
+    """Low-rank residual map h_E -> h_E + up(silu(down(norm(h_E)))) before the shared head.
+
+    `up` starts at zero, so an untrained adapter is the identity (raw early exit).
+    """
+
+    def __init__(self, hidden_size: int, rank: int, eps: float) -> None:
+        super().__init__()
+        self.norm_weight = nn.Parameter(torch.ones(hidden_size))
+        self.down = nn.Linear(hidden_size, rank, bias=False)
+        self.up = nn.Linear(rank, hidden_size, bias=False)
+        nn.init.zeros_(self.up.weight)
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
+        return x + self.up(torch.nn.functional.silu(self.down(h)))

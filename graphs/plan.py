@@ -1,0 +1,64 @@
+"""The plan of which graphs a bundle holds: prefill, one decode per configuration, draft/verify.
+
+Pure data (no torch) so the runtime and `inspect` can read it back from the manifest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from graphs.span_graph import GraphSpec
+
+FULL_CONFIG = "full"
+
+
+@dataclass(frozen=True)
+class SkipConfig:
+    """A sorted tuple of kept layer ids, fixed for a whole sequence."""
+
+    id: str
+    kept: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ExitPlan:
+    """Early-exit speculation at layer E with an optional fitted exit adapter."""
+
+    exit_layer: int
+    draft_len: int
+    adapter: bool = False
+
+
+@dataclass
+class BuildPlan:
+    num_layers: int
+    configs: list[SkipConfig] = field(default_factory=list)
+    routers: bool = False
+    exit: ExitPlan | None = None
+
+    def __post_init__(self) -> None:
+        if not any(c.id == FULL_CONFIG for c in self.configs):
+            self.configs.insert(0, SkipConfig(FULL_CONFIG, tuple(range(self.num_layers))))
+
+    def graphs(self) -> list[GraphSpec]:
+        every = tuple(range(self.num_layers))
+        out = [GraphSpec("prefill", "prefill", every, logits="last", router_scores=self.routers)]
+        for config in self.configs:
+            out.append(GraphSpec(f"decode_{config.id}", "decode", config.kept, config=config.id))
+        if self.exit is not None:
+            for config in self.configs:
+                out.extend(exit_graphs(config, self.exit))
+        return out
+
+
+def exit_graphs(config: SkipConfig, plan: ExitPlan) -> list[GraphSpec]:
+    """draft(S,E): kept layers below E then the exit head; verify(S,E): the rest from h_E."""
+    below = tuple(i for i in config.kept if i < plan.exit_layer)
+    above = tuple(i for i in config.kept if i >= plan.exit_layer)
+    if not below or not above:
+        return []
+    return [
+        GraphSpec(f"draft_{config.id}_e{plan.exit_layer}", "draft", below, exit_hidden=True,
+                  exit_adapter=plan.adapter, config=config.id, exit_layer=plan.exit_layer),
+        GraphSpec(f"verify_{config.id}_e{plan.exit_layer}", "verify", above, source="hidden",
+                  config=config.id, exit_layer=plan.exit_layer),
+    ]

@@ -1,0 +1,104 @@
+"""One exportable graph: a span of decoder layers between an input and the outputs.
+
+Every graph of a bundle (prefill, decode per configuration, draft, verify) is a
+`SpanGraph` with a different layer list and I/O options. Inputs and outputs follow
+the arena contract of DESIGN.md section 4: per layer i in the span, `past_key_i` and
+`past_value_i` are prefix views [P, n_kv, hd]; `new_key_i` / `new_value_i` are the
+T new rows, which the runtime writes into the arena at [P:P+T].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from graphs.adaptive import ExitAdapter, Routers
+from graphs.layers import Head, Rotary, StaticDecoderLayer, causal_mask
+from graphs.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """What one graph computes; stored in the manifest so the runtime knows its I/O."""
+
+    name: str
+    kind: Literal["prefill", "decode", "draft", "verify"]
+    layers: tuple[int, ...]
+    source: Literal["ids", "hidden"] = "ids"
+    logits: Literal["all", "last"] = "all"
+    router_scores: bool = False
+    exit_hidden: bool = False
+    exit_adapter: bool = False
+    config: str = "full"
+    exit_layer: int | None = None
+
+    def input_names(self) -> list[str]:
+        first = "input_ids" if self.source == "ids" else "exit_hidden"
+        return [first] + [f"past_key_{i}" for i in self.layers] + [f"past_value_{i}" for i in self.layers]
+
+    def output_names(self) -> list[str]:
+        names = ["logits"]
+        if self.router_scores:
+            names.append("router_scores")
+        if self.exit_hidden:
+            names.append("exit_hidden")
+        return names + [f"new_key_{i}" for i in self.layers] + [f"new_value_{i}" for i in self.layers]
+
+
+@dataclass
+class ModelParts:
+    """The HF model plus the optional routers and exit adapters the graphs may use."""
+
+    hf_model: nn.Module
+    spec: ModelSpec
+    routers: Routers | None = None
+    exit_adapters: dict[int, ExitAdapter] = field(default_factory=dict)
+
+
+class SpanGraph(nn.Module):
+    """Static graph for one GraphSpec; traced once with T and P as dynamic axes."""
+
+    def __init__(self, parts: ModelParts, graph: GraphSpec) -> None:
+        super().__init__()
+        if not graph.layers:
+            raise ValueError(f"graph {graph.name!r} has no layers")
+        self.graph = graph
+        self.spec = parts.spec
+        hf = parts.hf_model
+        self.embed = hf.model.embed_tokens if graph.source == "ids" else None
+        self.rotary = Rotary(hf.model.rotary_emb)
+        self.layers = nn.ModuleList(StaticDecoderLayer(hf.model.layers[i], parts.spec) for i in graph.layers)
+        self.head = Head(hf, parts.spec)
+        self.routers = parts.routers if graph.router_scores else None
+        if graph.router_scores and parts.routers is None:
+            raise ValueError("router_scores requested but the model has no routers")
+        self.adapter = parts.exit_adapters.get(graph.exit_layer) if graph.exit_adapter else None
+        if graph.exit_adapter and self.adapter is None:
+            raise ValueError(f"no exit adapter fitted for exit layer {graph.exit_layer}")
+
+    def forward(self, first: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
+        n = len(self.layers)
+        past_keys, past_values = past[:n], past[n:]
+        x = self.embed(first[0]) if self.embed is not None else first[0]
+        t = x.shape[0]
+        past_len = past_keys[0].shape[0]
+        cos, sin = self.rotary(past_len, t)
+        mask = causal_mask(past_len, t)
+        new_keys, new_values, scores = [], [], []
+        for position, layer in enumerate(self.layers):
+            if self.routers is not None:
+                scores.append(self.routers.score(self.graph.layers[position], x))
+            x, k, v = layer(x, past_keys[position], past_values[position], cos, sin, mask)
+            new_keys.append(k)
+            new_values.append(v)
+        head_in = x[-1:] if self.graph.logits == "last" else x
+        if self.adapter is not None:
+            head_in = self.adapter(head_in)
+        outputs: list[Tensor] = [self.head(head_in)[None]]
+        if self.routers is not None:
+            outputs.append(torch.stack(scores))
+        if self.graph.exit_hidden:
+            outputs.append(x[None])
+        return tuple(outputs + new_keys + new_values)

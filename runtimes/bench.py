@@ -1,0 +1,24 @@
+"""`bench`: median prefill and TPOT of a bundle over repetitions, after one warm-up."""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from runtimes.generate import Generator
+
+
+def bench_bundle(directory: str, prompt: str, new_tokens: int, repeat: int, config: str = "auto", mode: str = "ar", threads: int = 0) -> dict[str, Any]:
+    generator = Generator(directory, threads=threads)
+    generator.generate(prompt, max_new_tokens=new_tokens, config=config, mode=mode)  # warm-up
+    runs = [generator.generate(prompt, max_new_tokens=new_tokens, config=config, mode=mode).stats for _ in range(repeat)]
+    return {
+        "prefill_ms": round(statistics.median(s.prefill_ms for s in runs), 2),
+        "tpot_ms": round(statistics.median(s.tpot_ms for s in runs), 2),
+        "tokens_per_s": round(1e3 / statistics.median(s.tpot_ms for s in runs), 1),
+        "new_tokens": runs[-1].new_tokens,
+        "prompt_tokens": runs[-1].prompt_tokens,
+        "config": runs[-1].config,
+        "mode": runs[-1].mode,
+        "repeat": repeat,
+        "threads": threads or "ort-default",
+    }

@@ -1,0 +1,196 @@
+"""The generation loop, once above every backend: prefill, pick a configuration, decode.
+
+Prefill always runs every layer and (when the bundle has routers) returns each router's
+sequence-mean score; the configuration is then fixed for the whole sequence, so every
+kept layer has KV for every earlier position. Decoding is autoregressive here; the
+self-speculative loop lives in runtimes/speculative.py and shares this state.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from runtimes.backends import Backend, make_backend
+from runtimes.bundle import Bundle, load_bundle
+from runtimes.errors import UsageError
+from runtimes.kv_arena import KVArena
+from runtimes.sampling import SamplingParams, choose
+from runtimes.selection import choose_config
+from runtimes.text import StreamDecoder, TextCodec
+
+MODES = ("ar", "spec", "auto")
+
+
+@dataclass
+class GenerationStats:
+    backend: str
+    mode: str
+    config: str
+    kept_layers: list[int]
+    skipped_layers: int
+    prompt_tokens: int
+    new_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    tpot_ms: float = 0.0
+    stop_reason: str = "length"
+    speculation: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(data.pop("speculation"))
+        return data
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    prompt_ids: list[int]
+    stats: GenerationStats
+
+
+@dataclass
+class Sequence_:
+    """Mutable state of one sequence: the arena, the chosen configuration, emitted tokens."""
+
+    arena: KVArena
+    config: dict[str, Any]
+    tokens: list[int]
+    pending: int  # the newest token: emitted, not yet in the cache
+
+
+class Generator:
+    """Load once, generate many times. Not thread-safe: one sequence at a time (one arena)."""
+
+    def __init__(self, bundle: Bundle | str | os.PathLike[str], backend: str = "onnx", verify: str = "full", **backend_options: Any) -> None:
+        self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, verify=verify)
+        self.backend: Backend = make_backend(self.bundle, backend, **backend_options)
+        if not self.backend.executes:
+            raise UsageError(f"backend {backend!r} cannot execute on this machine", "run it on its target platform, or choose --backend onnx")
+        self.codec = TextCodec(self.bundle)
+        model = self.bundle.model
+        self.arena = KVArena(self.bundle.num_layers, self.bundle.max_len, model["num_kv_heads"], model["head_dim"])
+        self.backend.prepare("prefill")
+        self.backend.prepare(self.bundle.config("full")["engines"]["decode"])
+
+    # ---- public API -------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, sampling: SamplingParams | None = None,
+                 stop: Sequence[str] = (), raw: bool = False, config: str = "auto", mode: str = "ar",
+                 on_text: Callable[[str], None] | None = None) -> GenerationResult:
+        sampling = sampling or SamplingParams()
+        prompt_ids = self.codec.encode(prompt, raw) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self._check_lengths(prompt_ids, max_new_tokens)
+        if mode not in MODES:
+            raise UsageError(f"mode {mode!r} is unknown", f"choose one of: {', '.join(MODES)}")
+        rng = np.random.default_rng(sampling.seed)
+        stream = StreamDecoder(self.codec, list(stop))
+        started = time.perf_counter()
+        seq, stats = self._prefill(prompt_ids, config, mode, sampling, rng)
+        stats.prefill_ms = (time.perf_counter() - started) * 1e3
+
+        def emit(token: int) -> bool:
+            """Record one token; True when generation must stop."""
+            seq.tokens.append(token)
+            delta = stream.push(token)
+            if on_text and delta:
+                on_text(delta)
+            if token in self.codec.eos_ids:
+                stats.stop_reason = "eos"
+            elif stream.stopped:
+                stats.stop_reason = "stop"
+            return stats.stop_reason != "length" or len(seq.tokens) >= max_new_tokens
+
+        decode_start = time.perf_counter()
+        if not emit(seq.pending):
+            runner = self._speculative_runner(seq, stats) if stats.mode == "spec" else None
+            if runner is not None:
+                runner.run(seq, emit, max_new_tokens, sampling, rng)
+            else:
+                self._decode_ar(seq, emit, sampling, rng)
+        if on_text:
+            tail = stream.flush()
+            if tail:
+                on_text(tail)
+        stats.decode_ms = (time.perf_counter() - decode_start) * 1e3
+        stats.new_tokens = len(seq.tokens)
+        stats.tpot_ms = stats.decode_ms / max(1, stats.new_tokens - 1)
+        return GenerationResult(stream.text, list(seq.tokens), prompt_ids, stats)
+
+    def stream(self, prompt: str | Sequence[int], **kwargs: Any) -> Iterator[str]:
+        """Yield text deltas as they are produced (runs generation eagerly chunk by chunk)."""
+        chunks: list[str] = []
+        result = self.generate(prompt, on_text=chunks.append, **kwargs)
+        self.last_result = result
+        yield from chunks
+
+    # ---- steps ------------------------------------------------------------------------
+    def _check_lengths(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise UsageError(f"max-new-tokens must be a positive integer, got {max_new_tokens!r}", "pass --max-new-tokens 1 or more")
+        if not prompt_ids:
+            raise UsageError("the prompt has no tokens", "pass a non-empty prompt")
+        vocab = self.bundle.model["vocab_size"]
+        if any(t < 0 or t >= vocab for t in prompt_ids):
+            raise UsageError(f"a prompt token id is outside the vocabulary 0..{vocab - 1}", "pass ids from this bundle's tokenizer")
+        needed = len(prompt_ids) + max_new_tokens
+        if needed > self.bundle.max_len:
+            raise UsageError(f"prompt ({len(prompt_ids)} tokens) + max-new-tokens ({max_new_tokens}) = {needed} exceeds the bundle's max_len {self.bundle.max_len}",
+                             "shorten the prompt, lower --max-new-tokens, or rebuild with a larger --max-len")
+
+    def _prefill(self, prompt_ids: list[int], config: str, mode: str, sampling: SamplingParams,
+                 rng: np.random.Generator) -> tuple[Sequence_, GenerationStats]:
+        arena = self.arena
+        arena.reset()
+        out = self.backend.run("prefill", np.asarray([prompt_ids], dtype=np.int64), arena, 0)
+        arena.length = len(prompt_ids)
+        chosen = self._resolve_config(config, out.router_scores)
+        first = choose(out.logits[0, -1], sampling, rng)
+        resolved_mode = self._resolve_mode(mode, chosen)
+        stats = GenerationStats(
+            backend=self.backend.name, mode=resolved_mode, config=chosen["id"], kept_layers=list(chosen["kept"]),
+            skipped_layers=self.bundle.num_layers - len(chosen["kept"]), prompt_tokens=len(prompt_ids),
+        )
+        return Sequence_(arena=arena, config=chosen, tokens=[], pending=first), stats
+
+    def _resolve_config(self, config: str, router_scores: np.ndarray | None) -> dict[str, Any]:
+        if config != "auto":
+            return self.bundle.config(config)
+        if router_scores is None:
+            return self.bundle.config("full")
+        threshold = float(self.bundle.manifest["router_threshold"])
+        kept = [i for i, score in enumerate(router_scores) if score >= threshold]
+        return choose_config(self.bundle.manifest["configs"], kept)
+
+    def _resolve_mode(self, mode: str, config: dict[str, Any]) -> str:
+        if mode == "ar":
+            return "ar"
+        from runtimes.speculative import speculation_available
+
+        available = speculation_available(self.bundle, config)
+        if mode == "spec" and not available:
+            raise UsageError("this bundle has no speculative draft for the chosen configuration", "use --mode ar, or rebuild with --speculate")
+        if mode == "auto":
+            return "spec" if available and (self.bundle.manifest.get("speculation") or {}).get("auto_enabled", False) else "ar"
+        return "spec"
+
+    def _speculative_runner(self, seq: Sequence_, stats: GenerationStats) -> Any:
+        from runtimes.speculative import SpeculativeRunner
+
+        return SpeculativeRunner(self.bundle, self.backend, seq.config, stats)
+
+    def _decode_ar(self, seq: Sequence_, emit: Callable[[int], bool], sampling: SamplingParams, rng: np.random.Generator) -> None:
+        graph = seq.config["engines"]["decode"]
+        arena = seq.arena
+        token = np.empty((1, 1), dtype=np.int64)
+        while True:
+            token[0, 0] = seq.pending
+            out = self.backend.run(graph, token, arena, arena.length)
+            arena.length += 1
+            seq.pending = choose(out.logits[0, -1], sampling, rng)
+            if emit(seq.pending):
+                return

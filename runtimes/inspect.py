@@ -1,0 +1,60 @@
+"""`inspect`: what a bundle holds and can do, from its manifest alone (fast, torch-free)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from runtimes.bundle import load_bundle
+
+
+def describe(directory: str) -> dict[str, Any]:
+    bundle = load_bundle(directory, verify="size")
+    m = bundle.manifest
+    calibration: dict[str, Any] = {}
+    if m.get("calibration"):
+        calibration = json.loads(bundle.path(m["calibration"]).read_text())
+    shares = {c["id"]: c.get("share") for c in calibration.get("configs", {}).get("chosen", [])} if calibration else {}
+    total = sum(e["bytes"] for e in m["files"].values())
+    weight_bytes = m["backends"].get("onnx", {}).get("weight_bytes", 0)
+    return {
+        "bundle": str(directory),
+        "model": m["model"],
+        "max_len": m["max_len"],
+        "dtype": m["dtype"],
+        "bytes": total,
+        "weight_bytes": weight_bytes,
+        "size_ratio": round(total / weight_bytes, 4) if weight_bytes else None,
+        "backends": {name: sorted(entry["graphs"]) for name, entry in m["backends"].items()},
+        "graphs": {name: {"kind": g["kind"], "layers": len(g["layers"]), "config": g["config"], "exit_layer": g["exit_layer"]} for name, g in m["graphs"].items()},
+        "configs": [{"id": c["id"], "kept": c["kept"], "skipped": m["model"]["num_layers"] - len(c["kept"]),
+                     "engines": c["engines"], "calibration_share": shares.get(c["id"])} for c in m["configs"]],
+        "routers": bool(m["graphs"]["prefill"].get("router_scores")),
+        "router_threshold": m["router_threshold"],
+        "speculation": m.get("speculation"),
+        "chat_template": bool(m["tokenizer"].get("chat")),
+    }
+
+
+def render(info: dict[str, Any]) -> str:
+    model = info["model"]
+    lines = [
+        f"bundle     {info['bundle']}",
+        f"model      {model.get('source')} ({model['model_type']}, {model['num_layers']} layers, hidden {model['hidden_size']}, "
+        f"heads {model['num_heads']}/{model['num_kv_heads']} kv, vocab {model['vocab_size']})",
+        f"size       {info['bytes'] / 1e6:.1f} MB total, weights {info['weight_bytes'] / 1e6:.1f} MB stored once (x{info['size_ratio']})",
+        f"max_len    {info['max_len']} tokens, dtype {info['dtype']}, chat template {'yes' if info['chat_template'] else 'no'}",
+        f"routers    {'yes, threshold ' + str(info['router_threshold']) if info['routers'] else 'no (always the full model)'}",
+        f"backends   {', '.join(f'{b} ({len(g)} engines)' for b, g in info['backends'].items())}",
+        "configurations:",
+    ]
+    for c in info["configs"]:
+        share = "" if c["calibration_share"] is None else f", served {c['calibration_share']:.0%} of calibration prompts"
+        lines.append(f"  {c['id']:10} keeps {len(c['kept'])} layers, skips {c['skipped']}{share}; engines: {', '.join(c['engines'].values())}")
+        if c["skipped"]:
+            lines.append(f"  {'':10} kept: {c['kept']}")
+    spec = info["speculation"]
+    lines.append(f"speculation {json.dumps(spec) if spec else 'none'}")
+    lines.append("graphs:")
+    for name, g in info["graphs"].items():
+        lines.append(f"  {name:24} {g['kind']:8} {g['layers']:3} layers")
+    return "\n".join(lines)

@@ -1,0 +1,56 @@
+"""Greedy and temperature / top-k / top-p sampling on numpy logits, seeded."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtimes.errors import UsageError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise UsageError(f"temperature {self.temperature} is invalid", "use 0 (greedy) or a positive number such as 0.7")
+        if not (0.0 < self.top_p <= 1.0):
+            raise UsageError(f"top-p {self.top_p} is outside (0, 1]", "use a value such as 0.9, or 1 to disable it")
+        if self.top_k < 0:
+            raise UsageError(f"top-k {self.top_k} is negative", "use 0 to disable it, or a positive count")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution that sampling draws from (after temperature, top-k and top-p), float64."""
+    scaled = logits.astype(np.float64) / params.temperature
+    if params.top_k and params.top_k < scaled.size:
+        kth = np.partition(scaled, -params.top_k)[-params.top_k]
+        scaled = np.where(scaled < kth, -np.inf, scaled)
+    scaled -= scaled.max()
+    probs = np.exp(scaled)
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cumulative = np.cumsum(probs[order])
+        cut = int(np.searchsorted(cumulative, params.top_p)) + 1  # smallest set reaching top_p
+        mask = np.zeros_like(probs, dtype=bool)
+        mask[order[:cut]] = True
+        probs = np.where(mask, probs, 0.0)
+        probs /= probs.sum()
+    return probs
+
+
+def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """One token from a logits row [V]."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    probs = probabilities(logits, params)
+    return int(rng.choice(probs.size, p=probs))

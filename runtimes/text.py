@@ -1,0 +1,69 @@
+"""Tokenizer, chat formatting and streaming detokenization for the runtime (tokenizers only)."""
+from __future__ import annotations
+
+from typing import Any
+
+from runtimes.bundle import Bundle
+from runtimes.errors import UsageError
+
+
+class TextCodec:
+    def __init__(self, bundle: Bundle) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as exc:
+            raise UsageError("the runtime needs the tokenizers package", "run `pip install tokenizers`") from exc
+        info: dict[str, Any] = bundle.manifest["tokenizer"]
+        self.tokenizer = Tokenizer.from_file(str(bundle.path(info["file"])))
+        self.chat = info.get("chat")
+        self.eos_ids = set(info.get("eos_token_ids") or [])
+        self.prefix_ids = list(info.get("prefix_token_ids") or [])
+
+    def encode(self, prompt: str, raw: bool = False) -> list[int]:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise UsageError("the prompt is empty", "pass a non-empty prompt with -p TEXT or --prompt-file FILE")
+        text = prompt if raw or not self.chat else self.chat["prefix"] + prompt + self.chat["suffix"]
+        return self.prefix_ids + self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class StreamDecoder:
+    """Turns generated ids into text deltas, holding back incomplete UTF-8 and stop-string prefixes."""
+
+    def __init__(self, codec: TextCodec, stop: list[str]) -> None:
+        self.codec = codec
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.emitted = 0
+        self.text = ""
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.codec.decode(self.ids)
+        for stop in self.stop:
+            at = text.find(stop)
+            if at >= 0:
+                text, self.stopped = text[:at], True
+        self.text = text
+        if self.stopped:
+            return self._take(len(text))
+        safe = len(text)
+        if text.endswith("\ufffd"):
+            safe = len(text.rstrip("\ufffd"))
+        for stop in self.stop:  # hold back a tail that might become a stop string
+            for size in range(min(len(stop) - 1, safe), 0, -1):
+                if text[:safe].endswith(stop[:size]):
+                    safe -= size
+                    break
+        return self._take(safe)
+
+    def flush(self) -> str:
+        return self._take(len(self.text))
+
+    def _take(self, upto: int) -> str:
+        delta = self.text[self.emitted : upto] if upto > self.emitted else ""
+        self.emitted = max(self.emitted, upto)
+        return delta

@@ -1,0 +1,111 @@
+"""Tiny-model bundles on ONNX Runtime: every graph against PyTorch, greedy output against HF."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from calibration.artifacts import load_parts
+from exporter.check import engine_parity, greedy_check
+from runtimes import Generator, SamplingParams, load_bundle
+from runtimes.backends import make_backend
+from tests.conftest import TINY_VARIANTS, make_tiny_model
+
+PROMPTS = ["What is the capital of France?", "Write a short poem about the sea.", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_VARIANTS))
+def variant_bundle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from exporter.cli import main
+
+    root = tmp_path_factory.mktemp(request.param)
+    model = make_tiny_model(root / "model", request.param)
+    assert main(["build", str(model), "-o", str(root / "bundle"), "--max-len", "96"]) == 0
+    return root / "bundle"
+
+
+def test_every_graph_matches_pytorch(variant_bundle: Path) -> None:
+    bundle = load_bundle(variant_bundle)
+    _, parts = load_parts(bundle, None)
+    backend = make_backend(bundle, "onnx")
+    assert set(bundle.manifest["graphs"]) == {"prefill", "decode_full"}
+    for graph in bundle.manifest["graphs"]:
+        result = engine_parity(bundle, backend, parts, graph)
+        assert result.passed, result.detail
+        assert result.max_abs < 1e-4
+
+
+def test_greedy_equals_transformers(variant_bundle: Path) -> None:
+    bundle = load_bundle(variant_bundle)
+    _, parts = load_parts(bundle, None)
+    generator = Generator(bundle)
+    for prompt in PROMPTS:
+        result = greedy_check(generator, parts, bundle.config("full"), prompt, 24)
+        assert result.passed and "identical" in result.detail, result.detail
+
+
+def test_weights_stored_once(variant_bundle: Path) -> None:
+    manifest = json.loads((variant_bundle / "manifest.json").read_text())
+    params = {}
+    from safetensors.numpy import load_file
+
+    params = load_file(str(variant_bundle.parent / "model" / "model.safetensors"))
+    unique = {v.tobytes() for v in params.values()}
+    param_bytes = sum(len(b) for b in unique)
+    weights = manifest["backends"]["onnx"]["weight_bytes"]
+    assert weights <= param_bytes * 1.02 + 4096, (weights, param_bytes)
+    onnx_files = [p for p in manifest["files"] if p.endswith(".onnx")]
+    assert len(onnx_files) == 2
+    import onnx
+
+    for path in onnx_files:
+        model = onnx.load(str(variant_bundle / path), load_external_data=False)
+        inline = [i.name for i in model.graph.initializer if i.data_location != onnx.TensorProto.EXTERNAL and len(i.raw_data) >= 1024]
+        assert not inline, f"{path} stores weights inline: {inline}"
+
+
+def test_streaming_equals_text_and_stop_strings(tiny_bundle: Path) -> None:
+    generator = Generator(tiny_bundle)
+    full = generator.generate("The quick brown fox", max_new_tokens=20, raw=True)
+    chunks: list[str] = []
+    again = generator.generate("The quick brown fox", max_new_tokens=20, raw=True, on_text=chunks.append)
+    assert "".join(chunks) == again.text == full.text
+    assert again.tokens == full.tokens
+    if len(full.text) > 4:
+        stop = full.text[2:4]
+        cut = generator.generate("The quick brown fox", max_new_tokens=20, raw=True, stop=[stop])
+        assert stop not in cut.text and full.text.startswith(cut.text)
+        assert cut.stats.stop_reason == "stop"
+
+
+def test_sampling_is_seeded_and_valid(tiny_bundle: Path) -> None:
+    generator = Generator(tiny_bundle)
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=20, seed=7)
+    first = generator.generate("The sea", max_new_tokens=12, sampling=params, raw=True)
+    second = generator.generate("The sea", max_new_tokens=12, sampling=params, raw=True)
+    other = generator.generate("The sea", max_new_tokens=12, sampling=SamplingParams(temperature=0.9, seed=8), raw=True)
+    assert first.tokens == second.tokens
+    assert len(first.tokens) == 12 or first.stats.stop_reason == "eos"
+    assert first.tokens != other.tokens or len(first.tokens) < 3
+
+
+def test_prompt_too_long_is_a_clear_error(tiny_bundle: Path) -> None:
+    from runtimes.errors import UsageError
+
+    generator = Generator(tiny_bundle)
+    with pytest.raises(UsageError, match="exceeds the bundle's max_len 128"):
+        generator.generate(list(range(100)), max_new_tokens=40)
+
+
+def test_arena_rows_are_written_in_place(tiny_bundle: Path) -> None:
+    """After generation the arena holds exactly the rows a fresh prefill of all tokens writes."""
+    generator = Generator(tiny_bundle)
+    result = generator.generate("The quick brown fox", max_new_tokens=6, raw=True)
+    length = generator.arena.length
+    after_decode = generator.arena.data[:, :, :length].copy()
+    ids = (result.prompt_ids + result.tokens)[:length]
+    generator.arena.reset()
+    generator.backend.run("prefill", np.asarray([ids]), generator.arena, 0)
+    np.testing.assert_allclose(after_decode, generator.arena.data[:, :, :length], atol=1e-5)

@@ -1,0 +1,56 @@
+"""Integration on the real SmolLM2-135M-Instruct: build, run torch-free, check, greedy parity."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from exporter.cli import main, read_prompts
+from tests.conftest import needs_smollm2
+from tests.test_torch_free import BLOCKER
+
+pytestmark = [needs_smollm2, pytest.mark.slow]
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def smol_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("smol") / "bundle"
+    assert main(["build", "smollm2", "-o", str(out), "--max-len", "512"]) == 0
+    return out
+
+
+def test_bundle_size_and_graphs(smol_bundle: Path) -> None:
+    manifest = json.loads((smol_bundle / "manifest.json").read_text())
+    total = sum(f["bytes"] for f in manifest["files"].values())
+    assert len(manifest["graphs"]) >= 2
+    assert manifest["backends"]["onnx"]["weight_bytes"] < 540e6
+    assert total <= 1.1 * manifest["backends"]["onnx"]["weight_bytes"]
+
+
+def test_check_passes_with_reports(smol_bundle: Path, tmp_path: Path) -> None:
+    report, junit = tmp_path / "r.json", tmp_path / "r.xml"
+    rc = main(["check", str(smol_bundle), "--report", str(report), "--junit", str(junit),
+               "--prompts", str(ROOT / "samples" / "eval_prompts.jsonl"), "--new-tokens", "32"])
+    data = json.loads(report.read_text())
+    assert rc == 0, [r for r in data["results"] if not r["passed"]]
+    assert data["passed"] and data["summary"]["failed"] == 0
+    greedy = [r for r in data["results"] if r["check"].startswith("greedy")]
+    assert len(greedy) == len(read_prompts(str(ROOT / "samples" / "eval_prompts.jsonl")))
+    assert all("identical" in r["detail"] or "float tie" in r["detail"] for r in greedy)
+    assert junit.read_text().count("<testcase") == len(data["results"])
+
+
+def test_run_json_without_torch(smol_bundle: Path) -> None:
+    code = f"""
+from exporter.cli import main
+raise SystemExit(main(['run', {str(smol_bundle)!r}, '-p', 'What is the capital of France?', '--max-new-tokens', '12', '--json']))
+"""
+    proc = subprocess.run([sys.executable, "-c", BLOCKER + code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "Paris" in out["text"]
+    assert out["stats"]["new_tokens"] == len(out["tokens"]) and out["stats"]["tpot_ms"] > 0
