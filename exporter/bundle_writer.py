@@ -51,11 +51,33 @@ def check_output_dir(target: Path, force: bool) -> None:
         raise UsageError(f"cannot write to {str(parent)!r}", "choose an output directory you can write to")
 
 
+def remove_stale_partials(target: Path) -> list[Path]:
+    """Remove staging dirs of builds that were killed (SIGKILL, power loss): their pid is gone."""
+    removed = []
+    for stale in target.parent.glob(f".{target.name}.partial-*"):
+        pid_text = stale.name.rsplit("-", 2)[-2] if stale.name.count("-") >= 2 else ""
+        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            shutil.rmtree(stale, ignore_errors=True)
+            removed.append(stale)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def staging_dir(target: Path, force: bool) -> Iterator[Path]:
     """Yield a temp dir beside target; on success it replaces target, on failure it is removed."""
     check_output_dir(target, force)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    remove_stale_partials(target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
     try:
         yield staging
     except OSError as exc:

@@ -205,7 +205,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 COMMANDS = {"build": cmd_build, "run": cmd_run, "check": cmd_check, "inspect": cmd_inspect, "bench": cmd_bench}
 
 
+def _terminate_as_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM unwinds like Ctrl-C, so a build in progress removes its staging directory."""
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import signal
+    import threading
+
+    if argv is None and threading.current_thread() is threading.main_thread():  # the real CLI, not in-process callers
+        signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")

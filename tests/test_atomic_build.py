@@ -1,0 +1,90 @@
+"""Builds are atomic: interrupted or failing builds leave the old bundle intact and no partial one."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtimes import load_bundle
+
+ROOT = Path(__file__).parents[1]
+
+
+def start_build(model: Path, out: Path, *extra: str, preexec=None) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "exporter.cli", "build", str(model), "-o", str(out), "--force", *extra],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
+
+
+def wait_for_export(out: Path, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    """Block until the build has started writing ONNX files into its staging directory."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if list(out.parent.glob(f".{out.name}.partial-*/onnx/*.onnx")):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError("the build never started exporting")
+
+
+@pytest.fixture()
+def old_bundle(tiny_bundle: Path, tmp_path: Path) -> tuple[Path, str]:
+    target = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle, target)
+    return target, (target / "manifest.json").read_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_interrupted_build_keeps_old_bundle_and_leaves_nothing(sig: int, tiny_model_dir: Path, old_bundle: tuple[Path, str]) -> None:
+    target, manifest = old_bundle
+    proc = start_build(tiny_model_dir, target)
+    wait_for_export(target, proc)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "Traceback" not in err
+    assert (target / "manifest.json").read_text() == manifest
+    load_bundle(target)  # still valid, checksums and all
+    assert not list(target.parent.glob(f".{target.name}.*")), "a partial staging directory was left behind"
+
+
+def test_killed_build_keeps_old_bundle_and_next_build_cleans_up(tiny_model_dir: Path, old_bundle: tuple[Path, str]) -> None:
+    target, manifest = old_bundle
+    proc = start_build(tiny_model_dir, target)
+    wait_for_export(target, proc)
+    proc.kill()  # SIGKILL: no handler runs
+    proc.communicate(timeout=60)
+    assert (target / "manifest.json").read_text() == manifest
+    load_bundle(target)
+    stale = list(target.parent.glob(f".{target.name}.partial-*"))
+    assert stale, "expected the killed build's hidden staging directory"
+    from exporter.bundle_writer import remove_stale_partials
+
+    assert remove_stale_partials(target) == stale
+    assert not list(target.parent.glob(f".{target.name}.partial-*"))
+
+
+def _limit_file_size() -> None:
+    """Simulate a full disk: files may not grow past 64 KiB (EFBIG instead of ENOSPC)."""
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+
+def test_disk_full_during_build_is_a_clear_error(tiny_model_dir: Path, old_bundle: tuple[Path, str]) -> None:
+    target, manifest = old_bundle
+    proc = start_build(tiny_model_dir, target, preexec=_limit_file_size)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: writing the bundle failed") and "free disk space" in line, err
+    assert "Traceback" not in err
+    assert (target / "manifest.json").read_text() == manifest
+    assert not list(target.parent.glob(f".{target.name}.partial-*"))
