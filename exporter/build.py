@@ -13,7 +13,7 @@ from tqdm import tqdm
 from exporter.model_loading import LoadedModel
 from exporter.onnx_export import OPSET, export_graph
 from exporter.tokenizer_export import chat_format, save_tokenizer, special_tokens
-from exporter.weights import WeightStore, externalize
+from exporter.weights import WeightStore, canonicalize_names, externalize
 from graphs.plan import BuildPlan
 from graphs.span_graph import GraphSpec, ModelParts
 from runtimes.errors import UsageError
@@ -41,6 +41,7 @@ class BuildOptions:
     calibration: dict[str, Any] | None = None
     extra_files: dict[str, bytes] = field(default_factory=dict)
     progress: bool = True
+    quantize: str = "none"
 
 
 def graph_entry(graph: GraphSpec) -> dict[str, Any]:
@@ -59,8 +60,8 @@ def graph_entry(graph: GraphSpec) -> dict[str, Any]:
     }
 
 
-def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress: bool) -> dict[str, Any]:
-    """Export every graph to root/onnx with one shared weights file."""
+def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress: bool, quantize: str = "none") -> dict[str, Any]:
+    """Export every graph to root/onnx with one shared weights file (optionally weight-quantized)."""
     folder = root / "onnx"
     folder.mkdir()
     entries: dict[str, Any] = {}
@@ -72,6 +73,11 @@ def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress
             store.name_parameters((f"exit_adapter.{layer}.{n}", p.detach().numpy()) for n, p in adapter.named_parameters())
         for graph in tqdm(graphs, desc="export ONNX", unit="graph", disable=not progress):
             model = export_graph(parts, graph)
+            canonicalize_names(model, store)
+            if quantize != "none":
+                from exporter.quantize import quantize as quantize_model
+
+                model = quantize_model(model, quantize)
             externalize(model, store, WEIGHTS_FILE)
             onnx.save(model, str(folder / f"{graph.name}.onnx"))
             entries[graph.name] = {"file": f"onnx/{graph.name}.onnx"}
@@ -80,7 +86,8 @@ def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress
             )
         tensors = {t.name: {"dtype": t.dtype, "shape": list(t.shape), "offset": t.offset, "bytes": t.length} for t in store.tensors.values()}
         weight_bytes = store.total_bytes
-    return {"weights": f"onnx/{WEIGHTS_FILE}", "weight_bytes": weight_bytes, "opset": OPSET, "tensors": tensors, "graphs": entries}
+    return {"weights": f"onnx/{WEIGHTS_FILE}", "weight_bytes": weight_bytes, "opset": OPSET, "quantize": quantize,
+            "tensors": tensors, "graphs": entries}
 
 
 def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: BuildOptions, parts: ModelParts | None = None) -> dict[str, Any]:
@@ -95,14 +102,14 @@ def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: BuildOptions, pa
     parts = parts or ModelParts(loaded.hf_model, loaded.spec)
     graphs = plan.graphs()
     with staging_dir(options.output, options.force) as root:
-        backends = {"onnx": export_onnx(root, parts, graphs, options.progress)}
+        backends = {"onnx": export_onnx(root, parts, graphs, options.progress, options.quantize)}
         save_tokenizer(loaded.tokenizer, root / "tokenizer.json")
         manifest: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
             "format": FORMAT,
             "model": {**loaded.spec.to_json(), "source": loaded.source},
             "max_len": options.max_len,
-            "dtype": "float32",
+            "dtype": "float32" if options.quantize == "none" else options.quantize,
             "router_threshold": options.router_threshold,
             "tokenizer": {"file": "tokenizer.json", "chat": chat_format(loaded.tokenizer), **special_tokens(loaded.tokenizer, loaded.hf_model)},
             "configs": [

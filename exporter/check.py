@@ -29,6 +29,9 @@ from runtimes.kv_arena import KVArena
 REPORT_SCHEMA = "adaptive-export-check/1"
 TOLERANCES = {"float32": {"atol": 1e-3, "rtol": 1e-4}, "float16": {"atol": 5e-2, "rtol": 1e-2}}
 TIE_MARGIN = 1e-3
+# Quantized bundles cannot match fp32 logits within fp32 tolerances; they are gated on
+# quality instead: teacher-forced top-1 agreement with the fp32 reference must reach this.
+QUANT_MIN_AGREEMENT = {"int8": 0.90, "int4": 0.70}
 BUILTIN_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about autumn leaves.",
@@ -130,14 +133,21 @@ def engine_parity(bundle: Bundle, backend: Any, parts: Any, graph_name: str, see
             actual = arena.data[int(layer), 0 if kind == "key" else 1, past_len : past_len + count]
         else:
             actual = actual_by_name[name]
-        ok, max_abs, max_rel, bound = compare(np.asarray(actual), expected, bundle.manifest["dtype"], scale_tol)
+        dtype = bundle.manifest["dtype"]
+        if dtype in QUANT_MIN_AGREEMENT:  # informational: the quality check gates quantized bundles
+            _, max_abs, max_rel, bound = compare(np.asarray(actual), expected, "float32", scale_tol)
+            ok = bool(np.isfinite(actual).all())
+        else:
+            ok, max_abs, max_rel, bound = compare(np.asarray(actual), expected, dtype, scale_tol)
         if not ok:
             failures.append(f"{name}: max |diff| {max_abs:.3g} > {bound:.3g}")
         if max_abs > worst[1] or not ok:
             worst = (ok and worst[0], max_abs, max_rel, bound)
+    quantized = bundle.manifest["dtype"] in QUANT_MIN_AGREEMENT
+    detail = "; ".join(failures) or (f"{bundle.manifest['dtype']} weights: difference to fp32 is informational, the quality checks gate"
+                                     if quantized else f"{len(names)} outputs within tolerance")
     return CheckResult(backend.name, graph_name, "parity", not failures, max_abs=worst[1], max_rel=worst[2],
-                       tolerance=worst[3], seconds=time.perf_counter() - started,
-                       detail="; ".join(failures) or f"{len(names)} outputs within tolerance")
+                       tolerance=None if quantized else worst[3], seconds=time.perf_counter() - started, detail=detail)
 
 
 def first_divergence(actual: list[int], expected: list[int]) -> int | None:
@@ -210,6 +220,39 @@ def greedy_check(generator: Any, parts: Any, config: dict[str, Any], prompt: str
                        seconds=time.perf_counter() - started, detail=detail)
 
 
+def quality_check(generator: Any, parts: Any, prompt: str, new_tokens: int) -> CheckResult:
+    """Teacher-forced top-1 agreement and perplexity of the bundle on the fp32 reference's own
+    greedy continuation, plus where free-running greedy decoding first diverges."""
+    started = time.perf_counter()
+    dtype = generator.bundle.manifest["dtype"]
+    prompt_ids = generator.codec.encode(prompt)
+    full = generator.bundle.config("full")
+    reference, steps = reference_greedy(parts, prompt_ids, new_tokens, set(), full["kept"])
+    arena = generator.arena
+    arena.reset()
+    out = generator.backend.run("prefill", np.asarray([prompt_ids]), arena, 0)
+    rows = [out.logits[0, -1].copy()]
+    arena.length = len(prompt_ids)
+    if len(reference) > 1:
+        out = generator.backend.run(full["engines"]["decode"], np.asarray([reference[:-1]]), arena, arena.length)
+        rows += list(out.logits[0].copy())
+    logits = np.stack(rows)
+    agreement = float(np.mean(logits.argmax(-1) == np.asarray(reference)))
+
+    def nll(matrix: np.ndarray) -> float:
+        shifted = matrix.astype(np.float64) - matrix.max(-1, keepdims=True)
+        logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        return float(-logp[np.arange(len(reference)), reference].mean())
+
+    free = generator.generate(prompt_ids, max_new_tokens=new_tokens, config="full").tokens
+    at = first_divergence(free, reference)
+    threshold = QUANT_MIN_AGREEMENT.get(dtype, 1.0)
+    detail = (f"top-1 agreement {agreement:.3f} (min {threshold}), perplexity {np.exp(nll(logits)):.3f} vs fp32 "
+              f"{np.exp(nll(np.stack(steps))):.3f}, greedy diverges at {'never' if at is None else at}")
+    return CheckResult(generator.backend.name, "quality", f"quality[{prompt[:32]}]", agreement >= threshold,
+                       max_abs=1.0 - agreement, tolerance=1.0 - threshold, seconds=time.perf_counter() - started, detail=detail)
+
+
 def run_check(bundle_dir: str, model: str | None, prompts: list[str] | None, new_tokens: int = 16, scale_tol: float = 1.0, progress: bool = True) -> CheckReport:
     from tqdm import tqdm
 
@@ -232,6 +275,10 @@ def run_check(bundle_dir: str, model: str | None, prompts: list[str] | None, new
         for graph in tqdm(graphs, desc=f"check {backend_name} engines", unit="engine", disable=not progress):
             report.results.append(engine_parity(bundle, backend, parts, graph, scale_tol=scale_tol))
         generator = Generator(bundle, backend=backend_name)
+        if bundle.manifest["dtype"] in QUANT_MIN_AGREEMENT:
+            for prompt in tqdm(prompts, desc=f"check {backend_name} quality", unit="prompt", disable=not progress):
+                report.results.append(quality_check(generator, parts, prompt, new_tokens))
+            continue
         cases = [(c, p, "ar") for c in bundle.manifest["configs"] for p in prompts]
         cases += [(c, p, "spec") for c in bundle.manifest["configs"] if "draft" in c["engines"] for p in prompts]
         for config, prompt, mode in tqdm(cases, desc=f"check {backend_name} greedy", unit="prompt", disable=not progress):

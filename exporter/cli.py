@@ -175,8 +175,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     write_report(report, args.report, args.junit)
     for r in report.results:
         status = "PASS" if r.passed and r.executed else "SKIP" if not r.executed else "FAIL"
-        diff = "" if r.max_abs is None else f" max|diff| {r.max_abs:.2e} (tol {r.tolerance:.1e})"
-        print(f"{status:4} {r.backend:8} {r.engine:24} {r.check:40}{diff} {r.detail if status != 'PASS' or r.max_abs is None else ''}".rstrip())
+        numeric = r.max_abs is not None and r.tolerance is not None and r.check == "parity"
+        shown = f" max|diff| {r.max_abs:.2e} (tol {r.tolerance:.1e})" if numeric else ""
+        detail = r.detail if status != "PASS" or not numeric else ""
+        print(f"{status:4} {r.backend:8} {r.engine:24} {r.check:40}{shown} {detail}".rstrip())
     failed = sum(not r.passed for r in report.results)
     print(f"{len(report.results) - failed} passed, {failed} failed")
     return EXIT_OK if report.passed else EXIT_MISMATCH

@@ -26,12 +26,10 @@ def run_build(args: argparse.Namespace) -> dict[str, Any]:
     output = Path(args.output)
     check_output_dir(output, args.force)  # fail fast, before minutes of loading and export
     unsupported = [flag for flag, value in (("--routers", args.routers), ("--speculate", args.speculate)) if value]
-    if args.quantize != "none":
-        unsupported.append("--quantize")
     if unsupported:
         raise UsageError(f"{unsupported[0]} is not available in this build of adaptive-export", "build without it")
     loaded = load_model(args.model)
     parts = ModelParts(loaded.hf_model, loaded.spec)
     plan = BuildPlan(num_layers=loaded.spec.num_layers)
-    options = BuildOptions(output=output, backends=backends, max_len=args.max_len, force=args.force)
+    options = BuildOptions(output=output, backends=backends, max_len=args.max_len, force=args.force, quantize=args.quantize)
     return build_bundle(loaded, plan, options, parts)

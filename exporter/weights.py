@@ -44,6 +44,7 @@ class WeightStore:
     tensors: dict[str, StoredTensor] = field(default_factory=dict)  # content key -> stored
     _file: BinaryIO | None = None
     _offset: int = 0
+    _names: set[str] = field(default_factory=set)
 
     def __enter__(self) -> "WeightStore":
         self._file = self.path.open("wb")
@@ -58,7 +59,7 @@ class WeightStore:
         for name, array in named:
             self.canonical_names.setdefault(content_key(array), name)
 
-    def add(self, array: np.ndarray) -> StoredTensor:
+    def add(self, array: np.ndarray, preferred: str = "") -> StoredTensor:
         key = content_key(array)
         stored = self.tensors.get(key)
         if stored is not None:
@@ -68,7 +69,10 @@ class WeightStore:
         self._file.write(b"\0" * padding)
         self._offset += padding
         data = np.ascontiguousarray(array).tobytes()
-        name = self.canonical_names.get(key) or f"const.{key.rsplit(':', 1)[1][:16]}"
+        name = self.canonical_names.get(key) or preferred or f"const.{key.rsplit(':', 1)[1][:16]}"
+        if name in self._names:  # same name, other content (e.g. two quantizations): keep both
+            name = f"{name}.{key.rsplit(':', 1)[1][:12]}"
+        self._names.add(name)
         stored = StoredTensor(name, array.dtype.str, tuple(array.shape), self._offset, len(data))
         self._file.write(data)
         self._offset += len(data)
@@ -80,6 +84,29 @@ class WeightStore:
         return self._offset
 
 
+def rename_initializers(model: onnx.ModelProto, renames: dict[str, str]) -> None:
+    for init in model.graph.initializer:
+        init.name = renames.get(init.name, init.name)
+    for node in model.graph.node:
+        for index, name in enumerate(node.input):
+            if name in renames:
+                node.input[index] = renames[name]
+    _dedupe_initializers(model)
+
+
+def canonicalize_names(model: onnx.ModelProto, store: WeightStore) -> None:
+    """Name every large initializer after the model parameter with the same bytes, so
+    later passes (quantization) derive stable names (`<param>.T_Q4`) in every graph."""
+    renames = {}
+    for init in model.graph.initializer:
+        array = numpy_helper.to_array(init)
+        if array.nbytes >= MIN_SHARED_BYTES:
+            name = store.canonical_names.get(content_key(array))
+            if name and name != init.name:
+                renames[init.name] = name
+    rename_initializers(model, renames)
+
+
 def externalize(model: onnx.ModelProto, store: WeightStore, location: str) -> None:
     """Move the graph's large initializers into the store and point the graph at them."""
     renames: dict[str, str] = {}
@@ -87,7 +114,7 @@ def externalize(model: onnx.ModelProto, store: WeightStore, location: str) -> No
         array = numpy_helper.to_array(init)
         if array.nbytes < MIN_SHARED_BYTES:
             continue
-        stored = store.add(array)
+        stored = store.add(array, init.name)
         if init.name != stored.name:
             renames[init.name] = stored.name
         init.ClearField("raw_data")
@@ -99,12 +126,7 @@ def externalize(model: onnx.ModelProto, store: WeightStore, location: str) -> No
         for key, value in (("location", location), ("offset", str(stored.offset)), ("length", str(stored.length))):
             entry = init.external_data.add()
             entry.key, entry.value = key, value
-    if renames:
-        for node in model.graph.node:
-            for index, name in enumerate(node.input):
-                if name in renames:
-                    node.input[index] = renames[name]
-    _dedupe_initializers(model)
+    rename_initializers(model, renames)
 
 
 def _dedupe_initializers(model: onnx.ModelProto) -> None:

@@ -1,0 +1,64 @@
+"""Weight-only quantization of exported graphs with ONNX Runtime's MatMulNBits quantizer.
+
+The exporter emits linears as Gemm(x, W, transB=1) so fp32 graphs use the model's own
+weights in place. ORT's quantizer handles MatMul with a constant [in, out] weight, so a
+quantized build first rewrites those Gemms as MatMul(x, W^T) (+ bias). Quantization is
+deterministic, so the same weight quantizes to the same bytes in every graph and the
+content-addressed weight store still keeps one copy.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from runtimes.errors import UsageError
+
+QUANT_BITS = {"int8": 8, "int4": 4}
+
+
+def gemm_to_matmul(model: onnx.ModelProto) -> None:
+    inits = {i.name: i for i in model.graph.initializer}
+    transposed: dict[str, str] = {}
+    nodes = []
+    for node in model.graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        plain = attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0
+        if node.op_type != "Gemm" or not plain or node.input[1] not in inits:
+            nodes.append(node)
+            continue
+        weight = node.input[1]
+        if attrs.get("transB", 0):
+            if weight not in transposed:
+                name = f"{weight}.T"
+                array = np.ascontiguousarray(numpy_helper.to_array(inits[weight]).T)
+                model.graph.initializer.append(numpy_helper.from_array(array, name))
+                transposed[weight] = name
+            weight = transposed[weight]
+        has_bias = len(node.input) > 2 and node.input[2]
+        product = f"{node.output[0]}_matmul" if has_bias else node.output[0]
+        nodes.append(helper.make_node("MatMul", [node.input[0], weight], [product], name=f"{node.name}_MatMul"))
+        if has_bias:
+            nodes.append(helper.make_node("Add", [product, node.input[2]], [node.output[0]], name=f"{node.name}_Bias"))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    used = {name for node in model.graph.node for name in node.input}
+    keep = [i for i in model.graph.initializer if i.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+
+
+def quantize(model: onnx.ModelProto, scheme: str, block_size: int = 32, accuracy_level: int = 4) -> onnx.ModelProto:
+    """Return `model` with every constant-weight MatMul as MatMulNBits (int8 or int4 blocks)."""
+    if scheme not in QUANT_BITS:
+        raise UsageError(f"quantization {scheme!r} is unknown", f"choose one of: none, {', '.join(QUANT_BITS)}")
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    gemm_to_matmul(model)
+    logging.getLogger("onnxruntime").setLevel(logging.ERROR)
+    quantizer = MatMulNBitsQuantizer(model, bits=QUANT_BITS[scheme], block_size=block_size, is_symmetric=True,
+                                     accuracy_level=accuracy_level, op_types_to_quantize=("MatMul",))
+    quantizer.process()
+    return quantizer.model.model
