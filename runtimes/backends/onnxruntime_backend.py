@@ -74,7 +74,7 @@ class OnnxRuntimeBackend(Backend):
             options.inter_op_num_threads = 1
             options.graph_optimization_level = self.ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             options.log_severity_level = 3
-            if graph not in self.prepack:
+            if graph not in self.prepack and self.entry.get("quantize", "none") == "none":
                 options.add_session_config_entry("session.disable_prepacking", "1")
             for name in engine["initializers"]:
                 options.add_initializer(name, self._tensor(name))
