@@ -171,15 +171,13 @@ def reference_greedy(parts: Any, prompt_ids: list[int], new_tokens: int, eos_ids
     with torch.no_grad():
         if tuple(kept) == every:
             out = parts.hf_model(torch.tensor([prompt_ids]), use_cache=True)
-            step = lambda token: parts.hf_model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)  # noqa: E731
-            logits = out.logits[0, -1]
             for _ in range(new_tokens):
+                logits = out.logits[0, -1]
                 steps.append(logits.float().numpy())
                 tokens.append(int(logits.argmax()))
                 if tokens[-1] in eos_ids or len(tokens) == new_tokens:
                     break
-                out = step(tokens[-1])
-                logits = out.logits[0, -1]
+                out = parts.hf_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
             return tokens, steps
         n = len(every)
         prefill = SpanGraph(parts, GraphSpec("prefill", "prefill", every, logits="last")).eval()

@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--provider", default="cpu", choices=["cpu", "cuda", "tensorrt"], help="ONNX Runtime execution provider (default: cpu)")
     r.add_argument("--threads", type=int, default=0, help="intra-op threads (default: 0 = ONNX Runtime's choice, the physical cores)")
     r.add_argument("--verify", default="full", choices=["full", "size"], help="bundle verification: full sha256 (default) or sizes only (fast path)")
+    r.add_argument("--prepack", default="none", choices=["none", "decode", "all"], help="ONNX Runtime weight prepacking for fp32 engines: ~10%% faster decode, +1 copy of the weights per prepacked engine (default: none; quantized engines always prepack)")
 
     c = sub.add_parser("check", help="check every engine against the PyTorch reference (CI gate)", description="Parity of every engine of every backend against PyTorch, greedy tokens against HF transformers. Exit 0 pass, 1 mismatch, 2 bad input.")
     c.add_argument("bundle", help="bundle directory")
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--config", default="auto", help="skip configuration (default: auto)")
     n.add_argument("--mode", default="ar", choices=["ar", "spec", "auto"], help="decoding mode (default: ar)")
     n.add_argument("--threads", type=int, default=0, help="intra-op threads (default: ONNX Runtime's choice)")
+    n.add_argument("--prepack", default="none", choices=["none", "decode", "all"], help="ONNX Runtime weight prepacking (see `run --help`)")
     n.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
@@ -133,6 +135,16 @@ def _read_prompt_file(path: str) -> str:
         raise UsageError(f"cannot read prompt file {path!r}: {exc.strerror}", "check its permissions") from None
 
 
+def prepack_graphs(bundle_dir: str, choice: str) -> list[str]:
+    """Graph names whose ONNX Runtime sessions prepack their weights."""
+    if choice == "none":
+        return []
+    from runtimes.bundle import load_bundle
+
+    graphs = load_bundle(bundle_dir, verify="size").manifest["graphs"]
+    return [name for name, g in graphs.items() if choice == "all" or g["kind"] == "decode"]
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from runtimes import Generator, SamplingParams
 
@@ -140,7 +152,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     options: dict[str, Any] = {"threads": args.threads}
     if args.backend == "onnx":
-        options["provider"] = args.provider
+        options.update(provider=args.provider, prepack=prepack_graphs(args.bundle, args.prepack))
     generator = Generator(args.bundle, backend=args.backend, verify=args.verify, **options)
     write = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     result = generator.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
@@ -195,7 +207,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from runtimes.bench import bench_bundle
 
-    rows = bench_bundle(args.bundle, args.prompt, args.max_new_tokens, args.repeat, args.config, args.mode, args.threads)
+    rows = bench_bundle(args.bundle, args.prompt, args.max_new_tokens, args.repeat, args.config, args.mode, args.threads,
+                        prepack_graphs(args.bundle, args.prepack))
     if args.json:
         print(json.dumps(rows))
     else:
