@@ -42,6 +42,7 @@ class BuildOptions:
     extra_files: dict[str, bytes] = field(default_factory=dict)
     progress: bool = True
     quantize: str = "none"
+    quant_options: dict[str, int] = field(default_factory=dict)
 
 
 def graph_entry(graph: GraphSpec) -> dict[str, Any]:
@@ -60,7 +61,8 @@ def graph_entry(graph: GraphSpec) -> dict[str, Any]:
     }
 
 
-def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress: bool, quantize: str = "none") -> dict[str, Any]:
+def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress: bool, quantize: str = "none",
+                quant_options: dict[str, int] | None = None) -> dict[str, Any]:
     """Export every graph to root/onnx with one shared weights file (optionally weight-quantized)."""
     folder = root / "onnx"
     folder.mkdir()
@@ -77,7 +79,7 @@ def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress
             if quantize != "none":
                 from exporter.quantize import quantize as quantize_model
 
-                model = quantize_model(model, quantize)
+                model = quantize_model(model, quantize, **(quant_options or {}))
             externalize(model, store, WEIGHTS_FILE)
             onnx.save(model, str(folder / f"{graph.name}.onnx"))
             entries[graph.name] = {"file": f"onnx/{graph.name}.onnx"}
@@ -86,7 +88,7 @@ def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress
             )
         tensors = {t.name: {"dtype": t.dtype, "shape": list(t.shape), "offset": t.offset, "bytes": t.length} for t in store.tensors.values()}
         weight_bytes = store.total_bytes
-    return {"weights": f"onnx/{WEIGHTS_FILE}", "weight_bytes": weight_bytes, "opset": OPSET, "quantize": quantize,
+    return {"weights": f"onnx/{WEIGHTS_FILE}", "weight_bytes": weight_bytes, "opset": OPSET, "quantize": quantize, "quant_options": quant_options or {},
             "tensors": tensors, "graphs": entries}
 
 
@@ -102,7 +104,7 @@ def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: BuildOptions, pa
     parts = parts or ModelParts(loaded.hf_model, loaded.spec)
     graphs = plan.graphs()
     with staging_dir(options.output, options.force) as root:
-        backends = {"onnx": export_onnx(root, parts, graphs, options.progress, options.quantize)}
+        backends = {"onnx": export_onnx(root, parts, graphs, options.progress, options.quantize, options.quant_options)}
         save_tokenizer(loaded.tokenizer, root / "tokenizer.json")
         manifest: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,

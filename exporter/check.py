@@ -244,11 +244,20 @@ def quality_check(generator: Any, parts: Any, prompt: str, new_tokens: int) -> C
 
     free = generator.generate(prompt_ids, max_new_tokens=new_tokens, config="full").tokens
     at = first_divergence(free, reference)
-    threshold = QUANT_MIN_AGREEMENT.get(dtype, 1.0)
-    detail = (f"top-1 agreement {agreement:.3f} (min {threshold}), perplexity {np.exp(nll(logits)):.3f} vs fp32 "
+    detail = (f"top-1 agreement {agreement:.3f}, perplexity {np.exp(nll(logits)):.3f} vs fp32 "
               f"{np.exp(nll(np.stack(steps))):.3f}, greedy diverges at {'never' if at is None else at}")
-    return CheckResult(generator.backend.name, "quality", f"quality[{prompt[:32]}]", agreement >= threshold,
-                       max_abs=1.0 - agreement, tolerance=1.0 - threshold, seconds=time.perf_counter() - started, detail=detail)
+    # Per prompt (32 tokens) agreement is noisy, so each prompt is informational and the mean
+    # over all prompts gates (see quality_gate).
+    return CheckResult(generator.backend.name, "quality", f"quality[{prompt[:32]}]", True,
+                       max_abs=1.0 - agreement, seconds=time.perf_counter() - started, detail=detail)
+
+
+def quality_gate(backend: str, dtype: str, rows: list[CheckResult]) -> CheckResult:
+    """Mean teacher-forced top-1 agreement over the prompts against the documented bar."""
+    mean = 1.0 - float(np.mean([r.max_abs for r in rows]))
+    threshold = QUANT_MIN_AGREEMENT[dtype]
+    return CheckResult(backend, "quality", "quality[mean]", mean >= threshold, max_abs=1.0 - mean, tolerance=1.0 - threshold,
+                       detail=f"{dtype}: mean top-1 agreement with fp32 {mean:.3f} over {len(rows)} prompts (min {threshold})")
 
 
 def run_check(bundle_dir: str, model: str | None, prompts: list[str] | None, new_tokens: int = 16, scale_tol: float = 1.0, progress: bool = True) -> CheckReport:
@@ -274,8 +283,9 @@ def run_check(bundle_dir: str, model: str | None, prompts: list[str] | None, new
             report.results.append(engine_parity(bundle, backend, parts, graph, scale_tol=scale_tol))
         generator = Generator(bundle, backend=backend_name)
         if bundle.manifest["dtype"] in QUANT_MIN_AGREEMENT:
-            for prompt in tqdm(prompts, desc=f"check {backend_name} quality", unit="prompt", disable=not progress):
-                report.results.append(quality_check(generator, parts, prompt, new_tokens))
+            rows = [quality_check(generator, parts, prompt, new_tokens)
+                    for prompt in tqdm(prompts, desc=f"check {backend_name} quality", unit="prompt", disable=not progress)]
+            report.results += rows + [quality_gate(backend_name, bundle.manifest["dtype"], rows)]
             continue
         cases = [(c, p, "ar") for c in bundle.manifest["configs"] for p in prompts]
         cases += [(c, p, "spec") for c in bundle.manifest["configs"] if "draft" in c["engines"] for p in prompts]

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--router-lambda", type=float, default=None, help="router sparsity weight lambda for --routers train (default: the value chosen by the lambda sweep)")
     b.add_argument("--speculate", default=None, help="'auto' to calibrate self-speculation (exit layer E, draft length k, exit adapter) and build draft/verify engines, or 'E:k' to force them")
     b.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help="weight-only quantization of the ONNX engines (default: none, fp32)")
+    b.add_argument("--quant-block", type=int, default=32, help="quantization block size along the input dimension (default: 32)")
+    b.add_argument("--quant-accuracy", type=int, default=4, help="MatMulNBits accuracy_level: 4 = int8 activations (fastest on CPU, default), 0 = unset")
     b.add_argument("--seed", type=int, default=0, help="seed for calibration and training (default: 0)")
 
     r = sub.add_parser("run", help="generate text from a bundle (torch-free)", description="Generate from a bundle with the pure-Python runtime. Streams text unless --json.")
@@ -189,7 +191,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         status = "PASS" if r.passed and r.executed else "SKIP" if not r.executed else "FAIL"
         numeric = r.max_abs is not None and r.tolerance is not None and r.check == "parity"
         shown = f" max|diff| {r.max_abs:.2e} (tol {r.tolerance:.1e})" if numeric else ""
-        detail = r.detail if status != "PASS" or not numeric else ""
+        detail = r.detail if status != "PASS" or not numeric or r.check.startswith("quality") else ""
         print(f"{status:4} {r.backend:8} {r.engine:24} {r.check:40}{shown} {detail}".rstrip())
     failed = sum(not r.passed for r in report.results)
     print(f"{len(report.results) - failed} passed, {failed} failed")

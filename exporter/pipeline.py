@@ -28,8 +28,13 @@ def run_build(args: argparse.Namespace) -> dict[str, Any]:
     unsupported = [flag for flag, value in (("--routers", args.routers), ("--speculate", args.speculate)) if value]
     if unsupported:
         raise UsageError(f"{unsupported[0]} is not available in this build of adaptive-export", "build without it")
+    if args.quantize != "none":
+        from exporter.quantize import validate_options
+
+        validate_options(args.quant_block, args.quant_accuracy)  # before minutes of loading and export
     loaded = load_model(args.model)
     parts = ModelParts(loaded.hf_model, loaded.spec)
     plan = BuildPlan(num_layers=loaded.spec.num_layers)
-    options = BuildOptions(output=output, backends=backends, max_len=args.max_len, force=args.force, quantize=args.quantize)
+    options = BuildOptions(output=output, backends=backends, max_len=args.max_len, force=args.force, quantize=args.quantize,
+                           quant_options={"block_size": args.quant_block, "accuracy_level": args.quant_accuracy} if args.quantize != "none" else {})
     return build_bundle(loaded, plan, options, parts)

@@ -50,15 +50,28 @@ def gemm_to_matmul(model: onnx.ModelProto) -> None:
     model.graph.initializer.extend(keep)
 
 
+def validate_options(block_size: int, accuracy_level: int) -> None:
+    if block_size < 16 or block_size & (block_size - 1):
+        raise UsageError(f"quantization block size {block_size} is not a power of two >= 16", "use --quant-block 32 (default), 64 or 128")
+    if accuracy_level not in (0, 1, 2, 3, 4):
+        raise UsageError(f"quantization accuracy level {accuracy_level} is not one of 0-4", "use --quant-accuracy 4 (int8 activations, fastest on CPU) or 0 (unset)")
+
+
 def quantize(model: onnx.ModelProto, scheme: str, block_size: int = 32, accuracy_level: int = 4) -> onnx.ModelProto:
-    """Return `model` with every constant-weight MatMul as MatMulNBits (int8 or int4 blocks)."""
+    """Return `model` with every constant-weight MatMul as symmetric block-quantized MatMulNBits.
+
+    Measured on SmolLM2 (README): keeping the LM head at 8 bits in an int4 build gave the
+    same top-1 agreement (0.731) at 25% slower decode, and asymmetric blocks did not help,
+    so int4 quantizes everything symmetrically.
+    """
     if scheme not in QUANT_BITS:
         raise UsageError(f"quantization {scheme!r} is unknown", f"choose one of: none, {', '.join(QUANT_BITS)}")
+    validate_options(block_size, accuracy_level)
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     gemm_to_matmul(model)
     logging.getLogger("onnxruntime").setLevel(logging.ERROR)
     quantizer = MatMulNBitsQuantizer(model, bits=QUANT_BITS[scheme], block_size=block_size, is_symmetric=True,
-                                     accuracy_level=accuracy_level, op_types_to_quantize=("MatMul",))
+                                     accuracy_level=accuracy_level or None, op_types_to_quantize=("MatMul",))
     quantizer.process()
     return quantizer.model.model

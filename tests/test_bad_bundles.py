@@ -93,6 +93,8 @@ def test_symlink_out_of_bundle_is_rejected(tiny_bundle: Path, tmp_path: Path, ca
     (["check", "{b}", "--prompts", "{t}/latin1.txt"], "not UTF-8"),
     (["check", "{b}", "--prompts", "{t}/bad.jsonl"], "lacks a non-empty string 'prompt'"),
     (["inspect", "{t}/does-not-exist"], "does not exist"),
+    (["build", "{m}", "-o", "{t}/o", "--quantize", "int4", "--quant-block", "48"], "not a power of two"),
+    (["build", "{m}", "-o", "{t}/o", "--quantize", "int8", "--quant-accuracy", "7"], "accuracy level 7"),
     (["frobnicate"], "bad arguments"),
 ])
 def test_bad_arguments(argv: list[str], fragment: str, tiny_bundle: Path, tiny_model_dir: Path, tmp_path: Path,
