@@ -37,8 +37,10 @@ def test_check_reports_quality_for_quantized_bundle(int8_bundle: Path, tmp_path:
     report = tmp_path / "q.json"
     assert main(["check", str(int8_bundle), "--report", str(report)]) == 0
     results = json.loads(report.read_text())["results"]
-    quality = [r for r in results if r["check"].startswith("quality")]
-    assert quality and all("top-1 agreement" in r["detail"] and "perplexity" in r["detail"] for r in quality)
+    per_prompt = [r for r in results if r["check"].startswith("quality[") and r["check"] != "quality[mean]"]
+    gate = [r for r in results if r["check"] == "quality[mean]"]
+    assert len(per_prompt) == 3 and all("top-1 agreement" in r["detail"] and "perplexity" in r["detail"] for r in per_prompt)
+    assert len(gate) == 1 and gate[0]["passed"] and "mean top-1 agreement" in gate[0]["detail"]
 
 
 def test_int8_run_generates(int8_bundle: Path) -> None:
