@@ -53,3 +53,22 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.2f}"
     return "" if value is None else str(value)
+
+
+def hf_generate_timer(model: Any, new_tokens: int) -> Callable[[list[int]], tuple[float, float]]:
+    """run(ids) -> (prefill_s, generate_s) for HF-style `generate` of exactly new_tokens greedy tokens."""
+    import time
+
+    import torch
+
+    def run(prompt_ids: list[int]) -> tuple[float, float]:
+        x = torch.tensor([prompt_ids])
+        with torch.no_grad():
+            started = time.perf_counter()
+            model(x)
+            prefill = time.perf_counter() - started
+            started = time.perf_counter()
+            model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            return prefill, time.perf_counter() - started
+
+    return run

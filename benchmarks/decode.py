@@ -12,23 +12,14 @@ import argparse
 import time
 from pathlib import Path
 
-from benchmarks.common import load_prompts, pin_threads, print_table, timed_runs
+from benchmarks.common import hf_generate_timer, load_prompts, pin_threads, print_table, timed_runs
 
 
 def bench_hf(model, prompt_ids: list[int], new_tokens: int, repeat: int) -> dict[str, float]:
-    import torch
-
-    ids = torch.tensor([prompt_ids])
+    run = hf_generate_timer(model, new_tokens)
 
     def once() -> dict[str, float]:
-        with torch.no_grad():
-            started = time.perf_counter()
-            model(ids)
-            prefill = time.perf_counter() - started
-            started = time.perf_counter()
-            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-            total = time.perf_counter() - started
-        # generate = prefill + (new_tokens - 1) decode steps
+        prefill, total = run(prompt_ids)  # generate = prefill + (new_tokens - 1) decode steps
         return {"prefill_ms": prefill * 1e3, "tpot_ms": max(total - prefill, 0.0) * 1e3 / (new_tokens - 1)}
 
     return timed_runs(once, repeat)

@@ -28,7 +28,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import load_prompts, median_of, pin_threads, print_table  # noqa: E402
+from benchmarks.common import hf_generate_timer, load_prompts, median_of, pin_threads, print_table  # noqa: E402
 
 NEW_TOKENS = 32
 
@@ -39,9 +39,9 @@ def _measure(run: Callable[[list[int]], tuple[float, float]], prompts: list[list
     prefill, tpot = [], []
     for ids in prompts:
         for _ in range(repeat):
-            p, total = run(ids)
+            p, generate = run(ids)  # generate covers the prefill again plus NEW_TOKENS - 1 decode steps
             prefill.append(p * 1e3)
-            tpot.append((total - p) * 1e3 / (NEW_TOKENS - 1))
+            tpot.append(max(generate - p, 0.0) * 1e3 / (NEW_TOKENS - 1))
     return {"prefill_ms": median_of(prefill), "tpot_ms": median_of(tpot)}
 
 
@@ -74,25 +74,9 @@ def _hf_model_and_ids(prompts: list[str]) -> tuple[Any, Any, list[list[int]]]:
     return model, tok, ids
 
 
-def _torch_generate_runner(model: Any) -> Callable[[list[int]], tuple[float, float]]:
-    import torch
-
-    def run(prompt_ids: list[int]) -> tuple[float, float]:
-        x = torch.tensor([prompt_ids])
-        with torch.no_grad():
-            started = time.perf_counter()
-            model(x)
-            prefill = time.perf_counter() - started
-            started = time.perf_counter()
-            model.generate(x, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-            return prefill, prefill + (time.perf_counter() - started - prefill)
-
-    return run
-
-
 def contender_hf(threads: int, prompts: list[str], repeat: int) -> dict[str, float]:
     model, _, ids = _hf_model_and_ids(prompts)
-    return _measure(_torch_generate_runner(model), ids, repeat)
+    return _measure(hf_generate_timer(model, NEW_TOKENS), ids, repeat)
 
 
 def contender_optimum(threads: int, prompts: list[str], repeat: int) -> dict[str, float]:
@@ -109,7 +93,7 @@ def contender_optimum(threads: int, prompts: list[str], repeat: int) -> dict[str
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = threads
     ort_model = ORTModelForCausalLM.from_pretrained(cache, session_options=options)
-    return _measure(_torch_generate_runner(ort_model), ids, repeat)
+    return _measure(hf_generate_timer(ort_model, NEW_TOKENS), ids, repeat)
 
 
 def contender_llamacpp(threads: int, prompts: list[str], repeat: int) -> dict[str, float]:

@@ -5,7 +5,6 @@ bundle (if any) intact and no partial one.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -13,17 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from runtimes.bundle import sha256_of
 from runtimes.errors import UsageError
-
-_HASH_CHUNK = 1 << 22
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def file_table(root: Path) -> dict[str, dict[str, Any]]:
@@ -32,7 +22,7 @@ def file_table(root: Path) -> dict[str, dict[str, Any]]:
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root).as_posix()
         if rel != "manifest.json":
-            table[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+            table[rel] = {"sha256": sha256_of(path), "bytes": path.stat().st_size}
     return table
 
 

@@ -5,6 +5,7 @@ are handed to their backend's own loader, and no custom-op library is ever regis
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -67,8 +68,6 @@ def confined_path(root: Path, relative: str) -> Path:
 
 
 def sha256_of(path: Path) -> str:
-    import hashlib
-
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         while chunk := handle.read(_HASH_CHUNK):
