@@ -20,12 +20,10 @@ def pin_threads(threads: int) -> None:
     """Same thread count for every contender: torch, ONNX Runtime (via options) and BLAS."""
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(threads)
-    try:
-        import torch
+    import sys
 
-        torch.set_num_threads(threads)
-    except ImportError:
-        pass
+    if "torch" in sys.modules:  # never import torch here: it would inflate a torch-free contender's RSS
+        sys.modules["torch"].set_num_threads(threads)
 
 
 def median_of(samples: Sequence[float]) -> float:
@@ -63,12 +61,14 @@ def hf_generate_timer(model: Any, new_tokens: int) -> Callable[[list[int]], tupl
 
     def run(prompt_ids: list[int]) -> tuple[float, float]:
         x = torch.tensor([prompt_ids])
+        mask = torch.ones_like(x)
         with torch.no_grad():
             started = time.perf_counter()
-            model(x)
+            model(input_ids=x, attention_mask=mask)
             prefill = time.perf_counter() - started
             started = time.perf_counter()
-            model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            model.generate(input_ids=x, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, pad_token_id=0)
             return prefill, time.perf_counter() - started
 
     return run

@@ -75,6 +75,9 @@ def _hf_model_and_ids(prompts: list[str]) -> tuple[Any, Any, list[list[int]]]:
 
 
 def contender_hf(threads: int, prompts: list[str], repeat: int) -> dict[str, float]:
+    import torch
+
+    torch.set_num_threads(threads)
     model, _, ids = _hf_model_and_ids(prompts)
     return _measure(hf_generate_timer(model, NEW_TOKENS), ids, repeat)
 
@@ -83,6 +86,9 @@ def contender_optimum(threads: int, prompts: list[str], repeat: int) -> dict[str
     from optimum.onnxruntime import ORTModelForCausalLM
     import onnxruntime
 
+    import torch
+
+    torch.set_num_threads(threads)
     model, tok, ids = _hf_model_and_ids(prompts)
     cache = Path(tempfile.gettempdir()) / "adaptive-export-optimum-smollm2"
     if not (cache / "model.onnx").exists():
@@ -134,6 +140,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions per prompt")
     parser.add_argument("--prompts", type=int, default=3, help="how many prompts of samples/eval_prompts.jsonl")
     parser.add_argument("--skip", default="", help="comma-separated contenders to leave out")
+    parser.add_argument("--python", action="append", default=[], metavar="NAME=PATH",
+                        help="run contender NAME with another interpreter (e.g. hf-eager with the newest transformers, "
+                             "while optimum needs an older one in its own venv)")
     parser.add_argument("--one", nargs=2, metavar=("NAME", "SPEC"), help=argparse.SUPPRESS)  # internal: child process
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = parser.parse_args()
@@ -144,19 +153,23 @@ def main() -> None:
     contenders = [("hf-eager", ""), ("optimum-ort", ""), ("llama.cpp-q4_1", "")]
     contenders += [(f"bundle-{pair.split('=', 1)[0]}", pair.split("=", 1)[1]) for pair in args.bundles.split(",") if pair]
     skip = set(filter(None, args.skip.split(",")))
+    interpreters = dict(pair.split("=", 1) for pair in args.python)
     rows = []
     for name, spec in contenders:
         if name in skip:
             continue
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        proc = subprocess.run([sys.executable, __file__, "--one", name, spec or "-", "--threads", str(args.threads),
+        proc = subprocess.run([interpreters.get(name, sys.executable), __file__, "--one", name, spec or "-", "--threads", str(args.threads),
                                "--repeat", str(args.repeat), "--prompts", str(args.prompts)],
                               capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"})
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["failed"])[-1]
             rows.append({"contender": name, "note": last[:90]})
             continue
-        rows.append({"contender": name, **json.loads(proc.stdout.strip().splitlines()[-1])})
+        version = subprocess.run([interpreters.get(name, sys.executable), "-c", "import transformers; print(transformers.__version__)"],
+                                 capture_output=True, text=True).stdout.strip()
+        note = f"transformers {version}" if name in ("hf-eager", "optimum-ort") and version else ""
+        rows.append({"contender": name, **json.loads(proc.stdout.strip().splitlines()[-1]), "note": note})
     base = next((r["tpot_ms"] for r in rows if r["contender"] == "hf-eager" and "tpot_ms" in r), None)
     for r in rows:
         if base and "tpot_ms" in r:
