@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, prompt_tokens, stats) instead of streaming")
     r.add_argument("--config", default="auto", help="skip configuration: auto (routers pick, default), full, or a config id from `inspect`")
     r.add_argument("--mode", default="ar", choices=["ar", "spec", "auto"], help="ar: plain decoding (default); spec: self-speculative; auto: spec only where calibration found it pays")
+    r.add_argument("--draft", default=None, choices=["early_exit", "prompt_lookup"], help="draft source for --mode spec (default: the one calibration chose, else prompt_lookup)")
+    r.add_argument("--draft-len", type=_positive_int, default=None, help="draft tokens per round (default: calibrated, else 4)")
     r.add_argument("--backend", default="onnx", help="engine backend: onnx (default), coreml (macOS), tensorrt (NVIDIA)")
     r.add_argument("--provider", default="cpu", choices=["cpu", "cuda", "tensorrt"], help="ONNX Runtime execution provider (default: cpu)")
     r.add_argument("--threads", type=int, default=0, help="intra-op threads (default: 0 = ONNX Runtime's choice, the physical cores)")
@@ -158,7 +160,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     generator = Generator(args.bundle, backend=args.backend, verify=args.verify, **options)
     write = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     result = generator.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
-                                raw=args.raw, config=args.config, mode=args.mode, on_text=write)
+                                raw=args.raw, config=args.config, mode=args.mode, on_text=write, draft=args.draft, draft_len=args.draft_len)
     if args.json:
         print(json.dumps({"text": result.text, "tokens": result.tokens, "prompt_tokens": len(result.prompt_ids), "stats": result.stats.to_json()}))
     else:

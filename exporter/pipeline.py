@@ -25,9 +25,8 @@ def run_build(args: argparse.Namespace) -> dict[str, Any]:
     backends = parse_backends(args.backend)
     output = Path(args.output)
     check_output_dir(output, args.force)  # fail fast, before minutes of loading and export
-    unsupported = [flag for flag, value in (("--routers", args.routers), ("--speculate", args.speculate)) if value]
-    if unsupported:
-        raise UsageError(f"{unsupported[0]} is not available in this build of adaptive-export", "build without it")
+    if args.routers:
+        raise UsageError("--routers is not available in this build of adaptive-export", "build without it")
     if args.quantize != "none":
         from exporter.quantize import validate_options
 
@@ -35,6 +34,11 @@ def run_build(args: argparse.Namespace) -> dict[str, Any]:
     loaded = load_model(args.model)
     parts = ModelParts(loaded.hf_model, loaded.spec)
     plan = BuildPlan(num_layers=loaded.spec.num_layers)
-    options = BuildOptions(output=output, backends=backends, max_len=args.max_len, force=args.force, quantize=args.quantize,
+    speculation, calibration = None, None
+    if args.speculate:
+        from calibration.speculation import plan_speculation
+
+        plan.exit, speculation, calibration = plan_speculation(args.speculate, loaded, parts, args)
+    options = BuildOptions(speculation=speculation, calibration=calibration,output=output, backends=backends, max_len=args.max_len, force=args.force, quantize=args.quantize,
                            quant_options={"block_size": args.quant_block, "accuracy_level": args.quant_accuracy} if args.quantize != "none" else {})
     return build_bundle(loaded, plan, options, parts)

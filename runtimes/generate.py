@@ -60,6 +60,7 @@ class Sequence_:
 
     arena: KVArena
     config: dict[str, Any]
+    prompt_ids: list[int]
     tokens: list[int]
     pending: int  # the newest token: emitted, not yet in the cache
 
@@ -81,7 +82,7 @@ class Generator:
     # ---- public API -------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, sampling: SamplingParams | None = None,
                  stop: Sequence[str] = (), raw: bool = False, config: str = "auto", mode: str = "ar",
-                 on_text: Callable[[str], None] | None = None) -> GenerationResult:
+                 on_text: Callable[[str], None] | None = None, draft: str | None = None, draft_len: int | None = None) -> GenerationResult:
         sampling = sampling or SamplingParams()
         prompt_ids = self.codec.encode(prompt, raw) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._check_lengths(prompt_ids, max_new_tokens)
@@ -90,7 +91,7 @@ class Generator:
         rng = np.random.default_rng(sampling.seed)
         stream = StreamDecoder(self.codec, list(stop))
         started = time.perf_counter()
-        seq, stats = self._prefill(prompt_ids, config, mode, sampling, rng)
+        seq, stats = self._prefill(prompt_ids, config, mode, sampling, rng, draft)
         stats.prefill_ms = (time.perf_counter() - started) * 1e3
 
         def emit(token: int) -> bool:
@@ -107,7 +108,7 @@ class Generator:
 
         decode_start = time.perf_counter()
         if not emit(seq.pending):
-            runner = self._speculative_runner(seq, stats) if stats.mode == "spec" else None
+            runner = self._speculative_runner(seq, stats, draft, draft_len) if stats.mode == "spec" else None
             if runner is not None:
                 runner.run(seq, emit, max_new_tokens, sampling, rng)
             else:
@@ -143,19 +144,19 @@ class Generator:
                              "shorten the prompt, lower --max-new-tokens, or rebuild with a larger --max-len")
 
     def _prefill(self, prompt_ids: list[int], config: str, mode: str, sampling: SamplingParams,
-                 rng: np.random.Generator) -> tuple[Sequence_, GenerationStats]:
+                 rng: np.random.Generator, draft: str | None = None) -> tuple[Sequence_, GenerationStats]:
         arena = self.arena
         arena.reset()
         out = self.backend.run("prefill", np.asarray([prompt_ids], dtype=np.int64), arena, 0)
         arena.length = len(prompt_ids)
         chosen = self._resolve_config(config, out.router_scores)
         first = choose(out.logits[0, -1], sampling, rng)
-        resolved_mode = self._resolve_mode(mode, chosen)
+        resolved_mode = self._resolve_mode(mode, chosen, draft)
         stats = GenerationStats(
             backend=self.backend.name, mode=resolved_mode, config=chosen["id"], kept_layers=list(chosen["kept"]),
             skipped_layers=self.bundle.num_layers - len(chosen["kept"]), prompt_tokens=len(prompt_ids),
         )
-        return Sequence_(arena=arena, config=chosen, tokens=[], pending=first), stats
+        return Sequence_(arena=arena, config=chosen, prompt_ids=list(prompt_ids), tokens=[], pending=first), stats
 
     def _resolve_config(self, config: str, router_scores: np.ndarray | None) -> dict[str, Any]:
         if config != "auto":
@@ -166,22 +167,25 @@ class Generator:
         kept = [i for i, score in enumerate(router_scores) if score >= threshold]
         return choose_config(self.bundle.manifest["configs"], kept)
 
-    def _resolve_mode(self, mode: str, config: dict[str, Any]) -> str:
+    def _resolve_mode(self, mode: str, config: dict[str, Any], draft: str | None) -> str:
+        """auto = speculation only where calibration measured that it beats plain decoding."""
         if mode == "ar":
             return "ar"
-        from runtimes.speculative import speculation_available
+        from runtimes.speculative import SOURCES, speculation_available
 
-        available = speculation_available(self.bundle, config)
+        if draft is not None and draft not in SOURCES:
+            raise UsageError(f"draft source {draft!r} is unknown", f"choose one of: {', '.join(SOURCES)}")
+        available = speculation_available(self.bundle, config, draft)
         if mode == "spec" and not available:
-            raise UsageError("this bundle has no speculative draft for the chosen configuration", "use --mode ar, or rebuild with --speculate")
+            raise UsageError(f"configuration {config['id']!r} has no {draft} draft engines", "use --draft prompt_lookup, --mode ar, or rebuild with --speculate")
         if mode == "auto":
             return "spec" if available and (self.bundle.manifest.get("speculation") or {}).get("auto_enabled", False) else "ar"
         return "spec"
 
-    def _speculative_runner(self, seq: Sequence_, stats: GenerationStats) -> Any:
+    def _speculative_runner(self, seq: Sequence_, stats: GenerationStats, draft: str | None, draft_len: int | None) -> Any:
         from runtimes.speculative import SpeculativeRunner
 
-        return SpeculativeRunner(self.bundle, self.backend, seq.config, stats)
+        return SpeculativeRunner(self.bundle, self.backend, seq.config, stats, draft, draft_len)
 
     def _decode_ar(self, seq: Sequence_, emit: Callable[[int], bool], sampling: SamplingParams, rng: np.random.Generator) -> None:
         graph = seq.config["engines"]["decode"]

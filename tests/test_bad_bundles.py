@@ -81,7 +81,7 @@ def test_symlink_out_of_bundle_is_rejected(tiny_bundle: Path, tmp_path: Path, ca
     (["run", "{b}", "-p", "hi", "--config", "nope"], "unknown configuration 'nope'"),
     (["run", "{b}", "-p", "hi", "--backend", "coreml"], "backend 'coreml' is not in this bundle"),
     (["run", "{b}", "-p", "hi", "--backend", "vulkan"], "backend 'vulkan' is unknown"),
-    (["run", "{b}", "-p", "hi", "--mode", "spec"], "no speculative draft"),
+    (["run", "{b}", "-p", "hi", "--mode", "spec", "--draft", "early_exit"], "has no early_exit draft engines"),
     (["run", "{t}/does-not-exist", "-p", "hi"], "does not exist"),
     (["run", "{t}", "-p", "hi"], "has no manifest.json"),
     (["run", "{b}", "--prompt-file", "{t}/nope.txt"], "does not exist"),

@@ -1,0 +1,83 @@
+"""Choose self-speculation for a bundle: exit layer E, draft length k, and whether it pays.
+
+`--speculate E:k` forces them. `--speculate auto` measures, on the calibration prompts:
+- early-exit agreement per candidate E: how often the head on layer E's hidden state
+  (argmax) equals the full model's token, teacher-forced over the model's own greedy
+  continuation (what the draft must predict to be accepted);
+- prompt-lookup acceptance on the same continuations;
+then picks the source and k with the best expected tokens per unit of full-model cost,
+using a cost model in layer-equivalents (one decoder layer = 1; the LM head costs
+head_params / layer_params; a verify pass of T tokens costs about one T=1 pass, since
+decoding on CPU is bound by reading weights). `auto_enabled` is set only when the
+expected speed-up is above 1; everything measured goes to calibration.json.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+
+from graphs.plan import ExitPlan
+from runtimes.errors import UsageError
+
+DEFAULT_CALIB_TOKENS = 32
+
+
+def parse_forced(text: str, num_layers: int) -> tuple[int, int]:
+    try:
+        exit_text, k_text = text.split(":")
+        exit_layer, k = int(exit_text), int(k_text)
+    except ValueError:
+        raise UsageError(f"--speculate {text!r} is neither 'auto' nor 'E:k'", "pass --speculate auto, or e.g. --speculate 20:4") from None
+    if not 0 < exit_layer < num_layers:
+        raise UsageError(f"exit layer {exit_layer} is outside 1..{num_layers - 1}", f"choose an exit layer between 1 and {num_layers - 1}")
+    if not 0 < k <= 16:
+        raise UsageError(f"draft length {k} is outside 1..16", "choose a draft length such as 3 or 4")
+    return exit_layer, k
+
+
+def plan_speculation(option: str, loaded: Any, parts: Any, args: argparse.Namespace) -> tuple[ExitPlan, dict[str, Any], dict[str, Any]]:
+    spec = loaded.spec
+    if option != "auto":
+        exit_layer, k = parse_forced(option, spec.num_layers)
+        manifest = {"source": "early_exit", "exit_layer": exit_layer, "early_exit": {"draft_len": k}, "adapter": False,
+                    "auto_enabled": False, "chosen_by": "forced with --speculate"}
+        return ExitPlan(exit_layer, k), manifest, {"speculation": {"forced": manifest}}
+    from calibration.measure import calibration_prompts, measure_speculation
+
+    prompts = calibration_prompts(getattr(args, "calib", None))
+    measured = measure_speculation(loaded, parts, prompts, DEFAULT_CALIB_TOKENS)
+    choice = choose(measured, spec)
+    early = choice["best_early_exit"]  # draft/verify engines are built for the best early exit either way
+    lookup = choice["best_prompt_lookup"]
+    manifest = {"source": choice["source"], "auto_enabled": choice["auto_enabled"], "expected_speedup": choice["expected_speedup"],
+                "exit_layer": early["exit_layer"], "adapter": False, "chosen_by": "calibration (--speculate auto)",
+                "early_exit": {"draft_len": early["draft_len"], "expected_speedup": early["expected_speedup"]},
+                "prompt_lookup": {"draft_len": lookup["draft_len"], "expected_speedup": lookup["expected_speedup"]}}
+    return ExitPlan(early["exit_layer"], early["draft_len"]), manifest, {"speculation": {**measured, "choice": choice}}
+
+
+def choose(measured: dict[str, Any], spec: Any) -> dict[str, Any]:
+    """Best expected speed-up over plain decoding among early exit (E, k) and prompt lookup (k).
+
+    Tokens per round come from the exact greedy simulation; a round costs k draft steps of
+    (E layers + head) plus one verify pass of the other layers + head (early exit), or one
+    decode pass (prompt lookup), in layer-equivalents against a full step of L layers + head.
+    """
+    layers, head = spec.num_layers, measured["head_cost_layers"]
+    full_step = layers + head
+    candidates = []
+    for key, tokens in measured["early_exit_tokens_per_round"].items():
+        e, k = (int(x) for x in key.split(":"))
+        cost = k * (e + head) + (layers - e + head)
+        candidates.append({"source": "early_exit", "exit_layer": e, "draft_len": k, "tokens_per_round": tokens,
+                           "expected_speedup": round(tokens * full_step / cost, 3)})
+    for k_text, tokens in measured["prompt_lookup_tokens_per_round"].items():
+        candidates.append({"source": "prompt_lookup", "exit_layer": None, "draft_len": int(k_text), "tokens_per_round": tokens,
+                           "expected_speedup": round(tokens, 3)})
+    best = max(candidates, key=lambda c: c["expected_speedup"])
+    by_source = {source: max((c for c in candidates if c["source"] == source), key=lambda c: c["expected_speedup"])
+                 for source in ("early_exit", "prompt_lookup")}
+    return {**best, "auto_enabled": best["expected_speedup"] > 1.05, "best_early_exit": by_source["early_exit"],
+            "best_prompt_lookup": by_source["prompt_lookup"], "candidates": len(candidates)}

@@ -1,0 +1,132 @@
+"""Self-speculative decoding is lossless: greedy output equals plain decoding (up to float
+ties), sampling keeps the full model's distribution, and the arena ends up as plain
+decoding would leave it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from exporter.cli import main
+from runtimes import Generator, SamplingParams
+from runtimes.speculative import SpeculativeRunner, lookup_ngram
+from tests.conftest import make_tiny_model
+
+TIE_MARGIN = 1e-3
+PROMPTS = ["The quick brown fox", "What is the capital of France?", "Write a short poem about the sea and the sky",
+           "Static graphs make edge compilers happy", "the sea the sea the sea", "Paris is the capital of France. Paris is",
+           "dog lazy the over jumps", "What is the sea?", "short poem", "France France capital"]
+
+
+@pytest.fixture(scope="module")
+def spec_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("spec")
+    model = make_tiny_model(root / "model", "gqa_untied", layers=6, seed=3)
+    assert main(["build", str(model), "-o", str(root / "bundle"), "--max-len", "128", "--speculate", "3:3"]) == 0
+    return root / "bundle"
+
+
+def assert_same_or_tie(generator: Generator, prompt_ids: list[int], ar: list[int], spec: list[int]) -> None:
+    """Equal, or different only from a position where plain decoding shows a top-1/top-2 tie."""
+    if ar == spec:
+        return
+    at = next(i for i, (a, b) in enumerate(zip(ar, spec)) if a != b)
+    generator.arena.reset()
+    ids = prompt_ids + ar[:at]
+    out = generator.backend.run("prefill", np.asarray([ids]), generator.arena, 0)
+    top2 = np.sort(out.logits[0, -1])[-2:]
+    assert top2[1] - top2[0] < TIE_MARGIN, f"real mismatch at {at}: margin {top2[1] - top2[0]}"
+
+
+def test_manifest_has_draft_and_verify_engines(spec_bundle: Path) -> None:
+    manifest = json.loads((spec_bundle / "manifest.json").read_text())
+    full = next(c for c in manifest["configs"] if c["id"] == "full")
+    assert full["engines"] == {"decode": "decode_full", "draft": "draft_full_e3", "verify": "verify_full_e3"}
+    assert manifest["graphs"]["draft_full_e3"]["layers"] == [0, 1, 2]
+    assert manifest["graphs"]["verify_full_e3"]["layers"] == [3, 4, 5]
+    assert manifest["speculation"]["source"] == "early_exit" and manifest["speculation"]["exit_layer"] == 3
+
+
+@pytest.mark.parametrize("draft,k", [("early_exit", 1), ("early_exit", 3), ("early_exit", 5), ("prompt_lookup", 2), ("prompt_lookup", 4)])
+def test_greedy_speculation_equals_plain_decoding(spec_bundle: Path, draft: str, k: int) -> None:
+    generator = Generator(spec_bundle)
+    rounds = 0
+    for prompt in PROMPTS:
+        ids = generator.codec.encode(prompt, raw=True)
+        ar = generator.generate(ids, max_new_tokens=40).tokens
+        result = generator.generate(ids, max_new_tokens=40, mode="spec", draft=draft, draft_len=k)
+        assert result.stats.mode == "spec" and result.stats.speculation["draft_source"] == draft
+        rounds += result.stats.speculation["rounds"]
+        assert_same_or_tie(generator, ids, ar, result.tokens)
+    assert rounds > 0
+
+
+def test_arena_after_rejections_equals_plain_decoding(spec_bundle: Path) -> None:
+    generator = Generator(spec_bundle)
+    ids = generator.codec.encode("Write a short poem about the sea", raw=True)
+    result = generator.generate(ids, max_new_tokens=30, mode="spec", draft="early_exit", draft_len=4)
+    stats = result.stats.speculation
+    assert stats["accepted"] < stats["drafted"], "the test needs at least one rejection"
+    length = generator.arena.length
+    after = generator.arena.data[:, :, :length].copy()
+    generator.arena.reset()
+    generator.backend.run("prefill", np.asarray([(ids + result.tokens)[:length]]), generator.arena, 0)
+    np.testing.assert_allclose(after, generator.arena.data[:, :, :length], atol=2e-5)
+
+
+def test_prompt_lookup_proposals() -> None:
+    assert lookup_ngram([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]
+    assert lookup_ngram([5, 6, 7], 3) == []
+    assert lookup_ngram([4, 8, 4], 3) == [8, 4]
+
+
+def _chi_square_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
+    from scipy.stats import chisquare
+
+    keep = expected > 0
+    return float(chisquare(observed[keep], expected[keep] * observed.sum() / expected[keep].sum()).pvalue)
+
+
+@pytest.mark.parametrize("one_hot_draft", [False, True])
+def test_rejection_rule_keeps_the_target_distribution(one_hot_draft: bool) -> None:
+    rng = np.random.default_rng(0)
+    vocab, samples = 6, 30000
+    target_logits = rng.standard_normal((1, vocab)) * 1.5
+    draft_logits = rng.standard_normal(vocab) * 1.5
+    params = SamplingParams(temperature=1.0, seed=0)
+    p = np.exp(target_logits[0] - target_logits[0].max()); p /= p.sum()
+    q = np.exp(draft_logits - draft_logits.max()); q /= q.sum()
+    counts = np.zeros(vocab)
+    for _ in range(samples):
+        draft = int(rng.choice(vocab, p=q))
+        accepted, correction = SpeculativeRunner._accept([draft], None if one_hot_draft else [draft_logits], target_logits, params, rng)
+        counts[draft if accepted else correction] += 1
+    assert _chi_square_pvalue(counts, p) > 1e-3
+
+
+def test_spec_sampling_matches_plain_sampling_end_to_end(spec_bundle: Path) -> None:
+    """Distribution of the 2nd and 3rd generated tokens, AR vs early-exit speculation, over seeds."""
+    from scipy.stats import chi2_contingency
+
+    generator = Generator(spec_bundle)
+    ids = generator.codec.encode("The quick brown fox", raw=True)
+    params = lambda seed: SamplingParams(temperature=1.0, top_k=4, seed=seed)  # noqa: E731
+    runs = 700
+    ar = [tuple(generator.generate(ids, max_new_tokens=3, sampling=params(s)).tokens[1:3]) for s in range(runs)]
+    spec = [tuple(generator.generate(ids, max_new_tokens=3, sampling=params(10_000 + s), mode="spec", draft="early_exit", draft_len=2).tokens[1:3])
+            for s in range(runs)]
+    for position in (0, 1):
+        categories = sorted({t[position] for t in ar + spec})
+        table = np.array([[sum(t[position] == c for t in ar) for c in categories], [sum(t[position] == c for t in spec) for c in categories]])
+        table = table[:, table.sum(0) >= 5]
+        assert chi2_contingency(table).pvalue > 1e-3, table
+
+
+def test_cli_spec_stats(spec_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(spec_bundle), "-p", "The quick brown fox", "--raw", "--mode", "spec", "--max-new-tokens", "12", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["mode"] == "spec" and stats["draft_source"] == "early_exit"
+    assert {"acceptance", "mean_accepted", "draft_ms", "verify_ms", "rounds"} <= set(stats)
+    assert 0.0 <= stats["acceptance"] <= 1.0
