@@ -30,7 +30,13 @@ def calibration_prompts(path: str | None) -> list[str]:
     return read_prompts(path)
 
 
-def greedy_with_hidden(loaded: Any, prompt: str, new_tokens: int) -> tuple[list[int], list[int], Any]:
+def greedy_sequence(loaded: Any, prompt: str, new_tokens: int) -> tuple[list[int], int]:
+    """(prompt ids + the full model's greedy continuation, prompt length)."""
+    ids, cont, _ = greedy_with_hidden(loaded, prompt, new_tokens, hidden=False)
+    return ids + cont, len(ids)
+
+
+def greedy_with_hidden(loaded: Any, prompt: str, new_tokens: int, hidden: bool = True) -> tuple[list[int], list[int], Any]:
     """(prompt ids, greedy continuation, hidden states of prompt+continuation per layer)."""
     import torch
 
@@ -44,8 +50,8 @@ def greedy_with_hidden(loaded: Any, prompt: str, new_tokens: int) -> tuple[list[
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=new_tokens,
                              do_sample=False, pad_token_id=tok.pad_token_id or 0)
         full = out[0].tolist()
-        hidden = model(torch.tensor([full]), output_hidden_states=True).hidden_states
-    return ids, full[len(ids):], hidden
+        states = model(torch.tensor([full]), output_hidden_states=True).hidden_states if hidden else None
+    return ids, full[len(ids):], states
 
 
 def simulate_rounds(drafts_at: Any, truth: list[int], k: int) -> dict[str, float]:
@@ -87,10 +93,11 @@ def measure_speculation(loaded: Any, parts: Any, prompts: list[str], new_tokens:
         start = len(ids) - 1  # position whose output predicts cont[0]
         truth = cont
         with torch.no_grad():
-            final = head(hidden[-1][0, start : start + len(cont)]).argmax(-1).tolist()
+            # hidden[e] is the input of layer e (un-normalised); HF's last entry is already
+            # normalised, so the reference is the greedy continuation itself.
             for e in candidates:
                 pred = head(hidden[e][0, start : start + len(cont)]).argmax(-1).tolist()
-                per_exit[e].append(float(np.mean([p == f for p, f in zip(pred, final)])))
+                per_exit[e].append(float(np.mean([p == t for p, t in zip(pred, truth)])))
                 for k in (1, 2, 3, 4, 6, 8):
                     # the draft at position i (after token truth[i]) is pred[i + 1]
                     early[(e, k)].append(simulate_rounds(lambda i, kk, pred=pred: pred[i + 1 : i + 1 + kk], truth, k))

@@ -10,6 +10,7 @@ from exporter.bundle_writer import check_output_dir
 from exporter.model_loading import load_model
 from graphs.plan import BuildPlan
 from graphs.span_graph import ModelParts
+from calibration.router_pipeline import THRESHOLD
 from runtimes.errors import UsageError
 
 
@@ -25,8 +26,6 @@ def run_build(args: argparse.Namespace) -> dict[str, Any]:
     backends = parse_backends(args.backend)
     output = Path(args.output)
     check_output_dir(output, args.force)  # fail fast, before minutes of loading and export
-    if args.routers:
-        raise UsageError("--routers is not available in this build of adaptive-export", "build without it")
     if args.quantize != "none":
         from exporter.quantize import validate_options
 
@@ -34,11 +33,19 @@ def run_build(args: argparse.Namespace) -> dict[str, Any]:
     loaded = load_model(args.model)
     parts = ModelParts(loaded.hf_model, loaded.spec)
     plan = BuildPlan(num_layers=loaded.spec.num_layers)
-    speculation, calibration = None, None
+    speculation, calibration, extra_files = None, {}, {}
+    if args.routers:
+        from calibration.router_pipeline import plan_routers
+
+        parts.routers, configs, calibration["routers"], extra_files = plan_routers(args, loaded)
+        plan = BuildPlan(num_layers=loaded.spec.num_layers, configs=configs, routers=True)
+        calibration["configs"] = calibration["routers"].pop("configs")
     if args.speculate:
         from calibration.speculation import plan_speculation
 
-        plan.exit, speculation, calibration = plan_speculation(args.speculate, loaded, parts, args)
-    options = BuildOptions(speculation=speculation, calibration=calibration,output=output, backends=backends, max_len=args.max_len, force=args.force, quantize=args.quantize,
+        plan.exit, speculation, measured = plan_speculation(args.speculate, loaded, parts, args)
+        calibration.update(measured)
+    options = BuildOptions(speculation=speculation, calibration=calibration or None, extra_files=extra_files,
+                           router_threshold=THRESHOLD if args.routers else 0.5,output=output, backends=backends, max_len=args.max_len, force=args.force, quantize=args.quantize,
                            quant_options={"block_size": args.quant_block, "accuracy_level": args.quant_accuracy} if args.quantize != "none" else {})
     return build_bundle(loaded, plan, options, parts)

@@ -1,0 +1,104 @@
+"""Self-speculation on SmolLM2: per draft source and k, acceptance, tokens per round, TPOT,
+speed-up over the project's own AR decoding and over HF `assistant_early_exit` at the same E.
+
+    python -m benchmarks.speculative --bundle bundles/smollm2-spec [--threads 2]
+
+Chat prompts (samples/eval_prompts.jsonl) and rewrite/repeat prompts (the rewrite part of
+samples/spec_prompts.jsonl, where prompt lookup should shine) are reported separately.
+Medians over prompts x repetitions, one warm-up excluded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from benchmarks.common import DEFAULT_PROMPTS, ROOT, load_prompts, median_of, pin_threads, print_table
+
+NEW_TOKENS = 32
+REWRITE_WORDS = ("Rewrite", "Summarize", "Repeat", "Fix", "Copy", "Make this", "Turn this", "Edit this")
+
+
+def rewrite_prompts() -> list[str]:
+    return [p for p in load_prompts(ROOT / "samples" / "spec_prompts.jsonl") if p.startswith(REWRITE_WORDS)]
+
+
+def bench_runtime(gen, prompts: list[list[int]], repeat: int, **kwargs) -> dict[str, float]:
+    gen.generate(prompts[0], max_new_tokens=NEW_TOKENS, **kwargs)
+    tpot, acceptance, per_round = [], [], []
+    for ids in prompts:
+        for _ in range(repeat):
+            stats = gen.generate(ids, max_new_tokens=NEW_TOKENS, **kwargs).stats
+            tpot.append(stats.tpot_ms)
+            spec = stats.speculation
+            if spec:
+                acceptance.append(spec["acceptance"])
+                per_round.append((stats.new_tokens - 1) / max(spec["rounds"], 1))
+    return {"tpot_ms": median_of(tpot), "acceptance": median_of(acceptance) if acceptance else None,
+            "tokens_per_round": median_of(per_round) if per_round else None}
+
+
+def bench_hf_early_exit(model, prompts: list[list[int]], exit_layer: int, repeat: int) -> float:
+    import torch
+
+    tpot = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        for _ in range(repeat):
+            with torch.no_grad():
+                started = time.perf_counter()
+                model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                               assistant_early_exit=exit_layer, pad_token_id=0)
+                tpot.append((time.perf_counter() - started) * 1e3 / NEW_TOKENS)
+    return median_of(tpot)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bundle", required=True, help="a bundle built with --speculate (draft/verify engines)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per prompt set")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF assistant_early_exit baseline")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    pin_threads(args.threads)
+    from runtimes import Generator
+
+    gen = Generator(Path(args.bundle), threads=args.threads)
+    gen.codec.eos_ids = set()
+    spec = gen.bundle.manifest.get("speculation") or {}
+    exit_layer = spec.get("exit_layer")
+    sets = {"chat": load_prompts(DEFAULT_PROMPTS, args.prompts), "rewrite": rewrite_prompts()[: args.prompts]}
+    hf_model = None
+    if not args.no_hf and exit_layer:
+        from exporter.model_loading import load_model
+
+        hf_model = load_model("smollm2").hf_model
+    rows = []
+    for set_name, texts in sets.items():
+        ids = [gen.codec.encode(t) for t in texts]
+        ar = bench_runtime(gen, ids, args.repeat)["tpot_ms"]
+        rows.append({"prompts": set_name, "mode": "ar (project)", "tpot_ms": ar, "speedup_vs_ar": 1.0})
+        for k in (2, 3, 4, 6):
+            r = bench_runtime(gen, ids, args.repeat, mode="spec", draft="prompt_lookup", draft_len=k)
+            rows.append({"prompts": set_name, "mode": f"spec prompt_lookup k={k}", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
+        if exit_layer:
+            for k in (1, 2, 3):
+                r = bench_runtime(gen, ids, args.repeat, mode="spec", draft="early_exit", draft_len=k)
+                rows.append({"prompts": set_name, "mode": f"spec early_exit E={exit_layer} k={k}", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
+        auto = bench_runtime(gen, ids, args.repeat, mode="auto")
+        rows.append({"prompts": set_name, "mode": f"auto ({'spec ' + spec.get('source', '') if spec.get('auto_enabled') else 'ar'})", **auto,
+                     "speedup_vs_ar": ar / auto["tpot_ms"]})
+        if hf_model is not None:
+            hf = bench_hf_early_exit(hf_model, ids, exit_layer, 1)
+            rows.append({"prompts": set_name, "mode": f"HF assistant_early_exit={exit_layer}", "tpot_ms": hf, "speedup_vs_ar": ar / hf})
+    print(f"SmolLM2-135M-Instruct fp32, {args.threads} threads, {NEW_TOKENS} new tokens, {args.prompts} prompts x {args.repeat} (medians)")
+    print_table(rows, ["prompts", "mode", "acceptance", "tokens_per_round", "tpot_ms", "speedup_vs_ar"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Train FiRST routers with the model frozen (DESIGN.md section 2).
+
+During training layer i's output is p_i * f_i(x) + (1 - p_i) * x, where p_i is the mean
+over the prompt's tokens of sigmoid(w_i . x_t) on that layer's input: the same statistic
+the prefill graph emits and the runtime thresholds. The loss is next-token cross-entropy
+on the model's own greedy continuation (what the full model would say) plus
+lambda * sum_i p_i plus a small weight decay. Only the [L, H] router matrix trains.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from graphs.adaptive import Routers
+from graphs.layers import Head, Rotary, StaticDecoderLayer, causal_mask
+
+DEFAULT_LAMBDA = 0.02
+WEIGHT_DECAY = 1e-4
+INIT_KEEP_PROBABILITY = 0.95
+
+
+@dataclass
+class TrainingSequence:
+    ids: list[int]  # prompt + greedy continuation
+    prompt_len: int
+
+
+@dataclass
+class RouterTrainingResult:
+    routers: Routers
+    lam: float
+    epochs: int
+    seconds: float
+    loss_first: float
+    loss_last: float
+    mean_p_last: float
+
+
+class GatedModel(torch.nn.Module):
+    """The frozen decoder with soft FiRST gates; returns logits and the per-layer p_i."""
+
+    def __init__(self, loaded: Any) -> None:
+        super().__init__()
+        hf, spec = loaded.hf_model, loaded.spec
+        self.spec = spec
+        self.embed = hf.model.embed_tokens
+        self.rotary = Rotary(hf.model.rotary_emb)
+        self.layers = torch.nn.ModuleList(StaticDecoderLayer(layer, spec) for layer in hf.model.layers)
+        self.head = Head(hf, spec)
+
+    def layer_inputs(self, ids: list[int]) -> list[torch.Tensor]:
+        """Input of every layer for an ungated forward pass (for router initialisation)."""
+        x, cos, sin, mask, empty = self._start(ids)
+        inputs = []
+        with torch.no_grad():
+            for layer in self.layers:
+                inputs.append(x)
+                x, _, _ = layer(x, empty, empty, cos, sin, mask)
+        return inputs
+
+    def forward(self, ids: list[int], prompt_len: int, routers: Routers) -> tuple[torch.Tensor, torch.Tensor]:
+        x, cos, sin, mask, empty = self._start(ids)
+        scores = []
+        for index, layer in enumerate(self.layers):
+            p = torch.sigmoid(x[:prompt_len] @ routers.weight[index]).mean()
+            out, _, _ = layer(x, empty, empty, cos, sin, mask)
+            x = p * out + (1 - p) * x
+            scores.append(p)
+        return self.head(x), torch.stack(scores)
+
+    def _start(self, ids: list[int]) -> tuple[torch.Tensor, ...]:
+        x = self.embed(torch.tensor(ids))
+        cos, sin = self.rotary(0, len(ids))
+        empty = torch.zeros(0, self.spec.num_kv_heads, self.spec.head_dim)
+        return x, cos, sin, causal_mask(0, len(ids)), empty
+
+
+def initial_routers(model: GatedModel, sequences: list[TrainingSequence]) -> Routers:
+    """w_i along the mean input direction of layer i, scaled so p_i starts near 0.95 (keep all)."""
+    spec = model.spec
+    routers = Routers(spec.num_layers, spec.hidden_size)
+    sums = torch.zeros(spec.num_layers, spec.hidden_size)
+    for seq in sequences:
+        for index, x in enumerate(model.layer_inputs(seq.ids[: seq.prompt_len])):
+            sums[index] += x.mean(0)
+    means = sums / max(len(sequences), 1)
+    target = math.log(INIT_KEEP_PROBABILITY / (1 - INIT_KEEP_PROBABILITY))
+    with torch.no_grad():
+        routers.weight.copy_(means * (target / means.pow(2).sum(-1, keepdim=True).clamp_min(1e-6)))
+    return routers
+
+
+def train_routers(loaded: Any, sequences: list[TrainingSequence], lam: float = DEFAULT_LAMBDA, epochs: int = 3,
+                  lr: float = 0.02, seed: int = 0, progress: bool = True, routers: Routers | None = None) -> RouterTrainingResult:
+    torch.manual_seed(seed)
+    model = GatedModel(loaded).eval()
+    routers = routers or initial_routers(model, sequences)
+    optimizer = torch.optim.Adam(routers.parameters(), lr=lr)
+    order = torch.Generator().manual_seed(seed)
+    losses: list[float] = []
+    mean_p = 1.0
+    started = time.perf_counter()
+    bar = tqdm(total=epochs * len(sequences), desc=f"train routers (lambda={lam})", unit="seq", disable=not progress)
+    for _ in range(epochs):
+        for index in torch.randperm(len(sequences), generator=order).tolist():
+            seq = sequences[index]
+            logits, p = model(seq.ids, seq.prompt_len, routers)
+            targets = torch.tensor(seq.ids[seq.prompt_len:])
+            ce = torch.nn.functional.cross_entropy(logits[seq.prompt_len - 1 : -1], targets)
+            loss = ce + lam * p.sum() + WEIGHT_DECAY * routers.weight.pow(2).sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            mean_p = p.mean().item()
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", mean_p=f"{mean_p:.3f}")
+    bar.close()
+    window = max(1, len(sequences))
+    return RouterTrainingResult(routers=routers.eval(), lam=lam, epochs=epochs, seconds=time.perf_counter() - started,
+                                loss_first=sum(losses[:window]) / window, loss_last=sum(losses[-window:]) / window, mean_p_last=mean_p)
+
+
+def router_scores(loaded: Any, routers: Routers, prompt_ids: list[int]) -> list[float]:
+    """p_i exactly as the prefill graph computes them: no gating, full model, prompt tokens."""
+    model = GatedModel(loaded).eval()
+    with torch.no_grad():
+        return [float(torch.sigmoid(x @ routers.weight[i]).mean()) for i, x in enumerate(model.layer_inputs(prompt_ids))]

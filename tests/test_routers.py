@@ -1,0 +1,133 @@
+"""FiRST routers end to end on tiny models: training, configuration choice (superset rule),
+engines per configuration against PyTorch, router scores, selection at prefill."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from calibration.artifacts import load_parts
+from calibration.configs import choose_configs, layers_saved, served_share
+from exporter.check import engine_parity, greedy_check
+from exporter.cli import main
+from runtimes import Generator, load_bundle
+from runtimes.backends import make_backend
+from runtimes.selection import choose_config
+from tests.conftest import make_tiny_model
+
+CALIB = ["The quick brown fox jumps over the lazy dog.", "What is the capital of France?", "Write a short poem about the sea and the sky.",
+         "Static graphs make edge compilers happy.", "the sea and the stars", "Paris is the capital of France."]
+
+
+@pytest.fixture(scope="module")
+def router_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("routers")
+    model = make_tiny_model(root / "model", "gqa_untied", layers=6)
+    calib = root / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CALIB))
+    assert main(["build", str(model), "-o", str(root / "routed"), "--max-len", "96", "--routers", "train", "--calib", str(calib),
+                 "--router-lambda", "2.0", "--max-configs", "3"]) == 0
+    assert main(["build", str(model), "-o", str(root / "plain"), "--max-len", "96"]) == 0
+    return model, root / "routed", root / "plain"
+
+
+def test_bundle_has_skip_configurations_and_calibration(router_setup: tuple[Path, Path, Path]) -> None:
+    _, routed, _ = router_setup
+    manifest = json.loads((routed / "manifest.json").read_text())
+    skipping = [c for c in manifest["configs"] if len(c["kept"]) < manifest["model"]["num_layers"]]
+    assert len(skipping) >= 1 and manifest["graphs"]["prefill"]["router_scores"]
+    calibration = json.loads((routed / "calibration.json").read_text())
+    shares = {c["id"]: c["share"] for c in calibration["configs"]["chosen"]}
+    assert abs(sum(shares.values()) - 1.0) < 1e-6
+    assert calibration["routers"]["training"]["loss_last_epoch"] < calibration["routers"]["training"]["loss_first_epoch"]
+
+
+def test_every_engine_and_router_scores_match_pytorch(router_setup: tuple[Path, Path, Path]) -> None:
+    _, routed, _ = router_setup
+    bundle = load_bundle(routed)
+    _, parts = load_parts(bundle, None)
+    backend = make_backend(bundle, "onnx")
+    for graph in bundle.manifest["graphs"]:  # the prefill check compares router_scores too
+        result = engine_parity(bundle, backend, parts, graph)
+        assert result.passed, result.detail
+    generator = Generator(bundle)
+    for config in bundle.manifest["configs"]:
+        for prompt in CALIB[:3]:
+            result = greedy_check(generator, parts, config, prompt, 16)
+            assert result.passed, result.detail
+
+
+def test_runtime_picks_config_by_superset_rule(router_setup: tuple[Path, Path, Path]) -> None:
+    _, routed, _ = router_setup
+    generator = Generator(routed)
+    bundle = generator.bundle
+    for prompt in CALIB:
+        result = generator.generate(prompt, max_new_tokens=4)
+        ids = generator.codec.encode(prompt)
+        generator.arena.reset()
+        scores = generator.backend.run("prefill", torch.tensor([ids]).numpy(), generator.arena, 0).router_scores
+        kept = {i for i, s in enumerate(scores) if s >= bundle.manifest["router_threshold"]}
+        config = bundle.config(result.stats.config)
+        assert kept <= set(config["kept"])
+        assert result.stats.skipped_layers == bundle.num_layers - len(config["kept"]) and result.stats.kept_layers == config["kept"]
+        cheaper = [c for c in bundle.manifest["configs"] if kept <= set(c["kept"]) and len(c["kept"]) < len(config["kept"])]
+        assert not cheaper
+
+
+def test_config_full_equals_bundle_without_routers(router_setup: tuple[Path, Path, Path]) -> None:
+    _, routed, plain = router_setup
+    with_routers, without = Generator(routed), Generator(plain)
+    for prompt in CALIB:
+        assert with_routers.generate(prompt, max_new_tokens=16, config="full").tokens == without.generate(prompt, max_new_tokens=16).tokens
+
+
+def test_superset_choice_on_handmade_histograms() -> None:
+    full = frozenset(range(6))
+    hist = Counter({frozenset({0, 1, 2}): 5, frozenset({0, 1, 3}): 3, frozenset({0, 1, 2, 3, 4}): 2})
+    one = choose_configs(hist, 6, 1)
+    assert one == [frozenset({0, 1, 2, 3})]  # serves 8 prompts at 2 skipped = 16 > {0,1,2}: 5 x 3 = 15
+    two = choose_configs(hist, 6, 2)  # greedy alone would keep {0,1,2,3} and save only 21
+    assert set(two) == {frozenset({0, 1, 2}), frozenset({0, 1, 3})}
+    assert layers_saved(hist, two, 6) == 5 * 3 + 3 * 3
+    shares = served_share(hist, two, 6)
+    assert shares[full] == pytest.approx(0.2) and abs(sum(shares.values()) - 1) < 1e-9
+    configs = [{"id": "full", "kept": list(range(6))}, {"id": "a", "kept": [0, 1, 2]}, {"id": "b", "kept": [0, 1, 2, 3, 4]}]
+    assert choose_config(configs, [0, 2])["id"] == "a"
+    assert choose_config(configs, [0, 3])["id"] == "b"
+    assert choose_config(configs, [5])["id"] == "full"
+
+
+def test_training_reacts_to_lambda(router_setup: tuple[Path, Path, Path]) -> None:
+    from calibration.measure import greedy_sequence
+    from calibration.routers import TrainingSequence, train_routers
+    from exporter.model_loading import load_model
+
+    model, _, _ = router_setup
+    loaded = load_model(str(model))
+    sequences = [TrainingSequence(*greedy_sequence(loaded, p, 8)) for p in CALIB]
+    low = train_routers(loaded, sequences, lam=0.0, progress=False)
+    high = train_routers(loaded, sequences, lam=3.0, progress=False)
+    assert high.mean_p_last < low.mean_p_last
+
+
+def test_routers_file_with_wrong_shape_is_rejected(router_setup: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import save_file
+
+    model, _, _ = router_setup
+    bad = tmp_path / "bad.safetensors"
+    save_file({"weight": torch.zeros(3, 5)}, str(bad))
+    assert main(["build", str(model), "-o", str(tmp_path / "o"), "--routers", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "holds weight of shape (3, 5), this model needs (6, 64)" in err and "Fix:" in err
+
+
+def test_routers_file_round_trip(router_setup: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    model, routed, _ = router_setup
+    assert main(["build", str(model), "-o", str(tmp_path / "again"), "--max-len", "96", "--routers", str(routed / "routers.safetensors"),
+                 "--calib", str(routed.parent / "calib.jsonl")]) == 0
+    first = json.loads((routed / "manifest.json").read_text())["configs"]
+    second = json.loads((tmp_path / "again" / "manifest.json").read_text())["configs"]
+    assert [c["kept"] for c in first] == [c["kept"] for c in second]
