@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--router-lambda", type=float, default=None, help="router sparsity weight lambda for --routers train (default: the value chosen by the lambda sweep)")
     b.add_argument("--speculate", default=None, help="'auto' to calibrate self-speculation (exit layer E, draft length k, exit adapter) and build draft/verify engines, or 'E:k' to force them")
     b.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help="weight-only quantization of the ONNX engines (default: none, fp32)")
+    b.add_argument("--coreml-precision", choices=["float16", "float32"], default="float16", help="CoreML compute precision (default: float16)")
+    b.add_argument("--trt-precision", choices=["fp32", "fp16", "int8"], default="fp16", help="TensorRT engine precision flag (default: fp16)")
     b.add_argument("--quant-block", type=int, default=32, help="quantization block size along the input dimension (default: 32)")
     b.add_argument("--quant-accuracy", type=int, default=4, help="MatMulNBits accuracy_level: 4 = int8 activations (fastest on CPU, default), 0 = unset")
     b.add_argument("--seed", type=int, default=0, help="seed for calibration and training (default: 0)")

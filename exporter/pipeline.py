@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from exporter.build import SUPPORTED_BACKENDS, BuildOptions, build_bundle
+from exporter.build import EXTRA_BACKENDS, SUPPORTED_BACKENDS, BuildOptions, build_bundle
 from exporter.bundle_writer import check_output_dir
 from exporter.model_loading import load_model
 from graphs.plan import BuildPlan
@@ -22,8 +22,22 @@ def parse_backends(text: str) -> tuple[str, ...]:
     return names
 
 
+def register_backends(backends: tuple[str, ...], args: argparse.Namespace) -> None:
+    """Hook the non-ONNX compilers into the build; fail before any work if their tools are missing."""
+    if "coreml" in backends:
+        from exporter.coreml_compile import _import_coremltools, compile_coreml
+
+        _import_coremltools()
+        EXTRA_BACKENDS["coreml"] = lambda root, manifest, parts, plan: compile_coreml(root, manifest, parts, plan, args.coreml_precision)
+    if "tensorrt" in backends:
+        from exporter.tensorrt_compile import compile_tensorrt
+
+        EXTRA_BACKENDS["tensorrt"] = lambda root, manifest, parts, plan: compile_tensorrt(root, manifest, args.trt_precision)
+
+
 def run_build(args: argparse.Namespace) -> dict[str, Any]:
     backends = parse_backends(args.backend)
+    register_backends(backends, args)
     output = Path(args.output)
     check_output_dir(output, args.force)  # fail fast, before minutes of loading and export
     if args.quantize != "none":

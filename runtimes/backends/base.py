@@ -26,6 +26,7 @@ class StepOutputs:
 class Backend(ABC):
     name: str = "?"
     executes: bool = True  # False where the engines can be converted but not run (CoreML off macOS)
+    skip_reason: str = ""  # why not, when executes is False
 
     def __init__(self, bundle: Bundle) -> None:
         self.bundle = bundle
