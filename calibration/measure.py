@@ -54,8 +54,12 @@ def greedy_with_hidden(loaded: Any, prompt: str, new_tokens: int, hidden: bool =
     return ids, full[len(ids):], states
 
 
-def simulate_rounds(drafts_at: Any, truth: list[int], k: int) -> dict[str, float]:
-    """Greedy speculation over `truth`; drafts_at(i, k) proposes tokens for positions i+1.."""
+def simulate_rounds(drafts_at: Any, truth: list[int], k: int, bonus: bool = False) -> dict[str, float]:
+    """Greedy speculation over `truth`; drafts_at(i, k) proposes tokens for positions i+1..
+
+    `bonus`: the verifier also scores the last draft, so a round where every draft is
+    accepted emits one more token (prompt lookup; early exit would need one more draft call).
+    """
     i, rounds, drafted, accepted, hits = 0, 0, 0, 0, 0
     while i < len(truth) - 1:
         drafts = drafts_at(i, k)[: len(truth) - 1 - i]
@@ -69,7 +73,7 @@ def simulate_rounds(drafts_at: Any, truth: list[int], k: int) -> dict[str, float
             good += 1
         drafted += len(drafts)
         accepted += good
-        i += good + (1 if good < len(drafts) else 0)
+        i += good + (1 if good < len(drafts) or bonus else 0)
     produced = len(truth) - 1
     return {"rounds": rounds, "tokens_per_round": produced / max(rounds, 1), "acceptance": accepted / max(drafted, 1),
             "hit_rate": hits / max(rounds, 1)}
@@ -103,7 +107,7 @@ def measure_speculation(loaded: Any, parts: Any, prompts: list[str], new_tokens:
                     early[(e, k)].append(simulate_rounds(lambda i, kk, pred=pred: pred[i + 1 : i + 1 + kk], truth, k))
         context = list(ids)
         for k in lookup:
-            lookup[k].append(simulate_rounds(lambda i, kk: lookup_ngram(context + truth[: i + 1], kk), truth, k))
+            lookup[k].append(simulate_rounds(lambda i, kk: lookup_ngram(context + truth[: i + 1], kk), truth, k, bonus=True))
     layer_params = sum(p.numel() for p in loaded.hf_model.model.layers[0].parameters())
     head_params = loaded.hf_model.lm_head.weight.numel()
 
@@ -119,6 +123,6 @@ def measure_speculation(loaded: Any, parts: Any, prompts: list[str], new_tokens:
         "best_exit_layer": int(max(agreement, key=agreement.get)) if agreement else spec.num_layers - 1,
         "early_exit_tokens_per_round": {f"{e}:{k}": mean(v, "tokens_per_round") for (e, k), v in early.items()},
         "prompt_lookup_acceptance": {str(k): mean(v, "acceptance") for k, v in lookup.items()},
-        "prompt_lookup_hit_rate": mean(lookup[4], "hit_rate"),
+        "prompt_lookup_hit_rate": {str(k): mean(v, "hit_rate") for k, v in lookup.items()},
         "prompt_lookup_tokens_per_round": {str(k): mean(v, "tokens_per_round") for k, v in lookup.items()},
     }

@@ -5,15 +5,17 @@
   (argmax) equals the full model's token, teacher-forced over the model's own greedy
   continuation (what the draft must predict to be accepted);
 - prompt-lookup acceptance on the same continuations;
-then picks the source and k with the best expected tokens per unit of full-model cost,
-using a cost model in layer-equivalents (one decoder layer = 1; the LM head costs
-head_params / layer_params; a verify pass of T tokens costs about one T=1 pass, since
-decoding on CPU is bound by reading weights). `auto_enabled` is set only when the
-expected speed-up is above 1; everything measured goes to calibration.json.
+The exit layer E whose draft/verify engines are built is chosen with a cost model in
+layer-equivalents (one decoder layer = 1; the LM head costs head_params / layer_params).
+Once the engines exist, `finalize_with_latencies` times them on the staged bundle and
+makes the final choice of source, k and whether `--mode auto` speculates from measured
+milliseconds (calibration/latency.py); everything measured goes to calibration.json.
 """
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -81,3 +83,20 @@ def choose(measured: dict[str, Any], spec: Any) -> dict[str, Any]:
                  for source in ("early_exit", "prompt_lookup")}
     return {**best, "auto_enabled": best["expected_speedup"] > 1.05, "best_early_exit": by_source["early_exit"],
             "best_prompt_lookup": by_source["prompt_lookup"], "candidates": len(candidates)}
+
+
+def finalize_with_latencies(root: Path, manifest: dict[str, Any], calibration: dict[str, Any]) -> None:
+    """Time the staged engines; choose source, k and auto from acceptance x measured latency."""
+    from calibration.latency import choose_measured, measure_engine_latencies
+    from calibration.measure import MAX_DRAFT
+
+    spec = manifest["speculation"]
+    latencies = measure_engine_latencies(root, MAX_DRAFT)
+    choice = choose_measured(calibration["speculation"], latencies, spec.get("exit_layer"))
+    best = choice["best"]
+    spec.update(source=best["source"], auto_enabled=choice["auto_enabled"], expected_speedup=best["expected_speedup"],
+                chosen_by="calibration (--speculate auto): simulated acceptance x measured engine latencies")
+    for source, candidate in choice["by_source"].items():
+        spec[source] = {"draft_len": candidate["draft_len"], "expected_speedup": candidate["expected_speedup"]}
+    calibration["speculation"].update(latencies=latencies, measured_choice=choice)
+    (root / "calibration.json").write_text(json.dumps(calibration, indent=2) + "\n")

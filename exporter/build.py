@@ -43,6 +43,9 @@ class BuildOptions:
     progress: bool = True
     quantize: str = "none"
     quant_options: dict[str, int] = field(default_factory=dict)
+    # Runs on the staged bundle (provisional manifest written) before the final manifest:
+    # calibration times the real engines here and may update manifest and calibration.json.
+    after_export: Callable[[Path, dict[str, Any]], None] | None = None
 
 
 def graph_entry(graph: GraphSpec) -> dict[str, Any]:
@@ -127,6 +130,9 @@ def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: BuildOptions, pa
             (root / "calibration.json").write_text(json.dumps(options.calibration, indent=2) + "\n")
         for name, data in options.extra_files.items():
             (root / name).write_bytes(data)
+        if options.after_export is not None:
+            write_manifest(root, manifest)
+            options.after_export(root, manifest)
         for backend in options.backends:
             if backend != "onnx":
                 manifest["backends"][backend] = EXTRA_BACKENDS[backend](root, manifest, parts, plan)

@@ -14,9 +14,12 @@ Draft sources:
   query cache); the verify engine runs the layers from E on over the saved hidden states,
   writing the remaining rows of the same positions. Every row is written once.
 - prompt lookup: n-gram continuation copied from the context; no engine. The decode engine
-  verifies with T=k over token ids and writes all layers' rows.
-When all k drafts are accepted no bonus token is drawn (it would cost one more draft-head
-call); the last accepted draft becomes `pending` and the next round starts from it.
+  verifies [pending, d1, .., dk] with T=k+1 over token ids and writes all layers' rows; its
+  last row gives the bonus token when every draft is accepted, so a round always emits
+  accepted + 1 tokens.
+Early exit draws no bonus token when all k drafts are accepted (it would cost one more
+draft-head call); the last accepted draft becomes `pending` and the next round starts
+from it.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import numpy as np
 from runtimes.backends import Backend
 from runtimes.bundle import Bundle
 from runtimes.errors import UsageError
-from runtimes.sampling import SamplingParams, probabilities
+from runtimes.sampling import SamplingParams, choose, probabilities
 
 SOURCES = ("early_exit", "prompt_lookup")
 DEFAULT_LOOKUP_K = 4
@@ -95,7 +98,8 @@ class SpeculativeRunner:
         try:
             while True:
                 budget = max_new_tokens - len(seq.tokens)
-                k = min(self.k, budget)
+                # prompt lookup emits up to k + 1 tokens a round (the bonus), early exit up to k
+                k = min(self.k, budget - 1 if self.source == "prompt_lookup" else budget)
                 if self._round(seq, emit, k, sampling, rng, context):
                     return
         finally:
@@ -125,13 +129,15 @@ class SpeculativeRunner:
         if self.source == "early_exit":
             out = self.backend.run(self.config["engines"]["verify"], self.hidden[:, : len(drafts)], arena, start)
         else:
-            inputs = np.asarray([[seq.pending, *drafts[:-1]]] if drafts else [[seq.pending]], dtype=np.int64)
+            inputs = np.asarray([[seq.pending, *drafts]], dtype=np.int64)
             out = self.backend.run(self.config["engines"]["decode"], inputs, arena, start)
         verify = out.logits[0]
         self.verify_s += time.perf_counter() - started
         self.rounds += 1
         self.drafted += len(drafts)
         accepted, correction = self._accept(drafts, draft_logits, verify, sampling, rng)
+        if correction is None and verify.shape[0] > len(drafts):  # prompt lookup: the bonus row
+            correction = choose(verify[len(drafts)], sampling, rng)
         self.accepted += accepted
         emitted = drafts[:accepted] + ([correction] if correction is not None else [])
         # inputs pending, d1..d(accepted) now have valid KV in every kept layer
@@ -164,7 +170,7 @@ class SpeculativeRunner:
                 rng: np.random.Generator) -> tuple[int, int | None]:
         """(number of accepted drafts, the verifier's token at the first rejection or None)."""
         if not drafts:  # nothing to verify: the verifier's row is a plain decode step
-            return 0, int(np.argmax(verify[0])) if sampling.greedy else int(rng.choice(verify.shape[-1], p=probabilities(verify[0], sampling)))
+            return 0, choose(verify[0], sampling, rng)
         for j, draft in enumerate(drafts):
             if sampling.greedy:
                 target = int(np.argmax(verify[j]))

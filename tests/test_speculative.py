@@ -58,8 +58,12 @@ def test_greedy_speculation_equals_plain_decoding(spec_bundle: Path, draft: str,
         ar = generator.generate(ids, max_new_tokens=40).tokens
         result = generator.generate(ids, max_new_tokens=40, mode="spec", draft=draft, draft_len=k)
         assert result.stats.mode == "spec" and result.stats.speculation["draft_source"] == draft
-        rounds += result.stats.speculation["rounds"]
+        spec = result.stats.speculation
+        rounds += spec["rounds"]
         assert_same_or_tie(generator, ids, ar, result.tokens)
+        if draft == "prompt_lookup" and result.stats.stop_reason == "length":
+            # every round emits its accepted drafts plus one verifier token (correction or bonus)
+            assert spec["accepted"] + spec["rounds"] == result.stats.new_tokens - 1
     assert rounds > 0
 
 

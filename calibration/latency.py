@@ -1,0 +1,85 @@
+"""Real engine latencies for the speculation choice, measured on the staged bundle.
+
+Acceptance alone does not say whether speculation pays: a verify pass of T tokens is not
+free on a CPU, and the draft engine pays for the whole LM head on every token. So after
+the ONNX engines are exported (still in the staging directory), the build times them with
+the runtime's own backend on an arena holding a realistic prefix:
+- decode (full configuration) at T = 1 .. max_k + 1: plain decoding, and prompt-lookup
+  verification of k drafts plus the bonus position;
+- draft at T = 1 and verify at T = 1 .. max_k, when early-exit engines were built.
+`choose_measured` then turns the simulated acceptance (calibration/measure.py) into
+expected time per token for each source and k, and picks the fastest, or plain decoding.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+PREFIX_TOKENS = 64  # a typical chat prompt plus some generated tokens
+REPEATS = 7
+MIN_SPEEDUP = 1.05  # below this, auto keeps plain decoding: not worth the variance
+
+
+def _median_ms(call: Callable[[], Any], repeats: int = REPEATS) -> float:
+    call()  # warm-up: first-run allocations and kernel selection
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        samples.append((time.perf_counter() - started) * 1e3)
+    return round(statistics.median(samples), 3)
+
+
+def measure_engine_latencies(bundle_dir: Path, max_k: int, threads: int = 0) -> dict[str, Any]:
+    """Median ms per engine call on the full configuration: decode[T], draft (T=1), verify[T]."""
+    from runtimes import Generator
+
+    gen = Generator(bundle_dir, verify="size", threads=threads)
+    config = gen.bundle.config("full")
+    engines, backend, arena = config["engines"], gen.backend, gen.arena
+    prefix = min(PREFIX_TOKENS, gen.bundle.max_len - 2 * (max_k + 1))
+    backend.run("prefill", np.ones((1, prefix), dtype=np.int64), arena, 0)
+    decode = {t: _median_ms(lambda t=t: backend.run(engines["decode"], np.ones((1, t), dtype=np.int64), arena, prefix))
+              for t in range(1, max_k + 2)}
+    result: dict[str, Any] = {"prefix_tokens": prefix, "threads": threads, "decode_ms": decode}
+    if "draft" in engines and "verify" in engines:
+        hidden = np.zeros((1, max_k, gen.bundle.model["hidden_size"]), dtype=np.float32)
+        result["draft_ms"] = _median_ms(lambda: backend.run(engines["draft"], np.ones((1, 1), dtype=np.int64), arena, prefix))
+        result["verify_ms"] = {t: _median_ms(lambda t=t: backend.run(engines["verify"], hidden[:, :t], arena, prefix))
+                               for t in range(1, max_k + 1)}
+    return result
+
+
+def choose_measured(measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None) -> dict[str, Any]:
+    """Expected speed-up over plain decoding per (source, k) from acceptance x measured latency.
+
+    Prompt lookup: a round with drafts costs one decode pass at T = k + 1 (drafts plus the
+    bonus position), a round without costs a T = 1 pass. Early exit: k draft calls plus one
+    verify pass at T = k. Speed-up = tokens per round x (T=1 decode ms) / round ms.
+    """
+    step = latencies["decode_ms"][1]
+    candidates = []
+    hit_rate = measured["prompt_lookup_hit_rate"]
+    for k_text, tokens in measured["prompt_lookup_tokens_per_round"].items():
+        k = int(k_text)
+        if k + 1 not in latencies["decode_ms"]:
+            continue
+        round_ms = hit_rate.get(k_text, 1.0) * latencies["decode_ms"][k + 1] + (1 - hit_rate.get(k_text, 1.0)) * step
+        candidates.append({"source": "prompt_lookup", "draft_len": k, "tokens_per_round": tokens, "round_ms": round(round_ms, 3),
+                           "expected_speedup": round(tokens * step / round_ms, 3)})
+    if exit_layer is not None and "draft_ms" in latencies:
+        for key, tokens in measured["early_exit_tokens_per_round"].items():
+            e, k = (int(x) for x in key.split(":"))
+            if e != exit_layer or k not in latencies["verify_ms"]:
+                continue
+            round_ms = k * latencies["draft_ms"] + latencies["verify_ms"][k]
+            candidates.append({"source": "early_exit", "exit_layer": e, "draft_len": k, "tokens_per_round": tokens,
+                               "round_ms": round(round_ms, 3), "expected_speedup": round(tokens * step / round_ms, 3)})
+    best = max(candidates, key=lambda c: c["expected_speedup"])
+    by_source = {c["source"]: c for c in sorted(candidates, key=lambda c: c["expected_speedup"])}
+    return {"best": best, "by_source": by_source, "candidates": candidates,
+            "auto_enabled": best["expected_speedup"] > MIN_SPEEDUP, "min_speedup": MIN_SPEEDUP}
