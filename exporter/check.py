@@ -199,9 +199,11 @@ def reference_greedy(parts: Any, prompt_ids: list[int], new_tokens: int, eos_ids
     return tokens, steps
 
 
-def greedy_check(generator: Any, parts: Any, config: dict[str, Any], prompt: str, new_tokens: int, mode: str = "ar") -> CheckResult:
+def greedy_check(generator: Any, parts: Any, config: dict[str, Any], prompt: str, new_tokens: int, draft: str | None = None) -> CheckResult:
+    """Greedy tokens of the runtime (plain decoding, or speculation with `draft`) against PyTorch."""
     started = time.perf_counter()
-    result = generator.generate(prompt, max_new_tokens=new_tokens, config=config["id"], mode=mode)
+    mode = "ar" if draft is None else "spec"
+    result = generator.generate(prompt, max_new_tokens=new_tokens, config=config["id"], mode=mode, draft=draft)
     expected, steps = reference_greedy(parts, result.prompt_ids, new_tokens, generator.codec.eos_ids, config["kept"])
     at = first_divergence(result.tokens, expected)
     passed, detail = True, f"{len(result.tokens)} tokens identical"
@@ -213,7 +215,7 @@ def greedy_check(generator: Any, parts: Any, config: dict[str, Any], prompt: str
             margin = float("inf")
         passed = margin < TIE_MARGIN
         detail = f"first divergence at token {at} (reference top-1/top-2 margin {margin:.2e}: {'a float tie' if passed else 'a real mismatch'})"
-    engine = config["engines"]["decode"] if mode == "ar" else f"spec:{config['id']}"
+    engine = config["engines"]["decode"] if draft is None else f"spec:{config['id']}:{draft}"
     return CheckResult(generator.backend.name, engine, f"greedy[{prompt[:32]}]", passed,
                        seconds=time.perf_counter() - started, detail=detail)
 
@@ -287,10 +289,12 @@ def run_check(bundle_dir: str, model: str | None, prompts: list[str] | None, new
                     for prompt in tqdm(prompts, desc=f"check {backend_name} quality", unit="prompt", disable=not progress)]
             report.results += rows + [quality_gate(backend_name, bundle.manifest["dtype"], rows)]
             continue
-        cases = [(c, p, "ar") for c in bundle.manifest["configs"] for p in prompts]
-        cases += [(c, p, "spec") for c in bundle.manifest["configs"] if "draft" in c["engines"] for p in prompts]
-        for config, prompt, mode in tqdm(cases, desc=f"check {backend_name} greedy", unit="prompt", disable=not progress):
-            report.results.append(greedy_check(generator, parts, config, prompt, new_tokens, mode))
+        # plain decoding for every configuration; speculation (lossless) for every draft source
+        cases = [(c, p, None) for c in bundle.manifest["configs"] for p in prompts]
+        cases += [(c, p, "early_exit") for c in bundle.manifest["configs"] if "draft" in c["engines"] for p in prompts]
+        cases += [(bundle.config("full"), p, "prompt_lookup") for p in prompts]
+        for config, prompt, draft in tqdm(cases, desc=f"check {backend_name} greedy", unit="prompt", disable=not progress):
+            report.results.append(greedy_check(generator, parts, config, prompt, new_tokens, draft))
     return report
 
 

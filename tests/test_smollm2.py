@@ -16,13 +16,6 @@ pytestmark = [needs_smollm2, pytest.mark.slow]
 ROOT = Path(__file__).parents[1]
 
 
-@pytest.fixture(scope="module")
-def smol_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("smol") / "bundle"
-    assert main(["build", "smollm2", "-o", str(out), "--max-len", "512"]) == 0
-    return out
-
-
 def test_bundle_size_and_graphs(smol_bundle: Path) -> None:
     manifest = json.loads((smol_bundle / "manifest.json").read_text())
     total = sum(f["bytes"] for f in manifest["files"].values())
@@ -39,8 +32,12 @@ def test_check_passes_with_reports(smol_bundle: Path, tmp_path: Path) -> None:
     assert rc == 0, [r for r in data["results"] if not r["passed"]]
     assert data["passed"] and data["summary"]["failed"] == 0
     greedy = [r for r in data["results"] if r["check"].startswith("greedy")]
-    assert len(greedy) == len(read_prompts(str(ROOT / "samples" / "eval_prompts.jsonl")))
+    prompts = len(read_prompts(str(ROOT / "samples" / "eval_prompts.jsonl")))
+    by_engine = {engine: sum(r["engine"] == engine for r in greedy) for engine in {r["engine"] for r in greedy}}
+    # plain decoding, early-exit speculation and prompt-lookup speculation, each on every prompt
+    assert by_engine == {"decode_full": prompts, "spec:full:early_exit": prompts, "spec:full:prompt_lookup": prompts}
     assert all("identical" in r["detail"] or "float tie" in r["detail"] for r in greedy)
+    assert {"prefill", "decode_full", "draft_full_e24", "verify_full_e24"} <= {r["engine"] for r in data["results"] if r["check"] == "parity"}
     assert junit.read_text().count("<testcase") == len(data["results"])
 
 
