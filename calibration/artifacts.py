@@ -49,15 +49,35 @@ def adapters_bytes(adapters: dict[int, ExitAdapter]) -> bytes:
     return save(tensors)
 
 
-def load_adapters(path: Path, hidden_size: int, eps: float) -> dict[int, ExitAdapter]:
+def load_adapters(path: str | Path, hidden_size: int, eps: float, num_layers: int) -> dict[int, ExitAdapter]:
+    """Exit adapters keyed '<E>.norm_weight', '<E>.down.weight', '<E>.up.weight', checked against the model."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    tensors = load_file(str(path))
+    fix = "fit adapters for this model with --exit-adapter fit"
+    if not Path(path).is_file():
+        raise UsageError(f"exit adapter file {str(path)!r} does not exist", "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise UsageError(f"exit adapter file {str(path)!r} is not a readable safetensors file ({exc})", fix) from exc
+    layers = sorted({int(k.split(".", 1)[0]) for k in tensors if k.split(".", 1)[0].isdigit()})
+    if not layers:
+        raise UsageError(f"exit adapter file {str(path)!r} holds no '<E>.down.weight' tensors", fix)
     adapters: dict[int, ExitAdapter] = {}
-    for layer in sorted({int(k.split(".", 1)[0]) for k in tensors}):
-        rank = tensors[f"{layer}.down.weight"].shape[0]
+    for layer in layers:
+        if not 0 < layer < num_layers:
+            raise UsageError(f"exit adapter file {str(path)!r} has an adapter for layer {layer}, this model has exits 1..{num_layers - 1}", fix)
+        own = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"{layer}.")}
+        down = own.get("down.weight")
+        rank = int(down.shape[0]) if down is not None and down.dim() == 2 else 0
+        expected = {"norm_weight": (hidden_size,), "down.weight": (rank, hidden_size), "up.weight": (hidden_size, rank)}
+        shapes = {k: tuple(v.shape) for k, v in own.items()}
+        if rank == 0 or shapes != expected:
+            raise UsageError(f"exit adapter file {str(path)!r} holds tensors {shapes} for layer {layer}, this model needs "
+                             f"norm_weight ({hidden_size},), down.weight (rank, {hidden_size}), up.weight ({hidden_size}, rank)", fix)
         adapter = ExitAdapter(hidden_size, rank, eps)
-        adapter.load_state_dict({k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"{layer}.")})
+        adapter.load_state_dict({k: v.float() for k, v in own.items()})
         adapters[layer] = adapter.eval()
     return adapters
 
@@ -73,5 +93,5 @@ def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
     if (bundle.root / ROUTERS_FILE).is_file():
         parts.routers = load_routers(bundle.path(ROUTERS_FILE), loaded.spec.num_layers, loaded.spec.hidden_size)
     if (bundle.root / ADAPTERS_FILE).is_file():
-        parts.exit_adapters = load_adapters(bundle.path(ADAPTERS_FILE), loaded.spec.hidden_size, loaded.spec.rms_norm_eps)
+        parts.exit_adapters = load_adapters(bundle.path(ADAPTERS_FILE), loaded.spec.hidden_size, loaded.spec.rms_norm_eps, loaded.spec.num_layers)
     return loaded, parts

@@ -79,19 +79,25 @@ def simulate_rounds(drafts_at: Any, truth: list[int], k: int, bonus: bool = Fals
             "hit_rate": hits / max(rounds, 1)}
 
 
-def measure_speculation(loaded: Any, parts: Any, prompts: list[str], new_tokens: int) -> dict[str, Any]:
+def measure_speculation(loaded: Any, parts: Any, prompts: list[str], new_tokens: int, adapters: dict[int, Any] | None = None,
+                        runs: list[tuple[list[int], list[int], Any]] | None = None) -> dict[str, Any]:
+    """Simulate both draft sources; with `adapters` the early-exit candidates are their exits and the
+    drafts go through them (head(adapter(h_E))), as the draft engine computes them. `runs` reuses
+    greedy_with_hidden results already generated for `prompts`."""
     import torch
 
     from graphs.layers import Head
 
     spec = loaded.spec
     head = Head(loaded.hf_model, spec)
-    candidates = list(range(max(1, spec.num_layers // 3), spec.num_layers))
+    candidates = sorted(adapters) if adapters else list(range(max(1, spec.num_layers // 3), spec.num_layers))
+    draft_in = (lambda e, h: adapters[e](h)) if adapters else (lambda e, h: h)
     per_exit = {e: [] for e in candidates}
     lookup = {k: [] for k in range(1, MAX_DRAFT + 1)}
     early = {(e, k): [] for e in candidates for k in (1, 2, 3, 4, 6, 8)}
-    for prompt in tqdm(prompts, desc="calibrate speculation", unit="prompt"):
-        ids, cont, hidden = greedy_with_hidden(loaded, prompt, new_tokens)
+    if runs is None:
+        runs = (greedy_with_hidden(loaded, prompt, new_tokens) for prompt in prompts)
+    for ids, cont, hidden in tqdm(runs, total=len(prompts), desc="calibrate speculation", unit="prompt"):
         if len(cont) < 2:
             continue
         start = len(ids) - 1  # position whose output predicts cont[0]
@@ -100,7 +106,7 @@ def measure_speculation(loaded: Any, parts: Any, prompts: list[str], new_tokens:
             # hidden[e] is the input of layer e (un-normalised); HF's last entry is already
             # normalised, so the reference is the greedy continuation itself.
             for e in candidates:
-                pred = head(hidden[e][0, start : start + len(cont)]).argmax(-1).tolist()
+                pred = head(draft_in(e, hidden[e][0, start : start + len(cont)])).argmax(-1).tolist()
                 per_exit[e].append(float(np.mean([p == t for p, t in zip(pred, truth)])))
                 for k in (1, 2, 3, 4, 6, 8):
                     # the draft at position i (after token truth[i]) is pred[i + 1]
@@ -119,7 +125,9 @@ def measure_speculation(loaded: Any, parts: Any, prompts: list[str], new_tokens:
         "prompts": len(prompts),
         "new_tokens": new_tokens,
         "head_cost_layers": round(head_params / layer_params, 3),
+        "adapter_cost_layers": round(max((sum(p.numel() for p in a.parameters()) for a in (adapters or {}).values()), default=0) / layer_params, 4),
         "early_exit_agreement": agreement,
+        "early_exit_through_adapter": bool(adapters),
         "best_exit_layer": int(max(agreement, key=agreement.get)) if agreement else spec.num_layers - 1,
         "early_exit_tokens_per_round": {f"{e}:{k}": mean(v, "tokens_per_round") for (e, k), v in early.items()},
         "prompt_lookup_acceptance": {str(k): mean(v, "acceptance") for k, v in lookup.items()},

@@ -5,6 +5,8 @@
   (argmax) equals the full model's token, teacher-forced over the model's own greedy
   continuation (what the draft must predict to be accepted);
 - prompt-lookup acceptance on the same continuations;
+- with `--exit-adapter fit|FILE`: early exit only at the adapters' exits, drafts through
+  the adapter (calibration/exit_adapters.py).
 The exit layer E whose draft/verify engines are built is chosen with a cost model in
 layer-equivalents (one decoder layer = 1; the LM head costs head_params / layer_params).
 Once the engines exist, `finalize_with_latencies` times them on the staged bundle and
@@ -20,6 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from calibration.artifacts import ADAPTERS_FILE, adapters_bytes
+from calibration.exit_adapters import ExitAdapterFit, candidate_exits, greedy_runs, resolve_exit_adapters
+from calibration.measure import calibration_prompts, measure_speculation
 from graphs.plan import ExitPlan
 from runtimes.errors import UsageError
 
@@ -39,25 +44,69 @@ def parse_forced(text: str, num_layers: int) -> tuple[int, int]:
     return exit_layer, k
 
 
-def plan_speculation(option: str, loaded: Any, parts: Any, args: argparse.Namespace) -> tuple[ExitPlan, dict[str, Any], dict[str, Any]]:
+def plan_speculation(option: str, loaded: Any, parts: Any, args: argparse.Namespace
+                     ) -> tuple[ExitPlan, dict[str, Any], dict[str, Any], dict[str, bytes]]:
+    """ExitPlan, manifest `speculation`, calibration.json entries and extra bundle files.
+
+    With `--exit-adapter fit|FILE` the early-exit candidates are the adapters' exits, their
+    drafts are simulated through the adapter, and the chosen exit's adapter is shipped.
+    """
     spec = loaded.spec
+    adapter_option = getattr(args, "exit_adapter", None) or "none"
     if option != "auto":
         exit_layer, k = parse_forced(option, spec.num_layers)
-        manifest = {"source": "early_exit", "exit_layer": exit_layer, "early_exit": {"draft_len": k}, "adapter": False,
+        fit = None
+        if adapter_option != "none":
+            prompts = calibration_prompts(getattr(args, "calib", None)) if adapter_option == "fit" else []
+            fit = resolve_exit_adapters(adapter_option, loaded, [exit_layer], prompts, None, args.seed)
+            require_adapter(fit, exit_layer, adapter_option)
+        adapter, files = ship_adapter(fit, exit_layer, parts)
+        manifest = {"source": "early_exit", "exit_layer": exit_layer, "early_exit": {"draft_len": k}, "adapter": adapter,
                     "auto_enabled": False, "chosen_by": "forced with --speculate"}
-        return ExitPlan(exit_layer, k), manifest, {"speculation": {"forced": manifest}}
-    from calibration.measure import calibration_prompts, measure_speculation
-
+        calibration: dict[str, Any] = {"forced": manifest}
+        if fit is not None:
+            calibration["exit_adapters"] = {**fit.report, "shipped": exit_layer}
+        return ExitPlan(exit_layer, k, adapter=adapter), manifest, {"speculation": calibration}, files
     prompts = calibration_prompts(getattr(args, "calib", None))
-    measured = measure_speculation(loaded, parts, prompts, DEFAULT_CALIB_TOKENS)
+    fit, runs = None, None
+    if adapter_option != "none":
+        runs = greedy_runs(loaded, prompts, DEFAULT_CALIB_TOKENS)
+        fit = resolve_exit_adapters(adapter_option, loaded, candidate_exits(spec.num_layers), prompts, runs, args.seed)
+    measured = measure_speculation(loaded, parts, prompts, DEFAULT_CALIB_TOKENS, adapters=fit.adapters if fit else None, runs=runs)
     choice = choose(measured, spec)
     early = choice["best_early_exit"]  # draft/verify engines are built for the best early exit either way
     lookup = choice["best_prompt_lookup"]
+    adapter, files = ship_adapter(fit, early["exit_layer"], parts)
     manifest = {"source": choice["source"], "auto_enabled": choice["auto_enabled"], "expected_speedup": choice["expected_speedup"],
-                "exit_layer": early["exit_layer"], "adapter": False, "chosen_by": "calibration (--speculate auto)",
+                "exit_layer": early["exit_layer"], "adapter": adapter, "chosen_by": "calibration (--speculate auto)",
                 "early_exit": {"draft_len": early["draft_len"], "expected_speedup": early["expected_speedup"]},
                 "prompt_lookup": {"draft_len": lookup["draft_len"], "expected_speedup": lookup["expected_speedup"]}}
-    return ExitPlan(early["exit_layer"], early["draft_len"]), manifest, {"speculation": {**measured, "choice": choice}}
+    calibration = {**measured, "choice": choice}
+    if fit is not None:
+        calibration["exit_adapters"] = {**fit.report, "shipped": early["exit_layer"]}
+    return ExitPlan(early["exit_layer"], early["draft_len"], adapter=adapter), manifest, {"speculation": calibration}, files
+
+
+def require_adapter(fit: ExitAdapterFit, exit_layer: int, option: str) -> None:
+    if exit_layer not in fit.adapters:
+        raise UsageError(f"exit adapter file {option!r} has no adapter for exit layer {exit_layer} (it has {sorted(fit.adapters)})",
+                         "force an exit layer the file has with --speculate E:k, or pass --exit-adapter fit")
+
+
+def ship_adapter(fit: ExitAdapterFit | None, exit_layer: int, parts: Any) -> tuple[bool, dict[str, bytes]]:
+    """Put the chosen exit's adapter into the graphs (weights.bin) and the bundle's adapters file."""
+    adapter = fit.adapters.get(exit_layer) if fit is not None else None
+    if adapter is None:
+        return False, {}
+    parts.exit_adapters = {exit_layer: adapter}
+    return True, {ADAPTERS_FILE: adapters_bytes({exit_layer: adapter})}
+
+
+def early_exit_speedup(tokens_per_round: float, exit_layer: int, k: int, layers: int, head: float, adapter: float = 0.0) -> float:
+    """Tokens per round over the round's cost, k draft steps (E layers + adapter + head) and one
+    verify pass (L - E layers + head), against a full step (L layers + head)."""
+    cost = k * (exit_layer + head + adapter) + (layers - exit_layer + head)
+    return round(tokens_per_round * (layers + head) / cost, 3)
 
 
 def choose(measured: dict[str, Any], spec: Any) -> dict[str, Any]:
@@ -68,13 +117,12 @@ def choose(measured: dict[str, Any], spec: Any) -> dict[str, Any]:
     decode pass (prompt lookup), in layer-equivalents against a full step of L layers + head.
     """
     layers, head = spec.num_layers, measured["head_cost_layers"]
-    full_step = layers + head
+    adapter = measured.get("adapter_cost_layers", 0.0)  # a draft step through the exit adapter
     candidates = []
     for key, tokens in measured["early_exit_tokens_per_round"].items():
         e, k = (int(x) for x in key.split(":"))
-        cost = k * (e + head) + (layers - e + head)
         candidates.append({"source": "early_exit", "exit_layer": e, "draft_len": k, "tokens_per_round": tokens,
-                           "expected_speedup": round(tokens * full_step / cost, 3)})
+                           "expected_speedup": early_exit_speedup(tokens, e, k, layers, head, adapter)})
     for k_text, tokens in measured["prompt_lookup_tokens_per_round"].items():
         candidates.append({"source": "prompt_lookup", "exit_layer": None, "draft_len": int(k_text), "tokens_per_round": tokens,
                            "expected_speedup": round(tokens, 3)})

@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-configs", type=_positive_int, default=3, help="most skip configurations to compile besides the full model (default: 3)")
     b.add_argument("--router-lambda", type=float, default=None, help="router sparsity weight lambda for --routers train (default: the value chosen by the lambda sweep)")
     b.add_argument("--speculate", default=None, help="'auto' to calibrate self-speculation (exit layer E, draft length k, exit adapter) and build draft/verify engines, or 'E:k' to force them")
+    b.add_argument("--exit-adapter", default="none", metavar="none|fit|FILE",
+                   help="with --speculate: 'fit' fits a low-rank exit adapter (head(adapter(h_E)) ~ full model, KL on the model's own "
+                        "continuations of the calibration prompts) at E in {L/2, 2L/3, 5L/6, L-2} (at E with --speculate E:k), so calibration sees the "
+                        "adapted acceptance and the chosen exit's adapter ships as exit_adapters.safetensors; FILE reuses such a "
+                        "file; none (default) drafts from the raw exit")
     b.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help="weight-only quantization of the ONNX engines (default: none, fp32)")
     b.add_argument("--coreml-precision", choices=["float16", "float32"], default="float16", help="CoreML compute precision (default: float16)")
     b.add_argument("--trt-precision", choices=["fp32", "fp16", "int8"], default="fp16", help="TensorRT engine precision flag (default: fp16)")

@@ -35,8 +35,22 @@ def register_backends(backends: tuple[str, ...], args: argparse.Namespace) -> No
         EXTRA_BACKENDS["tensorrt"] = lambda root, manifest, parts, plan: compile_tensorrt(root, manifest, args.trt_precision)
 
 
+def check_exit_adapter_option(args: argparse.Namespace) -> None:
+    """`--exit-adapter none|fit|FILE` needs --speculate; a missing FILE fails before minutes of loading."""
+    option = getattr(args, "exit_adapter", "none") or "none"
+    if option == "none":
+        return
+    if not args.speculate:
+        raise UsageError(f"--exit-adapter {option} needs --speculate (the adapter belongs to the early-exit draft)",
+                         "add --speculate auto, or --speculate E:k")
+    if option != "fit" and not Path(option).is_file():
+        raise UsageError(f"exit adapter file {option!r} does not exist",
+                         "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build")
+
+
 def run_build(args: argparse.Namespace) -> dict[str, Any]:
     backends = parse_backends(args.backend)
+    check_exit_adapter_option(args)
     register_backends(backends, args)
     output = Path(args.output)
     check_output_dir(output, args.force)  # fail fast, before minutes of loading and export
@@ -57,8 +71,9 @@ def run_build(args: argparse.Namespace) -> dict[str, Any]:
     if args.speculate:
         from calibration.speculation import plan_speculation
 
-        plan.exit, speculation, measured = plan_speculation(args.speculate, loaded, parts, args)
+        plan.exit, speculation, measured, adapter_files = plan_speculation(args.speculate, loaded, parts, args)
         calibration.update(measured)
+        extra_files = {**extra_files, **adapter_files}
     after_export = None
     if args.speculate == "auto":
         from calibration.speculation import finalize_with_latencies
