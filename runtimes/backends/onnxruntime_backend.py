@@ -34,7 +34,8 @@ def _import_ort() -> Any:
 class OnnxRuntimeBackend(Backend):
     name = "onnx"
 
-    def __init__(self, bundle: Bundle, threads: int = 0, provider: str = "cpu", prepack: Iterable[str] = ()) -> None:
+    def __init__(self, bundle: Bundle, threads: int = 0, provider: str = "cpu", prepack: Iterable[str] = (),
+                 profile_prefix: str | None = None) -> None:
         super().__init__(bundle)
         self.ort = _import_ort()
         if provider not in PROVIDERS:
@@ -46,6 +47,7 @@ class OnnxRuntimeBackend(Backend):
         self.provider = PROVIDERS[provider]
         self.threads = threads
         self.prepack = set(prepack)
+        self.profile_prefix = profile_prefix  # ORT's per-node profiler, for benchmarks/profile_decode.py
         self.weights = np.fromfile(bundle.path(self.entry["weights"]), dtype=np.uint8)
         self._values: dict[str, Any] = {}
         self._sessions: dict[str, Any] = {}
@@ -74,6 +76,9 @@ class OnnxRuntimeBackend(Backend):
             options.inter_op_num_threads = 1
             options.graph_optimization_level = self.ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             options.log_severity_level = 3
+            if self.profile_prefix:
+                options.enable_profiling = True
+                options.profile_file_prefix = f"{self.profile_prefix}_{graph}"
             if graph not in self.prepack and self.entry.get("quantize", "none") == "none":
                 options.add_session_config_entry("session.disable_prepacking", "1")
             for name in engine["initializers"]:
