@@ -58,6 +58,10 @@ def run_build(args: argparse.Namespace) -> dict[str, Any]:
         from exporter.quantize import validate_options
 
         validate_options(args.quant_block, args.quant_accuracy)  # before minutes of loading and export
+    if getattr(args, "calib", None) and (args.routers or args.speculate):
+        from exporter.cli import read_prompts
+
+        read_prompts(args.calib)  # a bad calibration file fails before minutes of loading
     loaded = load_model(args.model)
     parts = ModelParts(loaded.hf_model, loaded.spec)
     plan = BuildPlan(num_layers=loaded.spec.num_layers)

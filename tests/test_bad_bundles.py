@@ -110,3 +110,18 @@ def test_unwritable_output_directory(tiny_model_dir: Path, tmp_path: Path, capsy
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     expect_usage_error(["build", str(tiny_model_dir), "-o", str(blocker / "b")], capsys, "cannot create the parent directory")
+
+
+def test_unsupported_architecture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A GPT-2 config is read (no weights needed) and refused, naming what is supported."""
+    model = tmp_path / "gpt2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 50257}))
+    expect_usage_error(["build", str(model), "-o", str(tmp_path / "o")], capsys, "model type 'gpt2' is not supported", "llama")
+
+
+@pytest.mark.parametrize("content,fragment", [("prompt: not json\n", "is not JSON"), ('{"text": "no prompt"}\n', "lacks a non-empty string 'prompt'")])
+def test_bad_calibration_file(content: str, fragment: str, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text(content)
+    expect_usage_error(["build", str(tiny_model_dir), "-o", str(tmp_path / "o"), "--routers", "train", "--calib", str(calib)], capsys, fragment)
