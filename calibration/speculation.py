@@ -146,5 +146,8 @@ def finalize_with_latencies(root: Path, manifest: dict[str, Any], calibration: d
                 chosen_by="calibration (--speculate auto): simulated acceptance x measured engine latencies")
     for source, candidate in choice["by_source"].items():
         spec[source] = {"draft_len": candidate["draft_len"], "expected_speedup": candidate["expected_speedup"]}
+    decode = latencies["decode_ms"]
+    # gated prompt lookup (runtime, --mode auto) drafts only while accepted drafts pay for this
+    spec.setdefault("prompt_lookup", {})["verify_cost"] = {str(k): round(decode[k + 1] / decode[1], 3) for k in decode if k + 1 in decode}
     calibration["speculation"].update(latencies=latencies, measured_choice=choice)
     (root / "calibration.json").write_text(json.dumps(calibration, indent=2) + "\n")

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--raw", action="store_true", help="do not apply the chat template")
     r.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, prompt_tokens, stats) instead of streaming")
     r.add_argument("--config", default="auto", help="skip configuration: auto (routers pick, default), full, or a config id from `inspect`")
-    r.add_argument("--mode", default="ar", choices=["ar", "spec", "auto"], help="ar: plain decoding (default); spec: self-speculative; auto: spec only where calibration found it pays")
+    r.add_argument("--mode", default="ar", choices=["ar", "spec", "auto"], help="ar: plain decoding (default); spec: self-speculative with --draft; auto: the draft source calibration found to pay on average, else prompt lookup gated to draft only while drafts pay for the wider verify pass (plain speed on chat, faster where the answer repeats the context)")
     r.add_argument("--draft", default=None, choices=["early_exit", "prompt_lookup"], help="draft source for --mode spec (default: the one calibration chose, else prompt_lookup)")
     r.add_argument("--draft-len", type=_positive_int, default=None, help="draft tokens per round (default: calibrated, else 4)")
     r.add_argument("--backend", default="onnx", help="engine backend: onnx (default), coreml (macOS), tensorrt (NVIDIA)")

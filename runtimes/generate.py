@@ -108,7 +108,7 @@ class Generator:
 
         decode_start = time.perf_counter()
         if not emit(seq.pending):
-            runner = self._speculative_runner(seq, stats, draft, draft_len) if stats.mode == "spec" else None
+            runner = self._speculative_runner(seq, stats, draft, draft_len, auto=mode == "auto") if stats.mode == "spec" else None
             if runner is not None:
                 runner.run(seq, emit, max_new_tokens, sampling, rng)
             else:
@@ -168,23 +168,29 @@ class Generator:
         return choose_config(self.bundle.manifest["configs"], kept)
 
     def _resolve_mode(self, mode: str, config: dict[str, Any], draft: str | None) -> str:
-        """auto = speculation only where calibration measured that it beats plain decoding."""
+        """spec needs the draft source's engines; auto always runs the speculative loop (see
+        _speculative_runner), which falls back to plain steps where drafting does not pay."""
         if mode == "ar":
             return "ar"
         from runtimes.speculative import SOURCES, speculation_available
 
         if draft is not None and draft not in SOURCES:
             raise UsageError(f"draft source {draft!r} is unknown", f"choose one of: {', '.join(SOURCES)}")
-        available = speculation_available(self.bundle, config, draft)
-        if mode == "spec" and not available:
+        if mode == "spec" and not speculation_available(self.bundle, config, draft):
             raise UsageError(f"configuration {config['id']!r} has no {draft} draft engines", "use --draft prompt_lookup, --mode ar, or rebuild with --speculate")
-        if mode == "auto":
-            return "spec" if available and (self.bundle.manifest.get("speculation") or {}).get("auto_enabled", False) else "ar"
         return "spec"
 
-    def _speculative_runner(self, seq: Sequence_, stats: GenerationStats, draft: str | None, draft_len: int | None) -> Any:
-        from runtimes.speculative import SpeculativeRunner
+    def _speculative_runner(self, seq: Sequence_, stats: GenerationStats, draft: str | None, draft_len: int | None,
+                            auto: bool = False) -> Any:
+        """auto: the calibrated source where it pays on average (and has engines for this
+        configuration), else gated prompt lookup, which decodes plainly where drafts do not pay."""
+        from runtimes.speculative import SpeculativeRunner, speculation_available
 
+        if auto:
+            spec = self.bundle.manifest.get("speculation") or {}
+            if not (spec.get("auto_enabled", False) and speculation_available(self.bundle, seq.config)):
+                return SpeculativeRunner(self.bundle, self.backend, seq.config, stats, "prompt_lookup", draft_len, gated=True)
+            draft = None
         return SpeculativeRunner(self.bundle, self.backend, seq.config, stats, draft, draft_len)
 
     def _decode_ar(self, seq: Sequence_, emit: Callable[[int], bool], sampling: SamplingParams, rng: np.random.Generator) -> None:

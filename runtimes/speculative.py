@@ -20,6 +20,14 @@ Draft sources:
 Early exit draws no bonus token when all k drafts are accepted (it would cost one more
 draft-head call); the last accepted draft becomes `pending` and the next round starts
 from it.
+
+Gated prompt lookup (`--mode auto` when calibration found no source that pays on average):
+a round with drafts costs one T=k+1 pass, measured at build time as `verify_cost` times a
+T=1 pass, and yields 1 + accepted tokens; so drafting pays only while the running mean of
+accepted drafts is at least verify_cost - 1. Below that, rounds are plain T=1 steps (the
+cost of plain decoding) with a probe draft every PROBE_EVERY rounds, so a prompt whose
+answer repeats its context (rewrite, summarise, edit) still gets the speed-up while a
+chat answer decodes at plain speed.
 """
 from __future__ import annotations
 
@@ -37,6 +45,9 @@ from runtimes.sampling import SamplingParams, choose, probabilities
 SOURCES = ("early_exit", "prompt_lookup")
 DEFAULT_LOOKUP_K = 4
 MAX_NGRAM = 3
+DEFAULT_VERIFY_COST = 1.3  # T=k+1 pass / T=1 pass when the bundle carries no measurement
+PROBE_EVERY = 16  # gated lookup: rounds between probe drafts while drafting does not pay
+EMA_WEIGHT = 0.3  # weight of the newest round in the running mean of accepted drafts
 
 
 def speculation_available(bundle: Bundle, config: dict[str, Any], source: str | None = None) -> bool:
@@ -78,7 +89,7 @@ class SpeculativeRunner:
     """Runs rounds of draft + verify until `emit` says stop."""
 
     def __init__(self, bundle: Bundle, backend: Backend, config: dict[str, Any], stats: Any, source: str | None = None,
-                 draft_len: int | None = None) -> None:
+                 draft_len: int | None = None, gated: bool = False) -> None:
         self.bundle, self.backend, self.config, self.stats = bundle, backend, config, stats
         self.source = source or default_source(bundle, config)
         if self.source not in SOURCES:
@@ -91,6 +102,11 @@ class SpeculativeRunner:
             raise UsageError(f"draft length {self.k} is not positive", "use a draft length of 1 or more")
         self.hidden = np.zeros((1, self.k, bundle.model["hidden_size"]), dtype=np.float32)
         self.drafted = self.accepted = self.rounds = 0
+        self.gated = gated and self.source == "prompt_lookup"
+        costs = calibrated.get("verify_cost") or {}
+        self.break_even = float(costs.get(str(self.k), DEFAULT_VERIFY_COST)) - 1.0  # accepted drafts a round must average
+        self.mean_accepted: float | None = None
+        self.since_probe = self.skipped = 0
         self.draft_s = self.verify_s = 0.0
 
     def run(self, seq: Any, emit: Callable[[int], bool], max_new_tokens: int, sampling: SamplingParams, rng: np.random.Generator) -> None:
@@ -113,6 +129,8 @@ class SpeculativeRunner:
                 "mean_accepted": round(self.accepted / self.rounds, 3) if self.rounds else 0.0,
                 "draft_ms": round(self.draft_s * 1e3, 3),
                 "verify_ms": round(self.verify_s * 1e3, 3),
+                "gated": self.gated,
+                "rounds_without_drafting": self.skipped,
             }
 
     # ---- one round -------------------------------------------------------------------
@@ -123,7 +141,7 @@ class SpeculativeRunner:
         if self.source == "early_exit":
             drafts, draft_logits = self._draft_early_exit(seq.pending, k, start, arena, sampling, rng)
         else:
-            drafts, draft_logits = lookup_ngram(context, k), None
+            drafts, draft_logits = (lookup_ngram(context, k) if self._worth_drafting() else []), None
         self.draft_s += time.perf_counter() - started
         started = time.perf_counter()
         if self.source == "early_exit":
@@ -139,6 +157,8 @@ class SpeculativeRunner:
         if correction is None and verify.shape[0] > len(drafts):  # prompt lookup: the bonus row
             correction = choose(verify[len(drafts)], sampling, rng)
         self.accepted += accepted
+        if drafts and self.gated:
+            self.mean_accepted = accepted if self.mean_accepted is None else (1 - EMA_WEIGHT) * self.mean_accepted + EMA_WEIGHT * accepted
         emitted = drafts[:accepted] + ([correction] if correction is not None else [])
         # inputs pending, d1..d(accepted) now have valid KV in every kept layer
         arena.length = start + (accepted + 1 if correction is not None else accepted)
@@ -147,6 +167,17 @@ class SpeculativeRunner:
             context.append(token)
             if emit(token):
                 return True
+        return False
+
+    def _worth_drafting(self) -> bool:
+        """Gated lookup: draft while accepted drafts pay for the wider verify pass, else probe."""
+        if not self.gated or self.mean_accepted is None or self.mean_accepted >= self.break_even:
+            return True
+        self.since_probe += 1
+        if self.since_probe >= PROBE_EVERY:
+            self.since_probe = 0
+            return True
+        self.skipped += 1
         return False
 
     def _draft_early_exit(self, pending: int, k: int, start: int, arena: Any, sampling: SamplingParams,

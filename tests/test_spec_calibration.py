@@ -71,11 +71,38 @@ def test_auto_build_records_latencies_and_choice(auto_bundle: Path) -> None:
 def test_mode_auto_follows_the_calibrated_choice(auto_bundle: Path) -> None:
     generator = Generator(auto_bundle)
     spec = generator.bundle.manifest["speculation"]
+    assert set(spec["prompt_lookup"]["verify_cost"]) >= {"1", "2", "4"}
     ids = generator.codec.encode(CALIB[0], raw=True)
     plain = generator.generate(ids, max_new_tokens=20)
     auto = generator.generate(ids, max_new_tokens=20, mode="auto")
-    assert auto.stats.mode == ("spec" if spec["auto_enabled"] else "ar")
-    if auto.stats.mode == "spec":
-        assert auto.stats.speculation["draft_source"] == spec["source"]
-        assert auto.stats.speculation["draft_len"] == spec[spec["source"]]["draft_len"]
+    used = auto.stats.speculation
+    if spec["auto_enabled"]:
+        assert used["draft_source"] == spec["source"] and not used["gated"]
+        assert used["draft_len"] == spec[spec["source"]]["draft_len"]
+    else:
+        assert used["draft_source"] == "prompt_lookup" and used["gated"]
     assert auto.tokens == plain.tokens
+
+
+def test_gated_lookup_stops_drafting_when_drafts_do_not_pay(auto_bundle: Path) -> None:
+    """With an (artificially) expensive verify pass, gated lookup drafts rarely; with a free
+    one it drafts every round it finds an n-gram. Output is plain decoding's either way."""
+    from runtimes.speculative import PROBE_EVERY
+
+    generator = Generator(auto_bundle)
+    spec = generator.bundle.manifest["speculation"]
+    spec["auto_enabled"] = False
+    ids = generator.codec.encode("the sea the sea the sea and the sky the sea", raw=True)
+    plain = generator.generate(ids, max_new_tokens=48).tokens
+    runs = {}
+    for cost in (100.0, 1.0):
+        spec["prompt_lookup"]["verify_cost"] = {str(k): cost for k in range(1, 10)}
+        result = generator.generate(ids, max_new_tokens=48, mode="auto")
+        assert result.tokens == plain
+        runs[cost] = result.stats.speculation
+    assert runs[1.0]["rounds_without_drafting"] == 0 and runs[1.0]["drafted"] > 0
+    expensive = runs[100.0]
+    assert expensive["rounds_without_drafting"] > 0
+    # after the first drafted round shows drafts do not pay, only probes draft
+    assert expensive["rounds"] - expensive["rounds_without_drafting"] <= 3 + expensive["rounds"] // PROBE_EVERY
+    assert expensive["drafted"] * 3 <= runs[1.0]["drafted"], (expensive, runs[1.0])
