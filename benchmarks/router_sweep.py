@@ -24,9 +24,8 @@ import torch
 
 from benchmarks.common import DEFAULT_PROMPTS, ROOT, load_prompts, pin_threads, print_table
 from calibration.measure import calibration_prompts, greedy_sequence
-from calibration.routers import GatedModel, TrainingSequence, router_scores, train_routers
+from calibration.routers import THRESHOLD, GatedModel, TrainingSequence, router_scores, train_routers
 
-THRESHOLD = 0.5
 
 
 def skipped_forward(model: GatedModel, ids: list[int], prompt_len: int, kept: set[int]) -> torch.Tensor:
@@ -82,7 +81,7 @@ def tpot_model(threads: int) -> tuple[float, float, dict[int, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lambdas", default="0.0,0.02,0.05,0.1,0.2")
+    parser.add_argument("--lambdas", default="0.0,0.005,0.01,0.02,0.05", help="router sparsity weights to train and evaluate (comma-separated)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--plot", default=str(ROOT / "docs" / "router_sweep.png"))
     parser.add_argument("--json", default=None)

@@ -34,18 +34,25 @@ def _median_ms(call: Callable[[], Any], repeats: int = REPEATS) -> float:
     return round(statistics.median(samples), 3)
 
 
-def measure_engine_latencies(bundle_dir: Path, max_k: int, threads: int = 0) -> dict[str, Any]:
-    """Median ms per engine call on the full configuration: decode[T], draft (T=1), verify[T]."""
-    from runtimes import Generator
+def measure_engine_latencies(bundle_dir: Path, max_k: int, threads: int = 0, prepack: bool = False) -> dict[str, Any]:
+    """Median ms per engine call on the full configuration: decode[T], draft (T=1), verify[T].
 
-    gen = Generator(bundle_dir, verify="size", threads=threads)
+    `prepack`: with ONNX Runtime's weight prepacking on the decode and verify engines
+    (`run --prepack decode`), which makes T > 1 passes much cheaper on CPU.
+    """
+    from runtimes import Generator
+    from runtimes.bundle import load_bundle
+
+    engines = load_bundle(bundle_dir, verify="size").config("full")["engines"]
+    gen = Generator(bundle_dir, verify="size", threads=threads,
+                    prepack=[engines["decode"], engines.get("verify", engines["decode"])] if prepack else [])
     config = gen.bundle.config("full")
     engines, backend, arena = config["engines"], gen.backend, gen.arena
     prefix = min(PREFIX_TOKENS, gen.bundle.max_len - 2 * (max_k + 1))
     backend.run("prefill", np.ones((1, prefix), dtype=np.int64), arena, 0)
     decode = {t: _median_ms(lambda t=t: backend.run(engines["decode"], np.ones((1, t), dtype=np.int64), arena, prefix))
               for t in range(1, max_k + 2)}
-    result: dict[str, Any] = {"prefix_tokens": prefix, "threads": threads, "decode_ms": decode}
+    result: dict[str, Any] = {"prefix_tokens": prefix, "threads": threads, "prepack": prepack, "decode_ms": decode}
     if "draft" in engines and "verify" in engines:
         hidden = np.zeros((1, max_k, gen.bundle.model["hidden_size"]), dtype=np.float32)
         result["draft_ms"] = _median_ms(lambda: backend.run(engines["draft"], np.ones((1, 1), dtype=np.int64), arena, prefix))
@@ -83,3 +90,8 @@ def choose_measured(measured: dict[str, Any], latencies: dict[str, Any], exit_la
     by_source = {c["source"]: c for c in sorted(candidates, key=lambda c: c["expected_speedup"])}
     return {"best": best, "by_source": by_source, "candidates": candidates,
             "auto_enabled": best["expected_speedup"] > MIN_SPEEDUP, "min_speedup": MIN_SPEEDUP}
+
+
+def verify_costs(decode_ms: dict[int, float]) -> dict[str, float]:
+    """Cost of verifying k lookup drafts (a T=k+1 pass) in T=1 passes, per k."""
+    return {str(k): round(decode_ms[k + 1] / decode_ms[1], 3) for k in decode_ms if k + 1 in decode_ms}

@@ -10,11 +10,10 @@ from tqdm import tqdm
 from calibration.artifacts import load_routers, routers_bytes, ROUTERS_FILE
 from calibration.configs import choose_configs, layers_saved, served_share
 from calibration.measure import calibration_prompts, greedy_sequence
-from calibration.routers import DEFAULT_LAMBDA, TrainingSequence, router_scores, train_routers
+from calibration.routers import DEFAULT_LAMBDA, LEARNING_RATE, THRESHOLD, TrainingSequence, router_scores, train_routers
 from graphs.plan import SkipConfig
 from runtimes.errors import UsageError
 
-THRESHOLD = 0.5
 CONTINUATION_TOKENS = 24
 
 
@@ -28,9 +27,12 @@ def plan_routers(args: argparse.Namespace, loaded: Any) -> tuple[Any, list[SkipC
                  for p in tqdm(prompts, desc="calibration continuations", unit="prompt")]
     report: dict[str, Any] = {"prompts": len(prompts), "threshold": THRESHOLD}
     if args.routers == "train":
-        result = train_routers(loaded, sequences, lam=lam, seed=args.seed)
+        lr = getattr(args, "router_lr", None) or LEARNING_RATE
+        if lr <= 0:
+            raise UsageError(f"--router-lr {lr} is not positive", "use a learning rate such as 5e-3")
+        result = train_routers(loaded, sequences, lam=lam, seed=args.seed, lr=lr)
         routers = result.routers
-        report["training"] = {"lambda": lam, "epochs": result.epochs, "seconds": round(result.seconds, 1), "seed": args.seed,
+        report["training"] = {"lambda": lam, "learning_rate": lr, "epochs": result.epochs, "seconds": round(result.seconds, 1), "seed": args.seed,
                               "loss_first_epoch": round(result.loss_first, 4), "loss_last_epoch": round(result.loss_last, 4),
                               "mean_p_last": round(result.mean_p_last, 4)}
     else:

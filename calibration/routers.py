@@ -1,10 +1,17 @@
 """Train FiRST routers with the model frozen (DESIGN.md section 2).
 
-During training layer i's output is p_i * f_i(x) + (1 - p_i) * x, where p_i is the mean
-over the prompt's tokens of sigmoid(w_i . x_t) on that layer's input: the same statistic
-the prefill graph emits and the runtime thresholds. The loss is next-token cross-entropy
-on the model's own greedy continuation (what the full model would say) plus
+p_i is the mean over the prompt's tokens of sigmoid(w_i . x_t) on layer i's input: the
+statistic the prefill graph emits and the runtime thresholds. The loss is next-token
+cross-entropy on the model's own greedy continuation (what the full model would say) plus
 lambda * sum_i p_i plus a small weight decay. Only the [L, H] router matrix trains.
+
+The forward pass trains what inference runs. Prompt rows go through every layer (prefill
+never skips), so p_i is computed on exactly the inputs the prefill graph sees. Continuation
+rows are gated by g_i = 1[p_i >= 0.5] + p_i - stopgrad(p_i): in the forward pass the hard
+keep/skip decision the runtime makes, in the backward pass the gradient of the soft gate
+p_i * f_i(x) + (1 - p_i) * x (a straight-through estimator). Soft gating alone trained a
+blend the runtime never runs: on SmolLM2 it skipped layers whose hard removal cost half of
+the top-1 agreement even at lambda = 0 (benchmarks/router_sweep.py, README).
 """
 from __future__ import annotations
 
@@ -22,6 +29,8 @@ from graphs.layers import Head, Rotary, StaticDecoderLayer, causal_mask
 DEFAULT_LAMBDA = 0.02
 WEIGHT_DECAY = 1e-4
 INIT_KEEP_PROBABILITY = 0.95
+THRESHOLD = 0.5  # the runtime keeps layer i iff p_i >= THRESHOLD (manifest router_threshold)
+LEARNING_RATE = 5e-3
 
 
 @dataclass
@@ -42,7 +51,7 @@ class RouterTrainingResult:
 
 
 class GatedModel(torch.nn.Module):
-    """The frozen decoder with soft FiRST gates; returns logits and the per-layer p_i."""
+    """The frozen decoder with FiRST gates on continuation rows; returns logits and the p_i."""
 
     def __init__(self, loaded: Any) -> None:
         super().__init__()
@@ -65,11 +74,13 @@ class GatedModel(torch.nn.Module):
 
     def forward(self, ids: list[int], prompt_len: int, routers: Routers) -> tuple[torch.Tensor, torch.Tensor]:
         x, cos, sin, mask, empty = self._start(ids)
+        is_prompt = (torch.arange(len(ids)) < prompt_len)[:, None]
         scores = []
         for index, layer in enumerate(self.layers):
             p = torch.sigmoid(x[:prompt_len] @ routers.weight[index]).mean()
+            gate = (p >= THRESHOLD).float() + p - p.detach()  # hard decision forward, soft gradient backward
             out, _, _ = layer(x, empty, empty, cos, sin, mask)
-            x = p * out + (1 - p) * x
+            x = torch.where(is_prompt, out, gate * out + (1 - gate) * x)
             scores.append(p)
         return self.head(x), torch.stack(scores)
 
@@ -96,7 +107,7 @@ def initial_routers(model: GatedModel, sequences: list[TrainingSequence]) -> Rou
 
 
 def train_routers(loaded: Any, sequences: list[TrainingSequence], lam: float = DEFAULT_LAMBDA, epochs: int = 3,
-                  lr: float = 0.02, seed: int = 0, progress: bool = True, routers: Routers | None = None) -> RouterTrainingResult:
+                  lr: float = LEARNING_RATE, seed: int = 0, progress: bool = True, routers: Routers | None = None) -> RouterTrainingResult:
     torch.manual_seed(seed)
     model = GatedModel(loaded).eval()
     routers = routers or initial_routers(model, sequences)

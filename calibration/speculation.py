@@ -135,19 +135,21 @@ def choose(measured: dict[str, Any], spec: Any) -> dict[str, Any]:
 
 def finalize_with_latencies(root: Path, manifest: dict[str, Any], calibration: dict[str, Any]) -> None:
     """Time the staged engines; choose source, k and auto from acceptance x measured latency."""
-    from calibration.latency import choose_measured, measure_engine_latencies
+    from calibration.latency import choose_measured, measure_engine_latencies, verify_costs
     from calibration.measure import MAX_DRAFT
 
     spec = manifest["speculation"]
     latencies = measure_engine_latencies(root, MAX_DRAFT)
+    prepacked = measure_engine_latencies(root, MAX_DRAFT, prepack=True)
     choice = choose_measured(calibration["speculation"], latencies, spec.get("exit_layer"))
     best = choice["best"]
     spec.update(source=best["source"], auto_enabled=choice["auto_enabled"], expected_speedup=best["expected_speedup"],
                 chosen_by="calibration (--speculate auto): simulated acceptance x measured engine latencies")
     for source, candidate in choice["by_source"].items():
         spec[source] = {"draft_len": candidate["draft_len"], "expected_speedup": candidate["expected_speedup"]}
-    decode = latencies["decode_ms"]
     # gated prompt lookup (runtime, --mode auto) drafts only while accepted drafts pay for this
-    spec.setdefault("prompt_lookup", {})["verify_cost"] = {str(k): round(decode[k + 1] / decode[1], 3) for k in decode if k + 1 in decode}
-    calibration["speculation"].update(latencies=latencies, measured_choice=choice)
+    lookup = spec.setdefault("prompt_lookup", {})
+    lookup["verify_cost"] = verify_costs(latencies["decode_ms"])
+    lookup["verify_cost_prepacked"] = verify_costs(prepacked["decode_ms"])
+    calibration["speculation"].update(latencies=latencies, latencies_prepacked=prepacked, measured_choice=choice)
     (root / "calibration.json").write_text(json.dumps(calibration, indent=2) + "\n")

@@ -103,7 +103,8 @@ class SpeculativeRunner:
         self.hidden = np.zeros((1, self.k, bundle.model["hidden_size"]), dtype=np.float32)
         self.drafted = self.accepted = self.rounds = 0
         self.gated = gated and self.source == "prompt_lookup"
-        costs = calibrated.get("verify_cost") or {}
+        prepacked = config["engines"]["decode"] in getattr(backend, "prepack", ())  # ORT: T > 1 passes much cheaper
+        costs = calibrated.get("verify_cost_prepacked" if prepacked else "verify_cost") or {}
         self.break_even = float(costs.get(str(self.k), DEFAULT_VERIFY_COST)) - 1.0  # accepted drafts a round must average
         self.mean_accepted: float | None = None
         self.since_probe = self.skipped = 0

@@ -29,7 +29,7 @@ def router_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, 
     calib = root / "calib.jsonl"
     calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CALIB))
     assert main(["build", str(model), "-o", str(root / "routed"), "--max-len", "96", "--routers", "train", "--calib", str(calib),
-                 "--router-lambda", "2.0", "--max-configs", "3"]) == 0
+                 "--router-lambda", "2.0", "--router-lr", "0.02", "--max-configs", "3"]) == 0
     assert main(["build", str(model), "-o", str(root / "plain"), "--max-len", "96"]) == 0
     return model, root / "routed", root / "plain"
 
@@ -108,8 +108,8 @@ def test_training_reacts_to_lambda(router_setup: tuple[Path, Path, Path]) -> Non
     model, _, _ = router_setup
     loaded = load_model(str(model))
     sequences = [TrainingSequence(*greedy_sequence(loaded, p, 8)) for p in CALIB]
-    low = train_routers(loaded, sequences, lam=0.0, progress=False)
-    high = train_routers(loaded, sequences, lam=3.0, progress=False)
+    low = train_routers(loaded, sequences, lam=0.0, lr=0.02, progress=False)
+    high = train_routers(loaded, sequences, lam=3.0, lr=0.02, progress=False)
     assert high.mean_p_last < low.mean_p_last
 
 

@@ -71,7 +71,7 @@ def test_auto_build_records_latencies_and_choice(auto_bundle: Path) -> None:
 def test_mode_auto_follows_the_calibrated_choice(auto_bundle: Path) -> None:
     generator = Generator(auto_bundle)
     spec = generator.bundle.manifest["speculation"]
-    assert set(spec["prompt_lookup"]["verify_cost"]) >= {"1", "2", "4"}
+    assert set(spec["prompt_lookup"]["verify_cost"]) >= {"1", "2", "4"} and set(spec["prompt_lookup"]["verify_cost_prepacked"]) >= {"1", "2", "4"}
     ids = generator.codec.encode(CALIB[0], raw=True)
     plain = generator.generate(ids, max_new_tokens=20)
     auto = generator.generate(ids, max_new_tokens=20, mode="auto")
