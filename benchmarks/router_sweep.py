@@ -24,19 +24,8 @@ import torch
 
 from benchmarks.common import DEFAULT_PROMPTS, ROOT, load_prompts, pin_threads, print_table
 from calibration.measure import calibration_prompts, greedy_sequence
-from calibration.routers import THRESHOLD, GatedModel, TrainingSequence, router_scores, train_routers
+from calibration.routers import THRESHOLD, GatedModel, TrainingSequence, router_scores, skipping_logits, train_routers
 
-
-
-def skipped_forward(model: GatedModel, ids: list[int], prompt_len: int, kept: set[int]) -> torch.Tensor:
-    """Logits where rows after the prompt bypass the layers outside `kept` (decode semantics)."""
-    x, cos, sin, mask, empty = model._start(ids)
-    is_prompt = (torch.arange(len(ids)) < prompt_len)[:, None]
-    with torch.no_grad():
-        for index, layer in enumerate(model.layers):
-            out, _, _ = layer(x, empty, empty, cos, sin, mask)
-            x = out if index in kept else torch.where(is_prompt, out, x)
-        return model.head(x)
 
 
 def evaluate(loaded, model: GatedModel, routers, held: list[TrainingSequence], texts: list[list[int]]) -> dict[str, float]:
@@ -46,12 +35,12 @@ def evaluate(loaded, model: GatedModel, routers, held: list[TrainingSequence], t
         scores = router_scores(loaded, routers, seq.ids[: seq.prompt_len])
         kept = {i for i, s in enumerate(scores) if s >= THRESHOLD}
         skipped.append(len(every) - len(kept))
-        logits = skipped_forward(model, seq.ids, seq.prompt_len, kept)[seq.prompt_len - 1 : -1]
+        logits = skipping_logits(model, seq.ids, seq.prompt_len, kept)[seq.prompt_len - 1 : -1]
         agreement.append(float((logits.argmax(-1) == torch.tensor(seq.ids[seq.prompt_len:])).float().mean()))
     for ids in texts:
         half = len(ids) // 2
         kept = {i for i, s in enumerate(router_scores(loaded, routers, ids[:half])) if s >= THRESHOLD}
-        logits = skipped_forward(model, ids, half, kept)[half - 1 : -1]
+        logits = skipping_logits(model, ids, half, kept)[half - 1 : -1]
         nll.append(float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[half:]))))
     return {"mean_skipped": statistics.mean(skipped), "top1_agreement": statistics.mean(agreement), "perplexity": float(np.exp(np.mean(nll)))}
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from collections import Counter
 from typing import Any
 
@@ -10,11 +11,17 @@ from tqdm import tqdm
 from calibration.artifacts import load_routers, routers_bytes, ROUTERS_FILE
 from calibration.configs import choose_configs, layers_saved, served_share
 from calibration.measure import calibration_prompts, greedy_sequence
-from calibration.routers import DEFAULT_LAMBDA, LEARNING_RATE, THRESHOLD, TrainingSequence, router_scores, train_routers
+from calibration.routers import (DEFAULT_LAMBDA, LEARNING_RATE, THRESHOLD, GatedModel, TrainingSequence, continuation_agreement,
+                                 router_scores, train_routers)
 from graphs.plan import SkipConfig
 from runtimes.errors import UsageError
 
 CONTINUATION_TOKENS = 24
+# A skip configuration gets an engine only if decoding with it keeps this share of the full
+# model's greedy tokens (teacher-forced, calibration continuations); prompts it would have
+# served fall back, by the superset rule, to a larger configuration or the full model.
+DEFAULT_MIN_AGREEMENT = 0.9
+log = logging.getLogger(__name__)
 
 
 def plan_routers(args: argparse.Namespace, loaded: Any) -> tuple[Any, list[SkipConfig], dict[str, Any], dict[str, bytes]]:
@@ -43,6 +50,7 @@ def plan_routers(args: argparse.Namespace, loaded: Any) -> tuple[Any, list[SkipC
         scores = router_scores(loaded, routers, seq.ids[: seq.prompt_len])
         histogram[frozenset(i for i, s in enumerate(scores) if s >= THRESHOLD)] += 1
     chosen = choose_configs(histogram, spec.num_layers, args.max_configs)
+    chosen, quality = keep_good_configs(loaded, sequences, chosen, getattr(args, "min_config_agreement", DEFAULT_MIN_AGREEMENT))
     shares = served_share(histogram, chosen, spec.num_layers)
     configs = [SkipConfig(f"s{n}", tuple(sorted(kept))) for n, kept in enumerate(chosen, 1)]
     ids = {frozenset(c.kept): c.id for c in configs} | {frozenset(range(spec.num_layers)): "full"}
@@ -51,6 +59,20 @@ def plan_routers(args: argparse.Namespace, loaded: Any) -> tuple[Any, list[SkipC
         "chosen": [{"id": ids[k], "kept": sorted(k), "skipped": spec.num_layers - len(k), "share": round(v, 4)} for k, v in shares.items()],
         "expected_layers_saved_per_prompt": round(layers_saved(histogram, chosen, spec.num_layers) / max(len(sequences), 1), 3),
         "max_configs": args.max_configs,
+        "quality": quality,
         "rule": "superset: cheapest compiled configuration containing every kept layer; full always compiled",
     }
     return routers, configs, report, {ROUTERS_FILE: routers_bytes(routers)}
+
+
+def keep_good_configs(loaded: Any, sequences: list[TrainingSequence], chosen: list[frozenset[int]],
+                      floor: float) -> tuple[list[frozenset[int]], dict[str, Any]]:
+    """Drop chosen skip configurations whose decoding quality is below `floor`."""
+    model = GatedModel(loaded).eval()
+    measured = [{"kept": sorted(kept), "agreement": round(continuation_agreement(model, sequences, set(kept)), 4)} for kept in chosen]
+    good = [kept for kept, row in zip(chosen, measured) if row["agreement"] >= floor]
+    dropped = [row for row in measured if row["agreement"] < floor]
+    if dropped:
+        log.warning("dropped %d skip configuration(s) below the quality floor %.2f (agreement %s); their prompts use the full model",
+                    len(dropped), floor, ", ".join(f"{row['agreement']:.2f}" for row in dropped))
+    return good, {"min_agreement": floor, "measured": measured, "dropped": dropped}

@@ -137,6 +137,29 @@ def train_routers(loaded: Any, sequences: list[TrainingSequence], lam: float = D
                                 loss_first=sum(losses[:window]) / window, loss_last=sum(losses[-window:]) / window, mean_p_last=mean_p)
 
 
+def skipping_logits(model: GatedModel, ids: list[int], prompt_len: int, kept: set[int]) -> torch.Tensor:
+    """Logits where rows after the prompt bypass the layers outside `kept`: the runtime's
+    semantics (prefill runs every layer, decode skips), in one teacher-forced pass."""
+    x, cos, sin, mask, empty = model._start(ids)
+    is_prompt = (torch.arange(len(ids)) < prompt_len)[:, None]
+    with torch.no_grad():
+        for index, layer in enumerate(model.layers):
+            out, _, _ = layer(x, empty, empty, cos, sin, mask)
+            x = out if index in kept else torch.where(is_prompt, out, x)
+        return model.head(x)
+
+
+def continuation_agreement(model: GatedModel, sequences: list[TrainingSequence], kept: set[int]) -> float:
+    """Teacher-forced top-1 agreement with the full model's greedy continuation when decoding
+    skips the layers outside `kept`."""
+    hits = total = 0
+    for seq in sequences:
+        logits = skipping_logits(model, seq.ids, seq.prompt_len, kept)[seq.prompt_len - 1 : -1]
+        hits += int((logits.argmax(-1) == torch.tensor(seq.ids[seq.prompt_len:])).sum())
+        total += len(seq.ids) - seq.prompt_len
+    return hits / max(total, 1)
+
+
 def router_scores(loaded: Any, routers: Routers, prompt_ids: list[int]) -> list[float]:
     """p_i exactly as the prefill graph computes them: no gating, full model, prompt tokens."""
     model = GatedModel(loaded).eval()

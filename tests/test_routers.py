@@ -29,7 +29,7 @@ def router_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, 
     calib = root / "calib.jsonl"
     calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CALIB))
     assert main(["build", str(model), "-o", str(root / "routed"), "--max-len", "96", "--routers", "train", "--calib", str(calib),
-                 "--router-lambda", "2.0", "--router-lr", "0.02", "--max-configs", "3"]) == 0
+                 "--router-lambda", "2.0", "--router-lr", "0.02", "--max-configs", "3", "--min-config-agreement", "0"]) == 0
     assert main(["build", str(model), "-o", str(root / "plain"), "--max-len", "96"]) == 0
     return model, root / "routed", root / "plain"
 
@@ -127,7 +127,29 @@ def test_routers_file_with_wrong_shape_is_rejected(router_setup: tuple[Path, Pat
 def test_routers_file_round_trip(router_setup: tuple[Path, Path, Path], tmp_path: Path) -> None:
     model, routed, _ = router_setup
     assert main(["build", str(model), "-o", str(tmp_path / "again"), "--max-len", "96", "--routers", str(routed / "routers.safetensors"),
-                 "--calib", str(routed.parent / "calib.jsonl")]) == 0
+                 "--calib", str(routed.parent / "calib.jsonl"), "--min-config-agreement", "0"]) == 0
     first = json.loads((routed / "manifest.json").read_text())["configs"]
     second = json.loads((tmp_path / "again" / "manifest.json").read_text())["configs"]
     assert [c["kept"] for c in first] == [c["kept"] for c in second]
+
+
+def test_configurations_below_the_quality_floor_get_no_engine(router_setup: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    import argparse
+
+    from calibration.router_pipeline import plan_routers
+    from exporter.model_loading import load_model
+
+    model, routed, _ = router_setup
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CALIB))
+    args = argparse.Namespace(calib=str(calib), router_lambda=2.0, router_lr=0.02, routers="train", seed=0, max_configs=3)
+    loaded = load_model(str(model))
+    results = {}
+    for floor in (0.0, 1.01):  # nothing is dropped / everything is (agreement cannot exceed 1)
+        args.min_config_agreement = floor
+        _, configs, report, _ = plan_routers(args, loaded)
+        results[floor] = (configs, report["configs"]["quality"])
+    kept_all, quality_all = results[0.0]
+    assert kept_all and not quality_all["dropped"] and all(0.0 <= row["agreement"] <= 1.0 for row in quality_all["measured"])
+    none, quality_none = results[1.01]
+    assert none == [] and len(quality_none["dropped"]) == len(kept_all)
