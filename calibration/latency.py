@@ -43,11 +43,10 @@ def measure_engine_latencies(bundle_dir: Path, max_k: int, threads: int = 0, pre
     from runtimes import Generator
     from runtimes.bundle import load_bundle
 
-    engines = load_bundle(bundle_dir, verify="size").config("full")["engines"]
-    gen = Generator(bundle_dir, verify="size", threads=threads,
-                    prepack=[engines["decode"], engines.get("verify", engines["decode"])] if prepack else [])
-    config = gen.bundle.config("full")
-    engines, backend, arena = config["engines"], gen.backend, gen.arena
+    bundle = load_bundle(bundle_dir, verify="size")
+    engines = bundle.config("full")["engines"]
+    gen = Generator(bundle, threads=threads, prepack=[engines["decode"], engines.get("verify", engines["decode"])] if prepack else [])
+    backend, arena = gen.backend, gen.arena
     prefix = min(PREFIX_TOKENS, gen.bundle.max_len - 2 * (max_k + 1))
     backend.run("prefill", np.ones((1, prefix), dtype=np.int64), arena, 0)
     decode = {t: _median_ms(lambda t=t: backend.run(engines["decode"], np.ones((1, t), dtype=np.int64), arena, prefix))
@@ -72,10 +71,10 @@ def choose_measured(measured: dict[str, Any], latencies: dict[str, Any], exit_la
     candidates = []
     hit_rate = measured["prompt_lookup_hit_rate"]
     for k_text, tokens in measured["prompt_lookup_tokens_per_round"].items():
-        k = int(k_text)
+        k, hits = int(k_text), hit_rate.get(k_text, 1.0)
         if k + 1 not in latencies["decode_ms"]:
             continue
-        round_ms = hit_rate.get(k_text, 1.0) * latencies["decode_ms"][k + 1] + (1 - hit_rate.get(k_text, 1.0)) * step
+        round_ms = hits * latencies["decode_ms"][k + 1] + (1 - hits) * step
         candidates.append({"source": "prompt_lookup", "draft_len": k, "tokens_per_round": tokens, "round_ms": round(round_ms, 3),
                            "expected_speedup": round(tokens * step / round_ms, 3)})
     if exit_layer is not None and "draft_ms" in latencies:
@@ -87,7 +86,8 @@ def choose_measured(measured: dict[str, Any], latencies: dict[str, Any], exit_la
             candidates.append({"source": "early_exit", "exit_layer": e, "draft_len": k, "tokens_per_round": tokens,
                                "round_ms": round(round_ms, 3), "expected_speedup": round(tokens * step / round_ms, 3)})
     best = max(candidates, key=lambda c: c["expected_speedup"])
-    by_source = {c["source"]: c for c in sorted(candidates, key=lambda c: c["expected_speedup"])}
+    by_source = {source: max((c for c in candidates if c["source"] == source), key=lambda c: c["expected_speedup"])
+                 for source in {c["source"] for c in candidates}}
     return {"best": best, "by_source": by_source, "candidates": candidates,
             "auto_enabled": best["expected_speedup"] > MIN_SPEEDUP, "min_speedup": MIN_SPEEDUP}
 

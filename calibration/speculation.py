@@ -24,7 +24,8 @@ import numpy as np
 
 from calibration.artifacts import ADAPTERS_FILE, adapters_bytes
 from calibration.exit_adapters import ExitAdapterFit, candidate_exits, greedy_runs, resolve_exit_adapters
-from calibration.measure import calibration_prompts, measure_speculation
+from calibration.latency import MIN_SPEEDUP, choose_measured, measure_engine_latencies, verify_costs
+from calibration.measure import MAX_DRAFT, calibration_prompts, measure_speculation
 from graphs.plan import ExitPlan
 from runtimes.errors import UsageError
 
@@ -129,15 +130,12 @@ def choose(measured: dict[str, Any], spec: Any) -> dict[str, Any]:
     best = max(candidates, key=lambda c: c["expected_speedup"])
     by_source = {source: max((c for c in candidates if c["source"] == source), key=lambda c: c["expected_speedup"])
                  for source in ("early_exit", "prompt_lookup")}
-    return {**best, "auto_enabled": best["expected_speedup"] > 1.05, "best_early_exit": by_source["early_exit"],
+    return {**best, "auto_enabled": best["expected_speedup"] > MIN_SPEEDUP, "best_early_exit": by_source["early_exit"],
             "best_prompt_lookup": by_source["prompt_lookup"], "candidates": len(candidates)}
 
 
 def finalize_with_latencies(root: Path, manifest: dict[str, Any], calibration: dict[str, Any]) -> None:
     """Time the staged engines; choose source, k and auto from acceptance x measured latency."""
-    from calibration.latency import choose_measured, measure_engine_latencies, verify_costs
-    from calibration.measure import MAX_DRAFT
-
     spec = manifest["speculation"]
     latencies = measure_engine_latencies(root, MAX_DRAFT)
     prepacked = measure_engine_latencies(root, MAX_DRAFT, prepack=True)

@@ -155,8 +155,6 @@ class SpeculativeRunner:
         self.rounds += 1
         self.drafted += len(drafts)
         accepted, correction = self._accept(drafts, draft_logits, verify, sampling, rng)
-        if correction is None and verify.shape[0] > len(drafts):  # prompt lookup: the bonus row
-            correction = choose(verify[len(drafts)], sampling, rng)
         self.accepted += accepted
         if drafts and self.gated:
             self.mean_accepted = accepted if self.mean_accepted is None else (1 - EMA_WEIGHT) * self.mean_accepted + EMA_WEIGHT * accepted
@@ -200,7 +198,9 @@ class SpeculativeRunner:
     @staticmethod
     def _accept(drafts: list[int], draft_logits: list[np.ndarray] | None, verify: np.ndarray, sampling: SamplingParams,
                 rng: np.random.Generator) -> tuple[int, int | None]:
-        """(number of accepted drafts, the verifier's token at the first rejection or None)."""
+        """(number of accepted drafts, the verifier's token at the first rejection, or the bonus
+        token from the row after the last draft when every draft is accepted and the verifier
+        scored that row (prompt lookup), else None)."""
         if not drafts:  # nothing to verify: the verifier's row is a plain decode step
             return 0, choose(verify[0], sampling, rng)
         for j, draft in enumerate(drafts):
@@ -222,4 +222,4 @@ class SpeculativeRunner:
             total = residual.sum()
             residual = residual / total if total > 0 else p
             return j, int(rng.choice(residual.size, p=residual))
-        return len(drafts), None
+        return len(drafts), choose(verify[len(drafts)], sampling, rng) if verify.shape[0] > len(drafts) else None
