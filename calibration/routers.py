@@ -12,6 +12,11 @@ keep/skip decision the runtime makes, in the backward pass the gradient of the s
 p_i * f_i(x) + (1 - p_i) * x (a straight-through estimator). Soft gating alone trained a
 blend the runtime never runs: on SmolLM2 it skipped layers whose hard removal cost half of
 the top-1 agreement even at lambda = 0 (benchmarks/router_sweep.py, README).
+
+Adam trains w_i * rms_i (rms_i: each input coordinate's root-mean-square at layer i), not
+w_i: on raw inputs every router logit moved by lr x the size of its layer's activations,
+so SmolLM2's last two layers (the largest activations, and the costliest layers to skip)
+were the first to go at every lambda.
 """
 from __future__ import annotations
 
@@ -72,12 +77,13 @@ class GatedModel(torch.nn.Module):
                 x, _, _ = layer(x, empty, empty, cos, sin, mask)
         return inputs
 
-    def forward(self, ids: list[int], prompt_len: int, routers: Routers) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, ids: list[int], prompt_len: int, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """weight: the [L, H] router matrix (a tensor, so training can reparametrise it)."""
         x, cos, sin, mask, empty = self._start(ids)
         is_prompt = (torch.arange(len(ids)) < prompt_len)[:, None]
         scores = []
         for index, layer in enumerate(self.layers):
-            p = torch.sigmoid(x[:prompt_len] @ routers.weight[index]).mean()
+            p = torch.sigmoid(x[:prompt_len] @ weight[index]).mean()
             gate = (p >= THRESHOLD).float() + p - p.detach()  # hard decision forward, soft gradient backward
             out, _, _ = layer(x, empty, empty, cos, sin, mask)
             x = torch.where(is_prompt, out, gate * out + (1 - gate) * x)
@@ -91,15 +97,22 @@ class GatedModel(torch.nn.Module):
         return x, cos, sin, causal_mask(0, len(ids)), empty
 
 
-def initial_routers(model: GatedModel, sequences: list[TrainingSequence]) -> Routers:
-    """w_i along the mean input direction of layer i, scaled so p_i starts near 0.95 (keep all)."""
+def input_statistics(model: GatedModel, sequences: list[TrainingSequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, root-mean-square) per layer and hidden coordinate of the layers' prompt inputs, [L, H] each."""
     spec = model.spec
-    routers = Routers(spec.num_layers, spec.hidden_size)
     sums = torch.zeros(spec.num_layers, spec.hidden_size)
+    squares = torch.zeros(spec.num_layers, spec.hidden_size)
     for seq in sequences:
         for index, x in enumerate(model.layer_inputs(seq.ids[: seq.prompt_len])):
             sums[index] += x.mean(0)
-    means = sums / max(len(sequences), 1)
+            squares[index] += x.pow(2).mean(0)
+    count = max(len(sequences), 1)
+    return sums / count, (squares / count).sqrt().clamp_min(1e-3)
+
+
+def initial_routers(means: torch.Tensor) -> Routers:
+    """w_i along the mean input direction of layer i, scaled so p_i starts near 0.95 (keep all)."""
+    routers = Routers(*means.shape)
     target = math.log(INIT_KEEP_PROBABILITY / (1 - INIT_KEEP_PROBABILITY))
     with torch.no_grad():
         routers.weight.copy_(means * (target / means.pow(2).sum(-1, keepdim=True).clamp_min(1e-6)))
@@ -110,8 +123,14 @@ def train_routers(loaded: Any, sequences: list[TrainingSequence], lam: float = D
                   lr: float = LEARNING_RATE, seed: int = 0, progress: bool = True, routers: Routers | None = None) -> RouterTrainingResult:
     torch.manual_seed(seed)
     model = GatedModel(loaded).eval()
-    routers = routers or initial_routers(model, sequences)
-    optimizer = torch.optim.Adam(routers.parameters(), lr=lr)
+    means, scale = input_statistics(model, sequences)
+    routers = routers or initial_routers(means)
+    # Adam moves every coordinate by about lr per step, so on raw inputs a router's logit moves
+    # with the size of its layer's activations: late layers (and outlier coordinates) flipped
+    # first, whatever their cost. Training w * scale (scale: each coordinate's RMS) moves
+    # every logit alike; the exported router is still the linear map w on the raw input.
+    scaled = torch.nn.Parameter(routers.weight.detach() * scale)
+    optimizer = torch.optim.Adam([scaled], lr=lr)
     order = torch.Generator().manual_seed(seed)
     losses: list[float] = []
     mean_p = 1.0
@@ -120,10 +139,10 @@ def train_routers(loaded: Any, sequences: list[TrainingSequence], lam: float = D
     for _ in range(epochs):
         for index in torch.randperm(len(sequences), generator=order).tolist():
             seq = sequences[index]
-            logits, p = model(seq.ids, seq.prompt_len, routers)
+            logits, p = model(seq.ids, seq.prompt_len, scaled / scale)
             targets = torch.tensor(seq.ids[seq.prompt_len:])
             ce = torch.nn.functional.cross_entropy(logits[seq.prompt_len - 1 : -1], targets)
-            loss = ce + lam * p.sum() + WEIGHT_DECAY * routers.weight.pow(2).sum()
+            loss = ce + lam * p.sum() + WEIGHT_DECAY * scaled.pow(2).sum()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -132,6 +151,8 @@ def train_routers(loaded: Any, sequences: list[TrainingSequence], lam: float = D
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", mean_p=f"{mean_p:.3f}")
     bar.close()
+    with torch.no_grad():
+        routers.weight.copy_(scaled / scale)
     window = max(1, len(sequences))
     return RouterTrainingResult(routers=routers.eval(), lam=lam, epochs=epochs, seconds=time.perf_counter() - started,
                                 loss_first=sum(losses[:window]) / window, loss_last=sum(losses[-window:]) / window, mean_p_last=mean_p)

@@ -153,3 +153,41 @@ def test_configurations_below_the_quality_floor_get_no_engine(router_setup: tupl
     assert kept_all and not quality_all["dropped"] and all(0.0 <= row["agreement"] <= 1.0 for row in quality_all["measured"])
     none, quality_none = results[1.01]
     assert none == [] and len(quality_none["dropped"]) == len(kept_all)
+
+
+
+def test_training_does_not_depend_on_the_size_of_activations(tmp_path: Path) -> None:
+    """Scaling the embeddings and every residual write (o_proj, down_proj) by 30 multiplies
+    every layer's input by 30 and leaves the model's logits unchanged (each sublayer reads
+    an RMS-normalised input). Router training must then reach the same decisions: trained on
+    raw inputs, Adam moved a router's logit in proportion to its layer's activations, so
+    on SmolLM2 the routers skipped the last two layers (large activations, the costliest
+    to skip) first."""
+    from transformers import AutoModelForCausalLM
+
+    from calibration.measure import greedy_sequence
+    from calibration.routers import TrainingSequence, router_scores, train_routers
+    from exporter.model_loading import load_model
+
+    directory = make_tiny_model(tmp_path / "model", "gqa_untied", layers=6)
+    scaled_dir = tmp_path / "scaled"
+    hf = AutoModelForCausalLM.from_pretrained(directory)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.mul_(30.0)
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.mul_(30.0)
+            layer.mlp.down_proj.weight.mul_(30.0)
+    hf.save_pretrained(scaled_dir)
+    for source in directory.iterdir():  # the tokenizer and its chat template
+        if not (scaled_dir / source.name).exists():
+            (scaled_dir / source.name).write_bytes(source.read_bytes())
+    scores = []
+    for path in (directory, scaled_dir):
+        loaded = load_model(str(path))
+        sequences = [TrainingSequence(*greedy_sequence(loaded, p, 8)) for p in CALIB]
+        routers = train_routers(loaded, sequences, lam=0.3, lr=0.02, progress=False).routers
+        scores.append(torch.tensor([router_scores(loaded, routers, seq.ids[: seq.prompt_len]) for seq in sequences]))
+        if len(scores) == 2:
+            assert sequences == first_sequences  # same greedy continuations: the model is unchanged
+        first_sequences = sequences
+    assert torch.allclose(scores[0], scores[1], atol=1e-3), (scores[0] - scores[1]).abs().max()
