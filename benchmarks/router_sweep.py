@@ -1,6 +1,7 @@
 """FiRST router lambda sweep on SmolLM2: layers skipped against quality and speed.
 
     python -m benchmarks.router_sweep [--lambdas 0.01,0.05,0.1,0.2] [--plot docs/router_sweep.png]
+    python -m benchmarks.router_sweep --single-layers   # what skipping each one layer costs
 
 Per lambda: routers trained on samples/calib_prompts.jsonl (model frozen); on held-out
 prompts (samples/eval_prompts.jsonl) the routers decide on the prompt and the kept set
@@ -9,7 +10,8 @@ reproduces exactly that); reported: mean skipped layers, teacher-forced top-1 ag
 with the full model on its own greedy continuations, perplexity on held-out text
 (samples/heldout_text.jsonl, routers decide on the first half, the second half is scored),
 and TPOT estimated from ONNX Runtime decode engines measured in the same run (a linear fit
-of TPOT over kept layers, from engines with 30, 24, 18 and 12 layers).
+of TPOT over kept layers, from engines with 30, 24, 18, 12 and 1 layers; the per-engine
+table of benchmarks/router_configs.py is printed too). The first row is the full model.
 """
 from __future__ import annotations
 
@@ -23,57 +25,43 @@ import numpy as np
 import torch
 
 from benchmarks.common import DEFAULT_PROMPTS, ROOT, load_prompts, pin_threads, print_table
+from benchmarks.router_configs import build_probe_bundle, config_rows, config_tpot
 from calibration.measure import calibration_prompts, greedy_sequence
-from calibration.routers import THRESHOLD, GatedModel, TrainingSequence, router_scores, skipping_logits, train_routers
+from calibration.routers import (THRESHOLD, GatedModel, TrainingSequence, continuation_agreement, router_scores, skipping_logits,
+                                 train_routers)
 
+
+def kept_layers(loaded, routers, prompt_ids: list[int]) -> set[int]:
+    """The layers the routers keep for this prompt; every layer when there are no routers."""
+    if routers is None:
+        return set(range(loaded.spec.num_layers))
+    return {i for i, s in enumerate(router_scores(loaded, routers, prompt_ids)) if s >= THRESHOLD}
 
 
 def evaluate(loaded, model: GatedModel, routers, held: list[TrainingSequence], texts: list[list[int]]) -> dict[str, float]:
     skipped, agreement, nll = [], [], []
     every = set(range(loaded.spec.num_layers))
     for seq in held:
-        scores = router_scores(loaded, routers, seq.ids[: seq.prompt_len])
-        kept = {i for i, s in enumerate(scores) if s >= THRESHOLD}
+        kept = kept_layers(loaded, routers, seq.ids[: seq.prompt_len])
         skipped.append(len(every) - len(kept))
         logits = skipping_logits(model, seq.ids, seq.prompt_len, kept)[seq.prompt_len - 1 : -1]
         agreement.append(float((logits.argmax(-1) == torch.tensor(seq.ids[seq.prompt_len:])).float().mean()))
     for ids in texts:
         half = len(ids) // 2
-        kept = {i for i, s in enumerate(router_scores(loaded, routers, ids[:half])) if s >= THRESHOLD}
+        kept = kept_layers(loaded, routers, ids[:half])
         logits = skipping_logits(model, ids, half, kept)[half - 1 : -1]
         nll.append(float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[half:]))))
     return {"mean_skipped": statistics.mean(skipped), "top1_agreement": statistics.mean(agreement), "perplexity": float(np.exp(np.mean(nll)))}
 
 
-def tpot_model(threads: int) -> tuple[float, float, dict[int, float]]:
-    """Measure ORT decode TPOT for engines with fewer layers; return (intercept, per-layer slope, points)."""
-    from exporter.build import BuildOptions, build_bundle
-    from exporter.model_loading import load_model
-    from graphs.plan import BuildPlan, SkipConfig
-    from runtimes import Generator
-
-    loaded = load_model("smollm2")
-    n = loaded.spec.num_layers
-    configs = [SkipConfig(f"k{k}", tuple(range(k))) for k in (24, 18, 12)]  # which layers does not change the cost
-    out = Path(tempfile.mkdtemp()) / "sweep"
-    build_bundle(loaded, BuildPlan(n, configs=list(configs)), BuildOptions(output=out, max_len=512))
-    gen = Generator(out, threads=threads)
-    gen.codec.eos_ids = set()
-    ids = gen.codec.encode("Write a short story about a robot who learns to paint.")
-    points = {}
-    for config_id, layers in [("full", n)] + [(c.id, len(c.kept)) for c in configs]:
-        gen.generate(ids, max_new_tokens=8, config=config_id)
-        points[layers] = statistics.median(gen.generate(ids, max_new_tokens=32, config=config_id).stats.tpot_ms for _ in range(3))
-    slope, intercept = np.polyfit(list(points), list(points.values()), 1)
-    return float(intercept), float(slope), points
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lambdas", default="0.0,0.005,0.01,0.02,0.05", help="router sparsity weights to train and evaluate (comma-separated)")
+    parser.add_argument("--lambdas", default="0.0,0.01,0.02,0.05,0.1,0.2", help="router sparsity weights to train and evaluate (comma-separated)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--plot", default=str(ROOT / "docs" / "router_sweep.png"))
     parser.add_argument("--json", default=None)
+    parser.add_argument("--single-layers", action="store_true",
+                        help="only print the teacher-forced top-1 agreement on the calibration prompts when decoding skips each single layer")
     args = parser.parse_args()
     pin_threads(args.threads)
     from exporter.model_loading import load_model
@@ -81,20 +69,30 @@ def main() -> None:
     loaded = load_model("smollm2")
     model = GatedModel(loaded).eval()
     train = [TrainingSequence(*greedy_sequence(loaded, p, 24)) for p in calibration_prompts(None)]
+    if args.single_layers:
+        every = set(range(loaded.spec.num_layers))
+        costs = [{"skipped_layer": i, "top1_agreement": continuation_agreement(model, train, every - {i})} for i in sorted(every)]
+        print_table(costs, ["skipped_layer", "top1_agreement"])
+        return
     held = [TrainingSequence(*greedy_sequence(loaded, p, 32)) for p in load_prompts(DEFAULT_PROMPTS)]
     texts = [loaded.tokenizer(p, add_special_tokens=False)["input_ids"] for p in load_prompts(ROOT / "samples" / "heldout_text.jsonl")]
-    intercept, slope, points = tpot_model(args.threads)
     n = loaded.spec.num_layers
-    rows = []
+    points = config_tpot(build_probe_bundle(Path(tempfile.mkdtemp()) / "probe"), args.threads)
+    config_table, intercept, slope = config_rows(points, n)
+    full_tpot = intercept + slope * n
+    reference = evaluate(loaded, model, None, held, texts)
+    rows = [{"lambda": "full model", **reference, "tpot_ms": full_tpot, "tpot_vs_full": 1.0}]
     for lam in [float(x) for x in args.lambdas.split(",")]:
         result = train_routers(loaded, train, lam=lam, seed=0)
         metrics = evaluate(loaded, model, result.routers, held, texts)
         tpot = intercept + slope * (n - metrics["mean_skipped"])
-        rows.append({"lambda": lam, **metrics, "tpot_ms": tpot, "tpot_vs_full": tpot / (intercept + slope * n), "train_s": result.seconds})
-    print(f"SmolLM2 router sweep, threshold {THRESHOLD}; measured TPOT by kept layers: {json.dumps({k: round(v, 2) for k, v in points.items()})}")
+        rows.append({"lambda": lam, **metrics, "tpot_ms": tpot, "tpot_vs_full": tpot / full_tpot, "train_s": result.seconds})
+    print(f"decode engines by kept layers (threads={args.threads}); fit: {slope:.3f} ms per layer + {intercept:.2f} ms fixed")
+    print_table(config_table, ["config", "kept", "skipped", "tpot_ms", "vs_full", "cut_per_skip_share", "per_layer_efficiency"])
+    print(f"SmolLM2 router sweep, threshold {THRESHOLD}")
     print_table(rows, ["lambda", "mean_skipped", "top1_agreement", "perplexity", "tpot_ms", "tpot_vs_full", "train_s"])
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "tpot_points": points}, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": rows, "configs": config_table}, indent=2))
     try:
         import matplotlib
 
@@ -105,7 +103,7 @@ def main() -> None:
         return
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     ax[0].plot([r["mean_skipped"] for r in rows], [r["top1_agreement"] for r in rows], "o-")
-    for r in rows:
+    for r in rows[1:]:
         ax[0].annotate(f"λ={r['lambda']}", (r["mean_skipped"], r["top1_agreement"]))
     ax[0].set_xlabel("mean layers skipped (of 30)"); ax[0].set_ylabel("top-1 agreement with full model")
     ax[1].plot([r["tpot_ms"] for r in rows], [r["perplexity"] for r in rows], "o-")

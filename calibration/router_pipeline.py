@@ -18,9 +18,9 @@ from runtimes.errors import UsageError
 
 CONTINUATION_TOKENS = 24
 # A skip configuration gets an engine only if decoding with it keeps this share of the full
-# model's greedy tokens (teacher-forced, calibration continuations); prompts it would have
-# served fall back, by the superset rule, to a larger configuration or the full model.
-DEFAULT_MIN_AGREEMENT = 0.9
+# model's greedy tokens (teacher-forced, calibration continuations); the choice then takes
+# the best passing candidate instead (calibration/configs.py).
+DEFAULT_MIN_AGREEMENT = 0.8
 log = logging.getLogger(__name__)
 
 
@@ -49,8 +49,12 @@ def plan_routers(args: argparse.Namespace, loaded: Any) -> tuple[Any, list[SkipC
     for seq in sequences:
         scores = router_scores(loaded, routers, seq.ids[: seq.prompt_len])
         histogram[frozenset(i for i, s in enumerate(scores) if s >= THRESHOLD)] += 1
-    chosen = choose_configs(histogram, spec.num_layers, args.max_configs)
-    chosen, quality = keep_good_configs(loaded, sequences, chosen, getattr(args, "min_config_agreement", DEFAULT_MIN_AGREEMENT))
+    floor = getattr(args, "min_config_agreement", None)
+    quality = QualityFloor(loaded, sequences, DEFAULT_MIN_AGREEMENT if floor is None else floor)
+    chosen = choose_configs(histogram, spec.num_layers, args.max_configs, acceptable=quality.passes)
+    if dropped := quality.report()["dropped"]:
+        log.warning("%d candidate skip configuration(s) fell below the quality floor %.2f (agreement %s) and got no engine",
+                    len(dropped), quality.floor, ", ".join(f"{row['agreement']:.2f}" for row in dropped))
     shares = served_share(histogram, chosen, spec.num_layers)
     configs = [SkipConfig(f"s{n}", tuple(sorted(kept))) for n, kept in enumerate(chosen, 1)]
     ids = {frozenset(c.kept): c.id for c in configs} | {frozenset(range(spec.num_layers)): "full"}
@@ -59,20 +63,29 @@ def plan_routers(args: argparse.Namespace, loaded: Any) -> tuple[Any, list[SkipC
         "chosen": [{"id": ids[k], "kept": sorted(k), "skipped": spec.num_layers - len(k), "share": round(v, 4)} for k, v in shares.items()],
         "expected_layers_saved_per_prompt": round(layers_saved(histogram, chosen, spec.num_layers) / max(len(sequences), 1), 3),
         "max_configs": args.max_configs,
-        "quality": quality,
+        "quality": quality.report(),
         "rule": "superset: cheapest compiled configuration containing every kept layer; full always compiled",
     }
     return routers, configs, report, {ROUTERS_FILE: routers_bytes(routers)}
 
 
-def keep_good_configs(loaded: Any, sequences: list[TrainingSequence], chosen: list[frozenset[int]],
-                      floor: float) -> tuple[list[frozenset[int]], dict[str, Any]]:
-    """Drop chosen skip configurations whose decoding quality is below `floor`."""
-    model = GatedModel(loaded).eval()
-    measured = [{"kept": sorted(kept), "agreement": round(continuation_agreement(model, sequences, set(kept)), 4)} for kept in chosen]
-    good = [kept for kept, row in zip(chosen, measured) if row["agreement"] >= floor]
-    dropped = [row for row in measured if row["agreement"] < floor]
-    if dropped:
-        log.warning("dropped %d skip configuration(s) below the quality floor %.2f (agreement %s); their prompts use the full model",
-                    len(dropped), floor, ", ".join(f"{row['agreement']:.2f}" for row in dropped))
-    return good, {"min_agreement": floor, "measured": measured, "dropped": dropped}
+class QualityFloor:
+    """Teacher-forced top-1 agreement of decoding with a kept set, measured once per set;
+    a set passes if it keeps `floor` of the full model's greedy tokens."""
+
+    def __init__(self, loaded: Any, sequences: list[TrainingSequence], floor: float) -> None:
+        self.model = GatedModel(loaded).eval()
+        self.sequences = sequences
+        self.floor = floor
+        self.measured: dict[frozenset[int], float] = {}
+
+    def passes(self, kept: frozenset[int]) -> bool:
+        if kept not in self.measured:
+            self.measured[kept] = round(continuation_agreement(self.model, self.sequences, set(kept)), 4)
+            log.info("skipping layers %s keeps %.3f of the greedy tokens (floor %.2f)",
+                     sorted(set(range(len(self.model.layers))) - kept), self.measured[kept], self.floor)
+        return self.measured[kept] >= self.floor
+
+    def report(self) -> dict[str, Any]:
+        rows = [{"kept": sorted(kept), "agreement": agreement} for kept, agreement in self.measured.items()]
+        return {"min_agreement": self.floor, "measured": rows, "dropped": [row for row in rows if row["agreement"] < self.floor]}

@@ -94,6 +94,11 @@ def test_superset_choice_on_handmade_histograms() -> None:
     assert layers_saved(hist, two, 6) == 5 * 3 + 3 * 3
     shares = served_share(hist, two, 6)
     assert shares[full] == pytest.approx(0.2) and abs(sum(shares.values()) - 1) < 1e-9
+    # under a quality floor: the best passing candidate replaces a failing one
+    assert choose_configs(hist, 6, 1, acceptable=lambda kept: kept != frozenset({0, 1, 2, 3})) == [frozenset({0, 1, 2})]
+    restored = choose_configs(Counter({frozenset({0, 1, 2}): 5}), 6, 1, acceptable=lambda kept: len(kept) >= 4)
+    assert len(restored) == 1 and len(restored[0]) == 4 and frozenset({0, 1, 2}) < restored[0]  # one skipped layer kept again
+    assert choose_configs(hist, 6, 2, acceptable=lambda kept: False) == []
     configs = [{"id": "full", "kept": list(range(6))}, {"id": "a", "kept": [0, 1, 2]}, {"id": "b", "kept": [0, 1, 2, 3, 4]}]
     assert choose_config(configs, [0, 2])["id"] == "a"
     assert choose_config(configs, [0, 3])["id"] == "b"
@@ -152,7 +157,7 @@ def test_configurations_below_the_quality_floor_get_no_engine(router_setup: tupl
     kept_all, quality_all = results[0.0]
     assert kept_all and not quality_all["dropped"] and all(0.0 <= row["agreement"] <= 1.0 for row in quality_all["measured"])
     none, quality_none = results[1.01]
-    assert none == [] and len(quality_none["dropped"]) == len(kept_all)
+    assert none == [] and quality_none["dropped"] and len(quality_none["dropped"]) == len(quality_none["measured"])
 
 
 
