@@ -50,8 +50,9 @@ def render(info: dict[str, Any]) -> str:
     for c in info["configs"]:
         share = "" if c["calibration_share"] is None else f", served {c['calibration_share']:.0%} of calibration prompts"
         lines.append(f"  {c['id']:10} keeps {len(c['kept'])} layers, skips {c['skipped']}{share}; engines: {', '.join(c['engines'].values())}")
-        if c["skipped"]:
-            lines.append(f"  {'':10} kept: {c['kept']}")
+        if c["skipped"]:  # the shorter list says which layers the engine runs
+            skipped = sorted(set(range(info["model"]["num_layers"])) - set(c["kept"]))
+            lines.append(f"  {'':10} " + (f"skipped: {skipped}" if len(skipped) <= len(c["kept"]) else f"kept: {c['kept']}"))
     spec = info["speculation"]
     lines.append(f"speculation {json.dumps(spec) if spec else 'none'}")
     lines.append("graphs:")

@@ -196,3 +196,15 @@ def test_training_does_not_depend_on_the_size_of_activations(tmp_path: Path) -> 
             assert sequences == first_sequences  # same greedy continuations: the model is unchanged
         first_sequences = sequences
     assert torch.allclose(scores[0], scores[1], atol=1e-3), (scores[0] - scores[1]).abs().max()
+
+
+def test_inspect_lists_configurations_with_their_layers(router_setup: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    _, routed, _ = router_setup
+    assert main(["inspect", str(routed)]) == 0
+    text = capsys.readouterr().out
+    for config in json.loads((routed / "manifest.json").read_text())["configs"]:
+        skipped = sorted(set(range(6)) - set(config["kept"]))
+        assert f"{config['id']:10} keeps {len(config['kept'])} layers, skips {len(skipped)}" in text
+        if skipped:
+            shorter = f"skipped: {skipped}" if len(skipped) <= len(config["kept"]) else f"kept: {config['kept']}"
+            assert shorter in text
