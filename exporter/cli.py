@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--routers", default=None, help="'train' to train FiRST routers on the calibration prompts, or a routers .safetensors file; omit for no layer skipping")
     b.add_argument("--calib", default=None, help="calibration prompts, JSONL with a 'prompt' field per line (default: the built-in sample set in samples/)")
     b.add_argument("--max-configs", type=_positive_int, default=3, help="most skip configurations to compile besides the full model (default: 3)")
-    b.add_argument("--router-lambda", type=float, default=None, help="router sparsity weight lambda for --routers train (default: the value chosen by the lambda sweep)")
+    b.add_argument("--router-lambda", type=float, default=None, help="router sparsity weight lambda for --routers train (default: 0.02, the largest lambda of the README sweep keeping held-out top-1 agreement above 0.9; 0.1 skips about 4.6 of 30 SmolLM2 layers at 0.63)")
     b.add_argument("--min-config-agreement", type=float, default=None, help="compile a skip configuration only if decoding with it keeps this share of the full model's greedy tokens on the calibration prompts (teacher-forced; default: 0.8, i.e. at most one token in five differs; 0 keeps every chosen configuration)")
     b.add_argument("--router-lr", type=float, default=None, help="Adam learning rate for --routers train (default: 5e-3, for about 120 steps on 40 prompts; raise it for tiny prompt sets)")
     b.add_argument("--speculate", default=None, help="'auto' to calibrate self-speculation (exit layer E, draft length k, exit adapter) and build draft/verify engines, or 'E:k' to force them")
