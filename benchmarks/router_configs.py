@@ -99,6 +99,9 @@ def main() -> None:
     print(f"{bundle}: threads={args.threads}, {args.new_tokens} tokens, median of {args.repeat}; "
           f"fit: {slope:.3f} ms per layer + {intercept:.2f} ms fixed ({intercept / points['full']['tpot_ms']:.0%} of full TPOT)")
     print_table(rows, ["config", "kept", "skipped", "tpot_ms", "vs_full", "cut_per_skip_share", "per_layer_efficiency"])
+    if len({p["kept"] for p in points.values()}) < 3 or min((r["skipped"] for r in rows if r["skipped"]), default=0) * slope < 0.05 * points["full"]["tpot_ms"]:
+        print("note: fewer than three layer counts, or a configuration saving under 5% of a step: ratios of such small "
+              "differences are within run-to-run noise; the probe bundle (no --bundle) gives the per-layer cost")
 
 
 if __name__ == "__main__":
