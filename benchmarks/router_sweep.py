@@ -27,28 +27,21 @@ import torch
 from benchmarks.common import DEFAULT_PROMPTS, ROOT, load_prompts, pin_threads, print_table
 from benchmarks.router_configs import build_probe_bundle, config_rows, config_tpot
 from calibration.measure import calibration_prompts, greedy_sequence
-from calibration.routers import (THRESHOLD, GatedModel, TrainingSequence, continuation_agreement, router_scores, skipping_logits,
+from calibration.routers import (THRESHOLD, GatedModel, TrainingSequence, continuation_agreement, kept_by_routers, skipping_logits,
                                  train_routers)
-
-
-def kept_layers(loaded, routers, prompt_ids: list[int]) -> set[int]:
-    """The layers the routers keep for this prompt; every layer when there are no routers."""
-    if routers is None:
-        return set(range(loaded.spec.num_layers))
-    return {i for i, s in enumerate(router_scores(loaded, routers, prompt_ids)) if s >= THRESHOLD}
 
 
 def evaluate(loaded, model: GatedModel, routers, held: list[TrainingSequence], texts: list[list[int]]) -> dict[str, float]:
     skipped, agreement, nll = [], [], []
     every = set(range(loaded.spec.num_layers))
     for seq in held:
-        kept = kept_layers(loaded, routers, seq.ids[: seq.prompt_len])
+        kept = kept_by_routers(loaded, routers, seq.ids[: seq.prompt_len])
         skipped.append(len(every) - len(kept))
         logits = skipping_logits(model, seq.ids, seq.prompt_len, kept)[seq.prompt_len - 1 : -1]
         agreement.append(float((logits.argmax(-1) == torch.tensor(seq.ids[seq.prompt_len:])).float().mean()))
     for ids in texts:
         half = len(ids) // 2
-        kept = kept_layers(loaded, routers, ids[:half])
+        kept = kept_by_routers(loaded, routers, ids[:half])
         logits = skipping_logits(model, ids, half, kept)[half - 1 : -1]
         nll.append(float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[half:]))))
     return {"mean_skipped": statistics.mean(skipped), "top1_agreement": statistics.mean(agreement), "perplexity": float(np.exp(np.mean(nll)))}

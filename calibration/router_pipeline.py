@@ -12,7 +12,7 @@ from calibration.artifacts import load_routers, routers_bytes, ROUTERS_FILE
 from calibration.configs import choose_configs, layers_saved, served_share
 from calibration.measure import calibration_prompts, greedy_sequence
 from calibration.routers import (DEFAULT_LAMBDA, LEARNING_RATE, THRESHOLD, GatedModel, TrainingSequence, continuation_agreement,
-                                 router_scores, train_routers)
+                                 kept_by_routers, train_routers)
 from graphs.plan import SkipConfig
 from runtimes.errors import UsageError
 
@@ -47,12 +47,12 @@ def plan_routers(args: argparse.Namespace, loaded: Any) -> tuple[Any, list[SkipC
         report["training"] = {"loaded_from": str(args.routers)}
     histogram: Counter[frozenset[int]] = Counter()
     for seq in sequences:
-        scores = router_scores(loaded, routers, seq.ids[: seq.prompt_len])
-        histogram[frozenset(i for i, s in enumerate(scores) if s >= THRESHOLD)] += 1
+        histogram[kept_by_routers(loaded, routers, seq.ids[: seq.prompt_len])] += 1
     floor = getattr(args, "min_config_agreement", None)
     quality = QualityFloor(loaded, sequences, DEFAULT_MIN_AGREEMENT if floor is None else floor)
     chosen = choose_configs(histogram, spec.num_layers, args.max_configs, acceptable=quality.passes)
-    if dropped := quality.report()["dropped"]:
+    floor_report = quality.report()
+    if dropped := floor_report["dropped"]:
         log.warning("%d candidate skip configuration(s) fell below the quality floor %.2f (agreement %s) and got no engine",
                     len(dropped), quality.floor, ", ".join(f"{row['agreement']:.2f}" for row in dropped))
     shares = served_share(histogram, chosen, spec.num_layers)
@@ -63,7 +63,7 @@ def plan_routers(args: argparse.Namespace, loaded: Any) -> tuple[Any, list[SkipC
         "chosen": [{"id": ids[k], "kept": sorted(k), "skipped": spec.num_layers - len(k), "share": round(v, 4)} for k, v in shares.items()],
         "expected_layers_saved_per_prompt": round(layers_saved(histogram, chosen, spec.num_layers) / max(len(sequences), 1), 3),
         "max_configs": args.max_configs,
-        "quality": quality.report(),
+        "quality": floor_report,
         "rule": "superset: cheapest compiled configuration containing every kept layer; full always compiled",
     }
     return routers, configs, report, {ROUTERS_FILE: routers_bytes(routers)}
@@ -81,7 +81,7 @@ class QualityFloor:
 
     def passes(self, kept: frozenset[int]) -> bool:
         if kept not in self.measured:
-            self.measured[kept] = round(continuation_agreement(self.model, self.sequences, set(kept)), 4)
+            self.measured[kept] = round(continuation_agreement(self.model, self.sequences, kept), 4)
             log.info("skipping layers %s keeps %.3f of the greedy tokens (floor %.2f)",
                      sorted(set(range(len(self.model.layers))) - kept), self.measured[kept], self.floor)
         return self.measured[kept] >= self.floor

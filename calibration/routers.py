@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import AbstractSet, Any
 
 import torch
 from tqdm import tqdm
@@ -158,7 +158,7 @@ def train_routers(loaded: Any, sequences: list[TrainingSequence], lam: float = D
                                 loss_first=sum(losses[:window]) / window, loss_last=sum(losses[-window:]) / window, mean_p_last=mean_p)
 
 
-def skipping_logits(model: GatedModel, ids: list[int], prompt_len: int, kept: set[int]) -> torch.Tensor:
+def skipping_logits(model: GatedModel, ids: list[int], prompt_len: int, kept: AbstractSet[int]) -> torch.Tensor:
     """Logits where rows after the prompt bypass the layers outside `kept`: the runtime's
     semantics (prefill runs every layer, decode skips), in one teacher-forced pass."""
     x, cos, sin, mask, empty = model._start(ids)
@@ -170,7 +170,7 @@ def skipping_logits(model: GatedModel, ids: list[int], prompt_len: int, kept: se
         return model.head(x)
 
 
-def continuation_agreement(model: GatedModel, sequences: list[TrainingSequence], kept: set[int]) -> float:
+def continuation_agreement(model: GatedModel, sequences: list[TrainingSequence], kept: AbstractSet[int]) -> float:
     """Teacher-forced top-1 agreement with the full model's greedy continuation when decoding
     skips the layers outside `kept`."""
     hits = total = 0
@@ -186,3 +186,10 @@ def router_scores(loaded: Any, routers: Routers, prompt_ids: list[int]) -> list[
     model = GatedModel(loaded).eval()
     with torch.no_grad():
         return [float(torch.sigmoid(x @ routers.weight[i]).mean()) for i, x in enumerate(model.layer_inputs(prompt_ids))]
+
+
+def kept_by_routers(loaded: Any, routers: Routers | None, prompt_ids: list[int]) -> frozenset[int]:
+    """The layers the runtime keeps for this prompt (p_i >= THRESHOLD); every layer without routers."""
+    if routers is None:
+        return frozenset(range(loaded.spec.num_layers))
+    return frozenset(i for i, s in enumerate(router_scores(loaded, routers, prompt_ids)) if s >= THRESHOLD)
