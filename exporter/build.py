@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -14,7 +14,8 @@ from exporter.model_loading import LoadedModel
 from exporter.onnx_export import OPSET, export_graph
 from exporter.tokenizer_export import chat_format, save_tokenizer, special_tokens
 from exporter.weights import WeightStore, canonicalize_names, externalize
-from graphs.plan import BuildPlan
+from graphs.fused_graph import packed_weights
+from graphs.plan import FULL_CONFIG, BuildPlan
 from graphs.span_graph import GraphSpec, ModelParts
 from runtimes.errors import UsageError
 from runtimes.manifest import FORMAT, SCHEMA_VERSION
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_LEN = 2048
 WEIGHTS_FILE = "weights.bin"
 SUPPORTED_BACKENDS = ("onnx", "coreml", "tensorrt")
+ONNX_FLAVOURS = ("ort", "portable")
 
 # Backend compilers register here (name -> function(bundle_dir, manifest, parts, plan) -> entry).
 BackendCompiler = Callable[[Path, dict[str, Any], ModelParts, BuildPlan], dict[str, Any]]
@@ -43,6 +45,9 @@ class BuildOptions:
     progress: bool = True
     quantize: str = "none"
     quant_options: dict[str, int] = field(default_factory=dict)
+    # "ort": ONNX Runtime's fused kernels (the fast default); "portable": standard ops, the
+    # graphs TensorRT parses (a build with the tensorrt backend is always portable).
+    onnx_flavour: str = "ort"
     # Runs on the staged bundle (provisional manifest written) before the final manifest:
     # calibration times the real engines here and may update manifest and calibration.json.
     after_export: Callable[[Path, dict[str, Any]], None] | None = None
@@ -59,25 +64,59 @@ def graph_entry(graph: GraphSpec) -> dict[str, Any]:
         "exit_adapter": graph.exit_adapter,
         "config": graph.config,
         "exit_layer": graph.exit_layer,
+        "flavour": graph.flavour,
         "inputs": graph.input_names(),
         "outputs": graph.output_names(),
     }
 
 
+def flavoured(graphs: list[GraphSpec], flavour: str) -> list[GraphSpec]:
+    """The plan's graphs in the chosen ONNX flavour. In the fused flavour the full model's
+    decode graph also returns the router scores, so it is the prefill graph too: one engine,
+    one session, one prepacked copy of the weights (ONNX Runtime prepacks per session)."""
+    if flavour not in ONNX_FLAVOURS:
+        raise UsageError(f"ONNX flavour {flavour!r} is unknown", f"choose one of: {', '.join(ONNX_FLAVOURS)}")
+    if flavour == "portable":
+        return graphs
+    routers = any(g.router_scores for g in graphs)
+    out = []
+    for graph in graphs:
+        graph = replace(graph, flavour="ort")
+        if graph.kind == "decode" and graph.config == FULL_CONFIG:
+            graph = replace(graph, router_scores=routers)
+        out.append(graph)
+    return out
+
+
+def _engine_key(graph: GraphSpec) -> tuple[Any, ...]:
+    """Graphs with equal keys are the same ONNX model; their engine file is written once."""
+    return (graph.flavour, graph.layers, graph.source, graph.router_scores, graph.exit_hidden,
+            graph.exit_layer if graph.exit_adapter else None, graph.logits if graph.flavour == "portable" else None)
+
+
 def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress: bool, quantize: str = "none",
-                quant_options: dict[str, int] | None = None) -> dict[str, Any]:
+                quant_options: dict[str, int] | None = None, max_len: int = DEFAULT_MAX_LEN) -> dict[str, Any]:
     """Export every graph to root/onnx with one shared weights file (optionally weight-quantized)."""
     folder = root / "onnx"
     folder.mkdir()
     entries: dict[str, Any] = {}
+    written: dict[tuple[Any, ...], dict[str, Any]] = {}
+    flavour = graphs[0].flavour
+    packed = packed_weights(parts, max_len) if flavour == "ort" else None
     with WeightStore(folder / WEIGHTS_FILE) as store:
         store.name_parameters((n, p.detach().numpy()) for n, p in parts.hf_model.named_parameters())
+        if packed is not None:
+            store.name_parameters((n, t.detach().numpy()) for n, t in packed.named())
         if parts.routers is not None:
             store.name_parameters([("routers.weight", parts.routers.weight.detach().numpy())])
         for layer, adapter in parts.exit_adapters.items():
             store.name_parameters((f"exit_adapter.{layer}.{n}", p.detach().numpy()) for n, p in adapter.named_parameters())
         for graph in tqdm(graphs, desc="export ONNX", unit="graph", disable=not progress):
-            model = export_graph(parts, graph)
+            same = written.get(_engine_key(graph))
+            if same is not None:
+                entries[graph.name] = dict(same)
+                continue
+            model = export_graph(parts, graph, packed)
             canonicalize_names(model, store)
             if quantize != "none":
                 from exporter.quantize import quantize as quantize_model
@@ -89,9 +128,11 @@ def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress
             entries[graph.name]["initializers"] = sorted(
                 init.name for init in model.graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL
             )
+            written[_engine_key(graph)] = entries[graph.name]
         tensors = {t.name: {"dtype": t.dtype, "shape": list(t.shape), "offset": t.offset, "bytes": t.length} for t in store.tensors.values()}
         weight_bytes = store.total_bytes
-    return {"weights": f"onnx/{WEIGHTS_FILE}", "weight_bytes": weight_bytes, "opset": OPSET, "quantize": quantize, "quant_options": quant_options or {},
+    return {"weights": f"onnx/{WEIGHTS_FILE}", "weight_bytes": weight_bytes, "opset": OPSET, "flavour": flavour,
+            "quantize": quantize, "quant_options": quant_options or {},
             "tensors": tensors, "graphs": entries}
 
 
@@ -105,9 +146,10 @@ def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: BuildOptions, pa
     if "onnx" not in options.backends:
         raise UsageError("every bundle needs the onnx backend (the reference the others are checked and built from)", "add onnx to --backend, e.g. --backend onnx,coreml")
     parts = parts or ModelParts(loaded.hf_model, loaded.spec)
-    graphs = plan.graphs()
+    flavour = "portable" if "tensorrt" in options.backends else options.onnx_flavour
+    graphs = flavoured(plan.graphs(), flavour)
     with staging_dir(options.output, options.force) as root:
-        backends = {"onnx": export_onnx(root, parts, graphs, options.progress, options.quantize, options.quant_options)}
+        backends = {"onnx": export_onnx(root, parts, graphs, options.progress, options.quantize, options.quant_options, options.max_len)}
         save_tokenizer(loaded.tokenizer, root / "tokenizer.json")
         manifest: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -113,15 +114,32 @@ def engine_parity(bundle: Bundle, backend: Any, parts: Any, graph_name: str, see
         past_len = 0
     first = (rng.integers(0, model["vocab_size"], (1, count)) if spec.source == "ids"
              else rng.standard_normal((1, count, model["hidden_size"])).astype(np.float32))
-    arena = KVArena(bundle.num_layers, past_len + count, model["num_kv_heads"], model["head_dim"])
-    arena.data[:, :, :past_len] = rng.standard_normal(arena.data[:, :, :past_len].shape).astype(np.float32) * 0.5
+    fused = info.get("flavour", "portable") == "ort"
+    # fused engines bind the whole [1, n_kv, max_len, hd] block, so their arena is max_len long
+    arena = KVArena(bundle.num_layers, bundle.max_len if fused else past_len + count, model["num_kv_heads"], model["head_dim"],
+                    layout=backend.kv_layout)
+    for layer in range(bundle.num_layers):
+        for kv in (0, 1):
+            arena.seq_view(layer, kv)[:past_len] = rng.standard_normal(arena.seq_view(layer, kv)[:past_len].shape) * 0.5
     arena.length = past_len
+    before = arena.data.copy()  # the engine writes into the arena; the reference reads the same past
     started = time.perf_counter()
     out = backend.run(graph_name, first, arena, past_len)
-    module = SpanGraph(parts, spec).eval()
     with torch.no_grad():
-        past = [torch.from_numpy(arena.data[i, 0, :past_len]) for i in spec.layers] + [torch.from_numpy(arena.data[i, 1, :past_len]) for i in spec.layers]
-        ref = module(torch.from_numpy(first), *past)
+        if fused:
+            from graphs.fused_graph import FusedSpanGraph, packed_weights
+
+            spec = replace(spec, flavour="ort")
+            module = FusedSpanGraph(parts, spec, packed_weights(parts, bundle.max_len)).eval()
+            rows = np.arange(count - 1 if spec.logits == "last" else 0, count)
+            control = (torch.from_numpy(rows), torch.tensor([past_len + count - 1], dtype=torch.int32),
+                       torch.tensor(past_len + count, dtype=torch.int32))
+            past = [torch.from_numpy(before[i, kv]) for kv in (0, 1) for i in spec.layers]
+            ref = module(torch.from_numpy(first), *control, *past)
+        else:
+            module = SpanGraph(parts, spec).eval()
+            past = [torch.from_numpy(np.ascontiguousarray(before[i, kv, :past_len])) for kv in (0, 1) for i in spec.layers]
+            ref = module(torch.from_numpy(first), *past)
     names = spec.output_names()
     worst = (True, 0.0, 0.0, 0.0)
     failures = []
@@ -130,7 +148,11 @@ def engine_parity(bundle: Bundle, backend: Any, parts: Any, graph_name: str, see
         expected = ref[index].numpy()
         if name.startswith("new_"):
             kind, layer = name[4:].rsplit("_", 1)
-            actual = arena.data[int(layer), 0 if kind == "key" else 1, past_len : past_len + count]
+            actual = arena.seq_view(int(layer), 0 if kind == "key" else 1)[past_len : past_len + count]
+        elif name.startswith("present_"):  # the whole valid block: the past must be left as it was
+            kind, layer = name[8:].rsplit("_", 1)
+            actual = arena.block(int(layer), 0 if kind == "key" else 1)[:, :, : past_len + count]
+            expected = expected[:, :, : past_len + count]
         else:
             actual = actual_by_name[name]
         dtype = bundle.manifest["dtype"]

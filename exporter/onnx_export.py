@@ -9,6 +9,7 @@ import warnings
 import onnx
 import torch
 
+from graphs.fused_graph import FusedSpanGraph, PackedWeights
 from graphs.span_graph import GraphSpec, ModelParts, SpanGraph
 
 OPSET = 18
@@ -28,20 +29,46 @@ def _example_inputs(parts: ModelParts, graph: GraphSpec) -> tuple[torch.Tensor, 
     return first, past
 
 
-def export_graph(parts: ModelParts, graph: GraphSpec) -> onnx.ModelProto:
-    """Export with torch.export (dynamo), the exporter that keeps parameter names stable."""
-    module = SpanGraph(parts, graph).eval()
-    first, past = _example_inputs(parts, graph)
+def _fused_inputs(parts: ModelParts, graph: GraphSpec, max_len: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    spec = parts.spec
+    first, _ = _example_inputs(parts, graph)
+    control = (torch.arange(_EXAMPLE_T, dtype=torch.int64), torch.tensor([_EXAMPLE_P + _EXAMPLE_T - 1], dtype=torch.int32),
+               torch.tensor(_EXAMPLE_P + _EXAMPLE_T, dtype=torch.int32))
+    past = tuple(torch.zeros(1, spec.num_kv_heads, max_len, spec.head_dim) for _ in range(2 * len(graph.layers)))
+    return (first, *control), past
+
+
+def export_graph(parts: ModelParts, graph: GraphSpec, packed: PackedWeights | None = None) -> onnx.ModelProto:
+    """Export with torch.export (dynamo), the exporter that keeps parameter names stable.
+
+    The "ort" flavour needs the build's PackedWeights and translates graphs/ort_ops.py to
+    ONNX Runtime's fused contrib ops; the portable flavour uses standard ops only.
+    """
     tokens = torch.export.Dim("T", min=1, max=MAX_DIM)
-    past_len = torch.export.Dim("P", min=0, max=MAX_DIM)
-    dynamic_shapes = ({1: tokens}, tuple({0: past_len} for _ in past))
+    translations = None
+    if graph.flavour == "ort":
+        from exporter.ort_translations import translation_table
+
+        if packed is None:
+            raise ValueError("the ort flavour needs the build's PackedWeights")
+        module: torch.nn.Module = FusedSpanGraph(parts, graph, packed).eval()
+        leading, past = _fused_inputs(parts, graph, packed.max_len)
+        rows = torch.export.Dim("R", min=1, max=MAX_DIM)
+        dynamic_shapes = ({1: tokens}, {0: rows}, {}, {}, tuple({} for _ in past))
+        translations = translation_table()
+    else:
+        module = SpanGraph(parts, graph).eval()
+        first, past = _example_inputs(parts, graph)
+        leading = (first,)
+        past_len = torch.export.Dim("P", min=0, max=MAX_DIM)
+        dynamic_shapes = ({1: tokens}, tuple({0: past_len} for _ in past))
     quiet = io.StringIO()
     with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(quiet):
         warnings.simplefilter("ignore")
         logging.getLogger("torch").setLevel(logging.ERROR)
         program = torch.onnx.export(
             module,
-            (first, *past),
+            (*leading, *past),
             input_names=graph.input_names(),
             output_names=graph.output_names(),
             dynamic_shapes=dynamic_shapes,
@@ -49,5 +76,6 @@ def export_graph(parts: ModelParts, graph: GraphSpec) -> onnx.ModelProto:
             dynamo=True,
             external_data=False,
             verbose=False,
+            custom_translation_table=translations,
         )
     return program.model_proto

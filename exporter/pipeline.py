@@ -86,6 +86,6 @@ def run_build(args: argparse.Namespace) -> dict[str, Any]:
             finalize_with_latencies(root, manifest, calibration)
     options = BuildOptions(speculation=speculation, calibration=calibration or None, extra_files=extra_files,
                            router_threshold=THRESHOLD if args.routers else 0.5, output=output, backends=backends, max_len=args.max_len,
-                           force=args.force, quantize=args.quantize, after_export=after_export,
+                           force=args.force, quantize=args.quantize, onnx_flavour=getattr(args, "onnx_flavour", "ort"), after_export=after_export,
                            quant_options={"block_size": args.quant_block, "accuracy_level": args.quant_accuracy} if args.quantize != "none" else {})
     return build_bundle(loaded, plan, options, parts)

@@ -33,10 +33,14 @@ class GraphSpec:
     exit_adapter: bool = False
     config: str = "full"
     exit_layer: int | None = None
+    # "portable": KV prefix in, new rows out, standard ops (CoreML, TensorRT, any runtime);
+    # "ort": ONNX Runtime's fused ops, KV blocks updated in place (graphs/fused_graph.py).
+    flavour: Literal["portable", "ort"] = "portable"
 
     def input_names(self) -> list[str]:
         first = "input_ids" if self.source == "ids" else "exit_hidden"
-        return [first] + [f"past_key_{i}" for i in self.layers] + [f"past_value_{i}" for i in self.layers]
+        control = ["logit_rows", "seqlens_k", "total_sequence_length"] if self.flavour == "ort" else []
+        return [first, *control] + [f"past_key_{i}" for i in self.layers] + [f"past_value_{i}" for i in self.layers]
 
     def output_names(self) -> list[str]:
         names = ["logits"]
@@ -44,7 +48,8 @@ class GraphSpec:
             names.append("router_scores")
         if self.exit_hidden:
             names.append("exit_hidden")
-        return names + [f"new_key_{i}" for i in self.layers] + [f"new_value_{i}" for i in self.layers]
+        kv = "present" if self.flavour == "ort" else "new"
+        return names + [f"{kv}_key_{i}" for i in self.layers] + [f"{kv}_value_{i}" for i in self.layers]
 
 
 @dataclass

@@ -75,7 +75,8 @@ class Generator:
             raise UsageError(f"backend {backend!r} cannot execute on this machine", "run it on its target platform, or choose --backend onnx")
         self.codec = TextCodec(self.bundle)
         model = self.bundle.model
-        self.arena = KVArena(self.bundle.num_layers, self.bundle.max_len, model["num_kv_heads"], model["head_dim"])
+        self.arena = KVArena(self.bundle.num_layers, self.bundle.max_len, model["num_kv_heads"], model["head_dim"],
+                             layout=self.backend.kv_layout)
         self.backend.prepare("prefill")
         self.backend.prepare(self.bundle.config("full")["engines"]["decode"])
 

@@ -16,13 +16,15 @@ from tests.conftest import TINY_VARIANTS, make_tiny_model
 PROMPTS = ["What is the capital of France?", "Write a short poem about the sea.", "The quick brown fox"]
 
 
-@pytest.fixture(scope="module", params=sorted(TINY_VARIANTS))
+@pytest.fixture(scope="module", params=[(v, f) for v in sorted(TINY_VARIANTS) for f in ("ort", "portable")], ids=lambda p: f"{p[0]}-{p[1]}")
 def variant_bundle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every tiny architecture variant in both ONNX flavours: fused ONNX Runtime ops and portable."""
     from exporter.cli import main
 
-    root = tmp_path_factory.mktemp(request.param)
-    model = make_tiny_model(root / "model", request.param)
-    assert main(["build", str(model), "-o", str(root / "bundle"), "--max-len", "96"]) == 0
+    variant, flavour = request.param
+    root = tmp_path_factory.mktemp(variant)
+    model = make_tiny_model(root / "model", variant)
+    assert main(["build", str(model), "-o", str(root / "bundle"), "--max-len", "96", "--onnx-flavour", flavour]) == 0
     return root / "bundle"
 
 
@@ -57,13 +59,20 @@ def test_weights_stored_once(variant_bundle: Path) -> None:
     weights = manifest["backends"]["onnx"]["weight_bytes"]
     assert weights <= param_bytes * 1.02 + 4096, (weights, param_bytes)
     onnx_files = [p for p in manifest["files"] if p.endswith(".onnx")]
-    assert len(onnx_files) == 2
+    engines = manifest["backends"]["onnx"]["graphs"]
+    fused = manifest["backends"]["onnx"]["flavour"] == "ort"
+    # fused: prefill is the full model's decode graph (one engine, one session); portable: two
+    assert len(onnx_files) == (1 if fused else 2)
+    assert (engines["prefill"]["file"] == engines["decode_full"]["file"]) == fused
     import onnx
 
     for path in onnx_files:
         model = onnx.load(str(variant_bundle / path), load_external_data=False)
         inline = [i.name for i in model.graph.initializer if i.data_location != onnx.TensorProto.EXTERNAL and len(i.raw_data) >= 1024]
         assert not inline, f"{path} stores weights inline: {inline}"
+        ops = {(n.domain or "ai.onnx", n.op_type) for n in model.graph.node}
+        fused_ops = {("com.microsoft", "GroupQueryAttention"), ("com.microsoft", "SkipSimplifiedLayerNormalization")}
+        assert fused_ops <= ops if fused else not any(domain == "com.microsoft" for domain, _ in ops), ops
 
 
 def test_streaming_equals_text_and_stop_strings(tiny_bundle: Path) -> None:
@@ -104,8 +113,8 @@ def test_arena_rows_are_written_in_place(tiny_bundle: Path) -> None:
     generator = Generator(tiny_bundle)
     result = generator.generate("The quick brown fox", max_new_tokens=6, raw=True)
     length = generator.arena.length
-    after_decode = generator.arena.data[:, :, :length].copy()
+    after_decode = generator.arena.valid_rows(length)
     ids = (result.prompt_ids + result.tokens)[:length]
     generator.arena.reset()
     generator.backend.run("prefill", np.asarray([ids]), generator.arena, 0)
-    np.testing.assert_allclose(after_decode, generator.arena.data[:, :, :length], atol=1e-5)
+    np.testing.assert_allclose(after_decode, generator.arena.valid_rows(length), atol=1e-5)

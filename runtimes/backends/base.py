@@ -26,6 +26,7 @@ class StepOutputs:
 class Backend(ABC):
     name: str = "?"
     executes: bool = True  # False where the engines can be converted but not run (CoreML off macOS)
+    kv_layout: str = "seq"  # the KVArena layout this backend's engines read and write (runtimes/kv_arena.py)
     skip_reason: str = ""  # why not, when executes is False
 
     def __init__(self, bundle: Bundle) -> None:

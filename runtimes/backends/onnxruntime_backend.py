@@ -6,8 +6,14 @@ SmolLM2: 3 sessions cost +47 MB this way; `add_external_initializers` copied, +5
 per session.) ORT's prepacking would give each session its own packed copy (+536 MB per
 session for ~10% faster decode), so it is off by default and opt-in per engine.
 
-KV: IO binding feeds the arena's prefix views as inputs and binds the new-row outputs
-straight onto the arena rows, so every row is written once, in place.
+KV, portable engines: IO binding feeds the arena's prefix views as inputs and binds the
+new-row outputs straight onto the arena rows, so every row is written once, in place.
+
+KV, fused ("ort") engines: each layer's block is bound once as both the past input and the
+present output of GroupQueryAttention, which writes the new rows in place; per step only
+the token ids, the two length scalars (mutated in place) and, when T changes, the output
+buffers are rebound. Engines that are the same ONNX file (the fused prefill and full-model
+decode) share one session, so ONNX Runtime prepacks their weights once.
 """
 from __future__ import annotations
 
@@ -31,6 +37,63 @@ def _import_ort() -> Any:
     return onnxruntime
 
 
+class FusedBinding:
+    """The IO binding of one fused graph: KV blocks bound once per arena, inputs in place."""
+
+    def __init__(self, session: Any, info: dict[str, Any], model: dict[str, Any]) -> None:
+        self.session = session
+        self.binding = session.io_binding()
+        self.layers = list(info["layers"])
+        self.first_name = info["inputs"][0]
+        self.last_only = info["logits"] == "last"
+        self.router_scores = bool(info["router_scores"])
+        self.exit_hidden = bool(info["exit_hidden"])
+        self.vocab, self.hidden = int(model["vocab_size"]), int(model["hidden_size"])
+        self.seqlens = np.zeros(1, dtype=np.int32)
+        self.total = np.zeros((), dtype=np.int32)
+        self.binding.bind_cpu_input("seqlens_k", self.seqlens)
+        self.binding.bind_cpu_input("total_sequence_length", self.total)
+        self.arena_address: int | None = None
+        self.count: int | None = None  # T of the bound per-step buffers
+        self.logits = self.scores = self.hidden_out = np.empty(0, dtype=np.float32)
+        if self.router_scores:
+            self.scores = np.empty(len(self.layers), dtype=np.float32)
+            self.binding.bind_output("router_scores", "cpu", 0, np.float32, self.scores.shape, self.scores.ctypes.data)
+
+    def bind_arena(self, arena: KVArena) -> None:
+        for layer in self.layers:
+            for kv, kind in ((0, "key"), (1, "value")):
+                block = arena.block(layer, kv)
+                self.binding.bind_cpu_input(f"past_{kind}_{layer}", block)
+                self.binding.bind_output(f"present_{kind}_{layer}", "cpu", 0, np.float32, block.shape, block.ctypes.data)
+        self.arena_address = arena.data.ctypes.data
+
+    def bind_count(self, count: int) -> None:
+        """Buffers whose shape depends on T: the rows to score, logits, exit hidden states."""
+        rows = np.arange(count - 1 if self.last_only else 0, count, dtype=np.int64)
+        self.rows = rows  # keep the memory ORT reads alive
+        self.binding.bind_cpu_input("logit_rows", rows)
+        self.logits = np.empty((1, rows.size, self.vocab), dtype=np.float32)
+        self.binding.bind_output("logits", "cpu", 0, np.float32, self.logits.shape, self.logits.ctypes.data)
+        if self.exit_hidden:
+            self.hidden_out = np.empty((1, count, self.hidden), dtype=np.float32)
+            self.binding.bind_output("exit_hidden", "cpu", 0, np.float32, self.hidden_out.shape, self.hidden_out.ctypes.data)
+        self.count = count
+
+    def run(self, first: np.ndarray, arena: KVArena, start: int) -> StepOutputs:
+        count = first.shape[1]
+        arena.check_room(start, count)
+        if arena.data.ctypes.data != self.arena_address:
+            self.bind_arena(arena)
+        if count != self.count:
+            self.bind_count(count)
+        self.binding.bind_cpu_input(self.first_name, first if first.flags.c_contiguous else np.ascontiguousarray(first))
+        self.seqlens[0] = start + count - 1
+        self.total[...] = start + count
+        self.session.run_with_iobinding(self.binding)
+        return StepOutputs(self.logits, self.scores if self.router_scores else None, self.hidden_out if self.exit_hidden else None)
+
+
 class OnnxRuntimeBackend(Backend):
     name = "onnx"
 
@@ -48,10 +111,13 @@ class OnnxRuntimeBackend(Backend):
         self.threads = threads
         self.prepack = set(prepack)
         self.profile_prefix = profile_prefix  # ORT's per-node profiler, for benchmarks/profile_decode.py
+        self.flavour = self.entry.get("flavour", "portable")
+        self.kv_layout = "head" if self.flavour == "ort" else "seq"
         self.weights = np.fromfile(bundle.path(self.entry["weights"]), dtype=np.uint8)
         self._values: dict[str, Any] = {}
-        self._sessions: dict[str, Any] = {}
+        self._sessions: dict[str, Any] = {}  # by engine file: graphs that are one file share a session
         self._bindings: dict[str, Any] = {}
+        self._fused: dict[str, FusedBinding] = {}
         self._out_buffers: dict[tuple[str, str, tuple[int, ...]], np.ndarray] = {}
 
     def _tensor(self, name: str) -> Any:
@@ -66,11 +132,11 @@ class OnnxRuntimeBackend(Backend):
         return value
 
     def session(self, graph: str) -> Any:
-        session = self._sessions.get(graph)
+        engine = self.entry["graphs"].get(graph)
+        if engine is None:
+            raise UsageError(f"the onnx backend has no engine for graph {graph!r}", "rebuild the bundle")
+        session = self._sessions.get(engine["file"])
         if session is None:
-            engine = self.entry["graphs"].get(graph)
-            if engine is None:
-                raise UsageError(f"the onnx backend has no engine for graph {graph!r}", "rebuild the bundle")
             options = self.ort.SessionOptions()
             options.intra_op_num_threads = self.threads
             options.inter_op_num_threads = 1
@@ -79,7 +145,8 @@ class OnnxRuntimeBackend(Backend):
             if self.profile_prefix:
                 options.enable_profiling = True
                 options.profile_file_prefix = f"{self.profile_prefix}_{graph}"
-            if graph not in self.prepack and self.entry.get("quantize", "none") == "none":
+            sharing = {name for name, other in self.entry["graphs"].items() if other.get("file") == engine["file"]}
+            if not sharing & self.prepack and self.entry.get("quantize", "none") == "none":
                 options.add_session_config_entry("session.disable_prepacking", "1")
             for name in engine["initializers"]:
                 options.add_initializer(name, self._tensor(name))
@@ -88,8 +155,7 @@ class OnnxRuntimeBackend(Backend):
                 session = self.ort.InferenceSession(str(path), options, providers=[self.provider])
             except Exception as exc:  # ORT raises its own exception types for invalid models
                 raise UsageError(f"ONNX Runtime cannot load engine {engine['file']!r}: {str(exc).splitlines()[0]}", "rebuild the bundle") from exc
-            self._sessions[graph] = session
-            self._bindings[graph] = session.io_binding()
+            self._sessions[engine["file"]] = session
         return session
 
     def prepare(self, graph: str) -> None:
@@ -108,8 +174,15 @@ class OnnxRuntimeBackend(Backend):
         return buffer
 
     def run(self, graph: str, first: np.ndarray, arena: KVArena, start: int) -> StepOutputs:
+        if self.flavour == "ort":
+            fused = self._fused.get(graph)
+            if fused is None:
+                fused = self._fused[graph] = FusedBinding(self.session(graph), self.bundle.graph(graph), self.bundle.model)
+            return fused.run(first, arena, start)
         session = self.session(graph)
-        binding = self._bindings[graph]
+        binding = self._bindings.get(graph)
+        if binding is None:
+            binding = self._bindings[graph] = session.io_binding()
         info = self.bundle.graph(graph)
         model = self.bundle.model
         count = first.shape[1]

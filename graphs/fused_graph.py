@@ -1,0 +1,167 @@
+"""The ONNX Runtime flavour of every graph: fused ops over packed weights, KV cache in place.
+
+Same graphs as graphs/span_graph.py (prefill, decode per configuration, draft, verify;
+one `GraphSpec` each) and the same math, expressed with graphs/ort_ops.py so that the
+exporter emits ONNX Runtime's fused kernels. What differs is the I/O contract:
+- each layer's K and V live in one preallocated [1, n_kv, max_len, head_dim] block that is
+  both input (`past_key_i`) and output (`present_key_i`): the runtime binds the arena
+  block to both once and ONNX Runtime writes the T new rows in place at [P, P + T);
+- `seqlens_k` ([1] int32, P + T - 1) and `total_sequence_length` ([] int32, P + T) carry
+  the arena length, as GroupQueryAttention expects;
+- `logit_rows` ([R] int64) picks the positions whose logits are computed: the last one at
+  prefill and plain decoding, all T when verifying drafts.
+Weights are packed once per build (QKV and gate/up, transposed for MatMul) by
+`PackedWeights`, shared by every graph, and named after the layer they belong to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from graphs import ort_ops
+from graphs.span_graph import GraphSpec, ModelParts
+
+
+@dataclass
+class PackedLayer:
+    qkv: Tensor  # [H, (nh + 2 kv) hd]
+    qkv_bias: Tensor | None
+    o: Tensor  # [nh hd, H]
+    gate_up: Tensor  # [H, 2 I]
+    down: Tensor  # [I, H]
+
+
+class PackedWeights:
+    """The fused flavour's weight layout, computed once per build and shared by its graphs."""
+
+    def __init__(self, parts: ModelParts, max_len: int) -> None:
+        self.max_len = max_len
+        hf = parts.hf_model
+        self.layers: list[PackedLayer] = []
+        for layer in hf.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+            self.layers.append(PackedLayer(
+                qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).T.contiguous(),
+                qkv_bias=torch.cat(biases).contiguous() if all(b is not None for b in biases) else None,
+                o=attn.o_proj.weight.T.contiguous(),
+                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).T.contiguous(),
+                down=mlp.down_proj.weight.T.contiguous(),
+            ))
+        rotary = hf.model.rotary_emb
+        inv_freq = rotary.inv_freq.detach().float()
+        scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.cos_cache = (freqs.cos() * scaling).contiguous()
+        self.sin_cache = (freqs.sin() * scaling).contiguous()
+
+    def named(self) -> list[tuple[str, Tensor]]:
+        """Stable names for the packed tensors, so every graph and build names them alike."""
+        out = [("rotary.cos_cache", self.cos_cache), ("rotary.sin_cache", self.sin_cache)]
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}"
+            out += [(f"{prefix}.self_attn.qkv_proj.weight_t", layer.qkv), (f"{prefix}.self_attn.o_proj.weight_t", layer.o),
+                    (f"{prefix}.mlp.gate_up_proj.weight_t", layer.gate_up), (f"{prefix}.mlp.down_proj.weight_t", layer.down)]
+            if layer.qkv_bias is not None:
+                out.append((f"{prefix}.self_attn.qkv_proj.bias", layer.qkv_bias))
+        return out
+
+
+class FusedDecoderLayer(nn.Module):
+    """One decoder layer on the residual stream (delta, residual): the residual add of the
+    previous block is fused into this block's input norm (SkipSimplifiedLayerNormalization)."""
+
+    def __init__(self, packed: PackedLayer, parts: ModelParts, layer_id: int) -> None:
+        super().__init__()
+        spec = parts.spec
+        self.layer_id = layer_id
+        self.eps = spec.rms_norm_eps
+        self.num_heads, self.kv_heads = spec.num_heads, spec.num_kv_heads
+        self.scale = spec.head_dim ** -0.5
+        self.intermediate = spec.intermediate_size
+        self.act = parts.hf_model.model.layers[layer_id].mlp.act_fn
+        for name in ("qkv", "o", "gate_up", "down"):
+            self.register_buffer(name, getattr(packed, name), persistent=False)
+        if packed.qkv_bias is not None:
+            self.register_buffer("qkv_bias", packed.qkv_bias, persistent=False)
+        else:
+            self.qkv_bias = None
+        hf_layer = parts.hf_model.model.layers[layer_id]
+        self.input_layernorm, self.post_attention_layernorm = hf_layer.input_layernorm, hf_layer.post_attention_layernorm
+
+    def normed_input(self, delta: Tensor | None, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(norm of this layer's input, the input itself) from the stream."""
+        if delta is None:
+            return ort_ops.rms_norm(residual, self.input_layernorm.weight, self.eps), residual
+        return ort_ops.skip_rms_norm(delta, residual, self.input_layernorm.weight, self.eps)
+
+    def forward(self, h: Tensor, residual: Tensor, past_key: Tensor, past_value: Tensor, seqlens_k: Tensor,
+                total_length: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        qkv = torch.matmul(h, self.qkv)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        attn, present_key, present_value = ort_ops.gqa(qkv, past_key, past_value, seqlens_k, total_length, cos, sin,
+                                                       self.num_heads, self.kv_heads, self.scale)
+        h2, residual = ort_ops.skip_rms_norm(torch.matmul(attn, self.o), residual, self.post_attention_layernorm.weight, self.eps)
+        gate, up = torch.matmul(h2, self.gate_up).split(self.intermediate, dim=-1)
+        delta = torch.matmul(self.act(gate) * up, self.down)
+        return delta, residual, present_key, present_value
+
+
+class FusedSpanGraph(nn.Module):
+    """Static fused graph for one GraphSpec (flavour "ort"); traced with T and R dynamic."""
+
+    def __init__(self, parts: ModelParts, graph: GraphSpec, packed: PackedWeights) -> None:
+        super().__init__()
+        if not graph.layers:
+            raise ValueError(f"graph {graph.name!r} has no layers")
+        self.graph = graph
+        hf = parts.hf_model
+        self.embed = hf.model.embed_tokens if graph.source == "ids" else None
+        self.layers = nn.ModuleList(FusedDecoderLayer(packed.layers[i], parts, i) for i in graph.layers)
+        self.register_buffer("cos_cache", packed.cos_cache, persistent=False)
+        self.register_buffer("sin_cache", packed.sin_cache, persistent=False)
+        self.norm, self.lm_head = hf.model.norm, hf.lm_head
+        self.eps = parts.spec.rms_norm_eps
+        self.routers = parts.routers if graph.router_scores else None
+        if graph.router_scores and parts.routers is None:
+            raise ValueError("router_scores requested but the model has no routers")
+        self.adapter = parts.exit_adapters.get(graph.exit_layer) if graph.exit_adapter else None
+        if graph.exit_adapter and self.adapter is None:
+            raise ValueError(f"no exit adapter fitted for exit layer {graph.exit_layer}")
+
+    def forward(self, first: Tensor, logit_rows: Tensor, seqlens_k: Tensor, total_length: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
+        n = len(self.layers)
+        past_keys, past_values = past[:n], past[n:]
+        residual = self.embed(first) if self.embed is not None else first  # [1, T, H]
+        delta: Tensor | None = None
+        keys, values, scores = [], [], []
+        for position, layer in enumerate(self.layers):
+            h, residual = layer.normed_input(delta, residual)
+            if self.routers is not None:
+                scores.append(self.routers.score(layer.layer_id, residual[0]))
+            delta, residual, k, v = layer(h, residual, past_keys[position], past_values[position], seqlens_k, total_length,
+                                          self.cos_cache, self.sin_cache)
+            keys.append(k)
+            values.append(v)
+        hidden = delta + residual
+        if self.adapter is not None:
+            head_in = ort_ops.rms_norm(self.adapter(hidden.index_select(1, logit_rows)), self.norm.weight, self.eps)
+        else:
+            head_in = ort_ops.rms_norm(hidden.index_select(1, logit_rows), self.norm.weight, self.eps)
+        outputs: list[Tensor] = [torch.nn.functional.linear(head_in[0], self.lm_head.weight)[None]]
+        if self.routers is not None:
+            outputs.append(torch.stack(scores))
+        if self.graph.exit_hidden:
+            outputs.append(hidden)
+        return tuple(outputs + keys + values)
+
+
+def packed_weights(parts: ModelParts, max_len: int) -> PackedWeights:
+    """PackedWeights of these parts, built once per max_len (packing copies every weight)."""
+    cache: dict[int, PackedWeights] = parts.__dict__.setdefault("_packed_weights", {})
+    if max_len not in cache:
+        cache[max_len] = PackedWeights(parts, max_len)
+    return cache[max_len]
