@@ -42,7 +42,8 @@ def test_broken_engine_fails_the_gate(tiny_bundle: Path, tmp_path: Path, capsys)
     broken = tmp_path / "broken"
     shutil.copytree(tiny_bundle, broken)
     last_layer = json.loads((broken / "manifest.json").read_text())["model"]["num_layers"] - 1
-    perturb_weight(broken, f"model.layers.{last_layer}.mlp.down_proj.weight")
+    tensors = json.loads((broken / "manifest.json").read_text())["backends"]["onnx"]["tensors"]
+    perturb_weight(broken, next(n for n in tensors if n.startswith(f"model.layers.{last_layer}.mlp.down_proj.weight")))
     report = tmp_path / "r.json"
     assert main(["check", str(broken), "--report", str(report), "--junit", str(tmp_path / "r.xml")]) == 1
     data = json.loads(report.read_text())

@@ -17,6 +17,7 @@ decode) share one session, so ONNX Runtime prepacks their weights once.
 """
 from __future__ import annotations
 
+import mmap
 from typing import Any, Iterable
 
 import numpy as np
@@ -35,6 +36,16 @@ def _import_ort() -> Any:
     except ImportError as exc:
         raise UsageError("the onnx backend needs onnxruntime, which is not installed", "run `pip install onnxruntime`") from exc
     return onnxruntime
+
+
+def _map_weights(path: Any) -> tuple[mmap.mmap | None, np.ndarray]:
+    """The weights file as one private, file-backed mapping, shared by every session."""
+    with open(path, "rb") as handle:
+        size = handle.seek(0, 2)
+        if size == 0:
+            return None, np.empty(0, dtype=np.uint8)
+        mapping = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
+    return mapping, np.frombuffer(mapping, dtype=np.uint8)
 
 
 class FusedBinding:
@@ -113,7 +124,7 @@ class OnnxRuntimeBackend(Backend):
         self.profile_prefix = profile_prefix  # ORT's per-node profiler, for benchmarks/profile_decode.py
         self.flavour = self.entry.get("flavour", "portable")
         self.kv_layout = "head" if self.flavour == "ort" else "seq"
-        self.weights = np.fromfile(bundle.path(self.entry["weights"]), dtype=np.uint8)
+        self._weights_map, self.weights = _map_weights(bundle.path(self.entry["weights"]))
         self._values: dict[str, Any] = {}
         self._sessions: dict[str, Any] = {}  # by engine file: graphs that are one file share a session
         self._bindings: dict[str, Any] = {}
@@ -146,7 +157,8 @@ class OnnxRuntimeBackend(Backend):
                 options.enable_profiling = True
                 options.profile_file_prefix = f"{self.profile_prefix}_{graph}"
             sharing = {name for name, other in self.entry["graphs"].items() if other.get("file") == engine["file"]}
-            if not sharing & self.prepack and self.entry.get("quantize", "none") == "none":
+            prepacked = bool(sharing & self.prepack) or self.entry.get("quantize", "none") != "none"
+            if not prepacked:
                 options.add_session_config_entry("session.disable_prepacking", "1")
             for name in engine["initializers"]:
                 options.add_initializer(name, self._tensor(name))
@@ -156,7 +168,25 @@ class OnnxRuntimeBackend(Backend):
             except Exception as exc:  # ORT raises its own exception types for invalid models
                 raise UsageError(f"ONNX Runtime cannot load engine {engine['file']!r}: {str(exc).splitlines()[0]}", "rebuild the bundle") from exc
             self._sessions[engine["file"]] = session
+            if prepacked:
+                self._release(engine["initializers"])
         return session
+
+    def _release(self, names: Iterable[str]) -> None:
+        """Drop our resident pages of weights a session has prepacked into its own buffers.
+
+        The mapping is file-backed, so this is always safe: a page ORT still reads (a gather
+        table, a weight it did not prepack) is read back from the file on its next access.
+        Without it every prepacked weight would be resident twice."""
+        if self._weights_map is None:
+            return
+        page = mmap.PAGESIZE
+        for name in names:
+            meta = self.entry["tensors"][name]
+            start = -(-int(meta["offset"]) // page) * page
+            end = (int(meta["offset"]) + int(meta["bytes"])) // page * page
+            if end > start:
+                self._weights_map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def prepare(self, graph: str) -> None:
         self.session(graph)
