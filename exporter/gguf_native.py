@@ -9,7 +9,7 @@ additive term, and re-expressed as ONNX Runtime's ``MatMulNBits`` weights:
 
 The dequantized weight the graph represents is, element by element in fp32,
 
-    w[n, k] = fl(fl(scales[n, k // B] * (q[n, k] - zero_point)) + correction[k // 32, n])
+    w[n, k] = fl(fl(scales[n, k // B] * (q[n, k] - zp[n, k // B])) + correction[k // 32, n])
 
 (``dequantize_native``), and it equals ``gguf.quants.dequantize`` of the file bit for bit.
 The correction is applied without a float zero point: ``MatMulNBits(x) + blocksum(x) @
@@ -21,9 +21,9 @@ Exactness: every product scale * (q - zp) is exact in fp32 (an fp16 mantissa tim
 are stored unshifted (q + 128) and the correction is the format's own min (exact), so the
 single rounding is ggml's own. For 4-bit formats with a min the implicit zero point 8 forces
 correction = min + 8 * scale, which fp32 cannot always hold exactly; `_four_bit_correction`
-checks every block against ggml's rounding, and a linear with a block that fails is emitted
-with an explicit uint8 zero point of 0 instead (``zero_point`` = 0, correction = min, exact;
-ORT's zero-point kernel, slower than the symmetric one: 76 vs 46 us on a 576x1536 Q4_1 linear).
+checks every block against ggml's rounding; a block that fails gets an explicit zero point 0
+(correction = min, exact), which gives its linear a uint8 zero_points input (ORT's zero-point
+kernel, up to 1.6x slower than the symmetric one on a 576x1536 Q4_1 linear).
 """
 from __future__ import annotations
 
@@ -56,9 +56,10 @@ class NativeLinear:
     packed: uint8 [n, k // block_size, block_size * bits // 8], MatMulNBits' B (4-bit: element
         2i in the low nibble, 2i + 1 in the high nibble of byte i of its block).
     scales: float32 [n, k // block_size], MatMulNBits' scales.
-    zero_point: the code subtracted before scaling: 2**(bits-1) (MatMulNBits' implicit one, no
-        zero_points input) or 0 (4-bit exactness fallback, emitted as a uint8 zero_points input).
-    correction: float32 [k // 32, n] or None; w[n, k] = scale * (q - zero_point) + correction[k // 32, n].
+    zero_points: None (every block uses MatMulNBits' implicit zero point 2**(bits-1): no
+        zero_points input) or uint8 [n, k // block_size], one zero point per block (8, or 0 for a
+        4-bit block whose min + 8 * scale is not an fp32 number), emitted as a packed zero_points input.
+    correction: float32 [k // 32, n] or None; w[n, k] = scale * (q - zp) + correction[k // 32, n].
     source_types: the GGUF type name of each concatenated tensor, in order.
     """
 
@@ -70,15 +71,17 @@ class NativeLinear:
     scales: np.ndarray
     correction: np.ndarray | None
     source_types: tuple[str, ...]
-    zero_point: int = -1
-
-    def __post_init__(self) -> None:
-        if self.zero_point < 0:
-            self.zero_point = 1 << (self.bits - 1)
+    zero_points: np.ndarray | None = None
 
     @property
     def symmetric(self) -> bool:
-        return self.zero_point == 1 << (self.bits - 1)
+        return self.zero_points is None
+
+    def block_zero_points(self) -> np.ndarray:
+        """uint8 [n, k // block_size]: the zero point of every block."""
+        if self.zero_points is not None:
+            return self.zero_points
+        return np.full((self.n, self.k // self.block_size), 1 << (self.bits - 1), np.uint8)
 
 
 @dataclass
@@ -196,24 +199,23 @@ def _bits_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a.view(np.uint32) == b.view(np.uint32)
 
 
-def _four_bit_correction(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> tuple[np.ndarray, int]:
+def _four_bit_correction(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-32-block c = fl32(min + 8 * scale), checked: fl(scale * (q - 8) + c) == fl(scale * q + min) bitwise
     for every code q of the block (ggml's own rounding). codes int [n, k] in 0..15, scale / minimum f32
-    [n, k // 32]. Returns (c [n, k // 32], number of blocks where the check fails).
+    [n, k // 32]. Returns (c [n, k // 32], bool [n, k // 32]: the blocks where the check fails).
 
     The check passes whenever min + 8 * scale is exact in fp32 (then both sides round the same
     real number once); when it is not, a code whose result is smaller than c sees c's rounding
     error (up to half an ulp of c) unrounded. Trying the fp32 neighbours of c (up to 16 ulps)
     fixed none of 27k such blocks in random Q4_1/Q4_K data, so a failing block is reported and
-    the caller switches the linear to zero point 0.
+    the caller gives it zero point 0 (correction = min, exact).
     """
     n, k = codes.shape
     q = codes.reshape(n, k // 32, 32).astype(np.float32)
     target = scale[..., None] * q + minimum[..., None]
     base = scale[..., None] * (q - np.float32(8))
     c = (minimum.astype(np.float64) + 8.0 * scale.astype(np.float64)).astype(np.float32)
-    bad = ~_bits_equal(base + c[..., None], target).all(-1)
-    return c, int(bad.sum())
+    return c, ~_bits_equal(base + c[..., None], target).all(-1)
 
 
 def _pack(stored: np.ndarray, bits: int, block_size: int) -> np.ndarray:
@@ -264,42 +266,42 @@ def native_linear(reader: Any, tensor_names: list[str], row_permutations: list[n
     has_min = any(p.minimum is not None for p in parts)
     zero_point = 1 << (bits - 1)
 
-    stored_parts, scale_parts, corr_parts = [], [], []
-    unfixable = 0
+    stored_parts, scale_parts, corr_parts, zp_parts = [], [], [], []
     for p in parts:
         scale = np.repeat(p.scale, p.block_size // block_size, axis=1) if p.block_size != block_size else p.scale
         # -0.0, not 0.0: -0.0 + w == w for every w, ggml's -0.0 products included
         minimum = p.minimum if p.minimum is not None else (_negative_zeros(p.codes.shape[0], k) if has_min else None)
+        zp = np.full(scale.shape, zero_point, np.uint8)
         if bits == 8 or p.minimum is None:
             # codes are already centred for the zero point (or carry an exact min: stored unshifted)
             stored_parts.append(p.codes + zero_point)
             corr_parts.append(minimum)
         else:  # 4-bit with a min: codes 0..15 stored as they are, correction = min + 8 * scale
-            c, bad = _four_bit_correction(p.codes, p.scale, p.minimum)
-            unfixable += bad
+            c, failing = _four_bit_correction(p.codes, p.scale, p.minimum)
+            if failing.any():  # exact instead with zero point 0 and correction = min
+                c = np.where(failing, p.minimum, c)
+                zp[failing] = 0
             stored_parts.append(p.codes)
             corr_parts.append(c)
         scale_parts.append(scale)
+        zp_parts.append(zp)
     stored = np.concatenate(stored_parts, axis=0)
     scales = np.ascontiguousarray(np.concatenate(scale_parts, axis=0), dtype=np.float32)
     correction = np.ascontiguousarray(np.concatenate(corr_parts, axis=0).T, dtype=np.float32) if has_min else None
-    if unfixable:
-        # No fp32 correction reproduces ggml's rounding for some block under zero point 8:
-        # store the codes against an explicit zero point 0 so correction = min exactly.
-        zero_point = 0
-        stored = np.concatenate([p.codes + (8 if p.minimum is None else 0) for p in parts], axis=0)
-        correction = np.ascontiguousarray(np.concatenate(
-            [p.minimum if p.minimum is not None else _negative_zeros(p.codes.shape[0], k) for p in parts], axis=0).T)
+    zero_points = np.concatenate(zp_parts, axis=0)
     if stored.min() < 0 or stored.max() >= (1 << bits):
         raise AssertionError("internal: codes out of range for the chosen bit width")
     return NativeLinear(bits=bits, block_size=block_size, n=stored.shape[0], k=k, packed=_pack(stored, bits, block_size),
-                        scales=scales, correction=correction, source_types=tuple(p.type_name for p in parts), zero_point=zero_point)
+                        scales=scales, correction=correction, source_types=tuple(p.type_name for p in parts),
+                        zero_points=None if (zero_points == zero_point).all() else zero_points)
 
 
 def dequantize_native(nl: NativeLinear) -> np.ndarray:
-    """The fp32 weight [n, k] the graph represents: fl(fl(scale * (q - zp)) + correction), elementwise."""
-    q = _unpack(nl.packed, nl.bits, nl.n, nl.k).astype(np.float32) - np.float32(nl.zero_point)
-    w = (q.reshape(nl.n, nl.k // nl.block_size, nl.block_size) * nl.scales[..., None]).reshape(nl.n, nl.k)
+    """The fp32 weight [n, k] the graph represents: fl(fl(scale * (q - zp)) + correction), elementwise
+    (q - zp and the product are exact, so the addition is the only rounding)."""
+    q = _unpack(nl.packed, nl.bits, nl.n, nl.k).reshape(nl.n, nl.k // nl.block_size, nl.block_size).astype(np.float32)
+    q = q - nl.block_zero_points()[..., None].astype(np.float32)
+    w = (q * nl.scales[..., None]).reshape(nl.n, nl.k)
     if nl.correction is not None:
         w = (w.reshape(nl.n, nl.k // 32, 32) + nl.correction.T[..., None]).reshape(nl.n, nl.k)
     return w
@@ -381,10 +383,12 @@ def hf_to_gguf_tensor_names(model_type: str, num_layers: int, tied: bool = True)
 
 
 def _zero_points(nl: NativeLinear) -> np.ndarray:
-    blocks = nl.k // nl.block_size
+    """MatMulNBits' zero_points input: uint8 [n, ceil(blocks * bits / 8)], 4-bit ones two per byte (low nibble first)."""
+    zp = nl.block_zero_points()
     if nl.bits == 8:
-        return np.full((nl.n, blocks), nl.zero_point, np.uint8)
-    zp = np.full((nl.n, blocks + blocks % 2), nl.zero_point, np.uint8)
+        return np.ascontiguousarray(zp)
+    if zp.shape[1] % 2:
+        zp = np.concatenate([zp, np.zeros((nl.n, 1), np.uint8)], axis=1)
     return np.ascontiguousarray(zp[:, 0::2] | (zp[:, 1::2] << 4))
 
 
@@ -407,7 +411,7 @@ def linear_initializers(prefix: str, nl: NativeLinear) -> list[onnx.TensorProto]
 def matmul_nbits_nodes(x: str, out: str, prefix: str, linear: NativeLinear, accuracy_level: int,
                        blocksum: str | None) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """out = x @ W^T for x [..., K]: MatMulNBits (implicit zero point, or an explicit zero_points
-    input when linear.zero_point is 0), plus ``MatMul(blocksum, correction)`` when the linear has a
+    input when linear.zero_points is set), plus ``MatMul(blocksum, correction)`` when the linear has a
     correction; `blocksum` must then name blocksum_nodes' output for `x`."""
     names = initializer_names(prefix)
     inputs = [x, names["packed"], names["scales"]] + ([] if linear.symmetric else [names["zero_points"]])
@@ -450,7 +454,9 @@ def gather_block_quantized_nodes(ids: str, out: str, prefix: str, linear: Native
     gathered from its [K/32, N] layout (Gather axis 1 + Transpose) and added per block of 32.
     """
     if not linear.symmetric:
-        raise NotImplementedError("GatherBlockQuantized with an explicit zero point 0 is not wired (no such embedding seen)")
+        # GatherBlockQuantized would need its zero points as [n, k/B, 1] (one per byte), MatMulNBits
+        # packs two 4-bit ones per byte: not the same initializer. No such embedding seen yet.
+        raise NotImplementedError("GatherBlockQuantized for a table with explicit zero points (zero_points set) is not wired")
     names = initializer_names(prefix)
     ns = f"{prefix}/gather"  # node and value names; initializers are shared with the MatMulNBits of `prefix`
     nb = linear.k // linear.block_size

@@ -82,6 +82,7 @@ def synthetic(tmp_path_factory: pytest.TempPathFactory) -> gguf.GGUFReader:
     tensors["Q4_K.random.weight"] = ("Q4_K", random_blocks(rng, "Q4_K", N, K))
     tensors |= {f"{t}.tall.weight": (t, random_blocks(rng, t, 2 * N, K)) for t in EXPECTED}
     tensors |= {f"{t}.wide.weight": (t, random_blocks(rng, t, N, K, wide=True)) for t in ("Q4_1", "Q4_K", "Q5_K", "Q8_0")}
+    tensors["Q4_1.odd.weight"] = ("Q4_1", random_blocks(rng, "Q4_1", N, 480, wide=True))  # 15 blocks: padded zero points
     tensors["Q2_K.weight"] = ("Q2_K", rng.integers(0, 256, (N, K // 256 * gguf.GGML_QUANT_SIZES[Q.Q2_K][1]), dtype=np.uint8))
     tensors["norm.weight"] = ("F32", rng.standard_normal(K).astype(np.float32))
     tensors["dense.weight"] = ("F32", rng.standard_normal((N, K)).astype(np.float32))
@@ -116,23 +117,27 @@ def test_every_format_dequantizes_bit_exactly(synthetic: gguf.GGUFReader, type_n
     assert (nl.correction is not None) == has_correction
     if has_correction:
         assert nl.correction.dtype == np.float32 and nl.correction.shape == (K // 32, N)
-    assert nl.zero_point == 1 << (bits - 1), "realistic scales need no explicit zero point"
+    assert nl.zero_points is None, "realistic scales need no explicit zero point"
     assert_bits_equal(gn.dequantize_native(nl), ggml_dequantized(synthetic, f"{type_name}.weight"))
 
 
 @pytest.mark.parametrize("name", ["Q4_1.wide.weight", "Q4_K.wide.weight", "Q4_K.random.weight", "Q5_K.wide.weight", "Q8_0.wide.weight"])
 def test_extreme_scales_stay_exact(synthetic: gguf.GGUFReader, name: str) -> None:
     """fp16 scales/mins 10^-7.5..1 apart (or Q4_K sub-scales and mins drawn independently): min +
-    8 * scale is then often not an fp32 number, so a 4-bit format with a min must fall back to an
-    explicit zero point 0 to stay exact."""
+    8 * scale is then often not an fp32 number, so those blocks of a 4-bit format with a min must
+    fall back to an explicit zero point 0 to stay exact."""
     nl = gn.native_linear(synthetic, [name], [None])
     parts = gn._decode_tensor(synthetic, name)
     if nl.bits == 4:
         _, failing = gn._four_bit_correction(parts.codes, parts.scale, parts.minimum)
-        assert failing > 0, "the stress data should contain blocks the zero-point-8 form cannot reproduce"
-        assert nl.zero_point == 0
+        assert 0 < failing.sum() < failing.size, "the stress data should mix blocks the zero-point-8 form can and cannot reproduce"
+        np.testing.assert_array_equal(nl.zero_points, np.where(failing, 0, 8))
+        # a min-less tensor packed with it keeps zero point 8 (and a -0.0 correction)
+        packed = gn.native_linear(synthetic, ["Q4_0.weight", name], [None, None])
+        assert (packed.zero_points[:N] == 8).all() and (packed.zero_points[N:] == nl.zero_points).all()
+        assert_bits_equal(gn.dequantize_native(packed), np.concatenate([ggml_dequantized(synthetic, "Q4_0.weight"), ggml_dequantized(synthetic, name)]))
     else:
-        assert nl.zero_point == 128
+        assert nl.zero_points is None
     assert_bits_equal(gn.dequantize_native(nl), ggml_dequantized(synthetic, name))
 
 
@@ -177,7 +182,7 @@ def test_smollm2_every_quantized_tensor_is_bit_exact(smol_reader: gguf.GGUFReade
                 gn.native_linear(smol_reader, [t.name], [None])
             continue
         nl = gn.native_linear(smol_reader, [t.name], [None])
-        assert nl.zero_point == 1 << (nl.bits - 1), f"{t.name} needed the zero-point fallback"
+        assert nl.zero_points is None, f"{t.name} needed explicit zero points"
         assert_bits_equal(gn.dequantize_native(nl), gguf.quants.dequantize(t.data, t.tensor_type))
         seen[t.tensor_type.name] = seen.get(t.tensor_type.name, 0) + 1
     assert set(seen) == {"Q4_1", "Q8_0"} and seen["Q4_1"] == 7 * 30
@@ -282,9 +287,10 @@ def linear_errors(nl: gn.NativeLinear, accuracy_level: int, seed: int = 0) -> fl
     return relative_error(y, x, gn.dequantize_native(nl))
 
 
-@pytest.mark.parametrize("name", [f"{t}.weight" for t in EXPECTED] + ["Q4_1.wide.weight", "Q4_K.random.weight"])
+@pytest.mark.parametrize("name", [f"{t}.weight" for t in EXPECTED] + ["Q4_1.wide.weight", "Q4_K.random.weight", "Q4_1.odd.weight"])
 def test_onnx_linear_matches_dequantized_weights(synthetic: gguf.GGUFReader, name: str) -> None:
     nl = gn.native_linear(synthetic, [name], [None])
+    assert (nl.zero_points is None) == (name.count(".") == 1), "stress tensors should exercise explicit zero points"
     assert linear_errors(nl, 1) < 1e-4
     assert linear_errors(nl, 4) < 5e-2  # int8 activations: reported, not exact
 
