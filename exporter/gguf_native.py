@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 CORRECTION_BLOCK = 32
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -359,6 +359,7 @@ def hf_to_gguf_tensor_names(model_type: str, num_layers: int, tied: bool = True)
     self_attn.{q,k,v,o}_proj / q_norm / k_norm, mlp.{gate,up,down}_proj, the layer norms,
     model.norm, lm_head), each kept only where gguf maps it to a tensor of the architecture.
     With `tied`, lm_head.weight -> token_embd.weight (the GGUF stores the tied table once).
+    Weights only: biases (Qwen2's q/k/v) are F32 in GGUF files and not part of the native grid.
     """
     import gguf
 
@@ -503,4 +504,4 @@ def unique_initializers(inits: list[onnx.TensorProto]) -> list[onnx.TensorProto]
 __all__ = ["NativeLinear", "NotQuantizedError", "UnsupportedGGUFTypeError", "native_linear", "dequantize_native",
            "llama_qk_row_permutation", "transformers_row_permutation", "hf_to_gguf_tensor_names", "matmul_nbits_nodes",
            "blocksum_nodes", "gather_block_quantized_nodes", "initializer_names", "linear_initializers",
-           "unique_initializers", "TensorProto"]
+           "unique_initializers"]

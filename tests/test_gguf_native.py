@@ -350,3 +350,30 @@ def test_gather_block_quantized_other_formats(synthetic: gguf.GGUFReader, type_n
     rows, logits, _ = gather_and_head(nl, ids, hidden)
     assert_bits_equal(rows, table[ids])
     assert relative_error(logits, hidden, table) < 1e-4
+
+
+@needs_smollm2
+def test_conversion_is_torch_free() -> None:
+    import subprocess
+    import sys
+
+    from exporter.model_loading import smollm2_gguf_path
+
+    code = f"""
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split('.')[0] in ('torch', 'transformers'):
+            raise ImportError(f'{{name}} is blocked in this test')
+sys.meta_path.insert(0, Block())
+import gguf
+from exporter import gguf_native as gn
+reader = gguf.GGUFReader({str(smollm2_gguf_path())!r})
+name = 'blk.0.attn_k.weight'
+nl = gn.native_linear(reader, [name], [gn.transformers_row_permutation(reader, name)])
+gn.matmul_nbits_nodes('x', 'y', 'k', nl, 1, 'x_bs')
+print('ok', nl.bits, nl.n, nl.k)
+"""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    assert result.returncode == 0 and result.stdout.split() == ["ok", "4", "192", "576"], result.stderr[-2000:]
