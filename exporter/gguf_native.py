@@ -211,11 +211,16 @@ def _four_bit_correction(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarr
     the caller gives it zero point 0 (correction = min, exact).
     """
     n, k = codes.shape
-    q = codes.reshape(n, k // 32, 32).astype(np.float32)
-    target = scale[..., None] * q + minimum[..., None]
-    base = scale[..., None] * (q - np.float32(8))
     c = (minimum.astype(np.float64) + 8.0 * scale.astype(np.float64)).astype(np.float32)
-    return c, ~_bits_equal(base + c[..., None], target).all(-1)
+    failing = np.zeros(c.shape, bool)
+    rows = max(1, (1 << 22) // k)  # bounded temporaries for large tables
+    for start in range(0, n, rows):
+        part = slice(start, start + rows)
+        q = codes[part].reshape(-1, k // 32, 32).astype(np.float32)
+        target = scale[part, :, None] * q + minimum[part, :, None]
+        base = scale[part, :, None] * (q - np.float32(8))
+        failing[part] = ~_bits_equal(base + c[part, :, None], target).all(-1)
+    return c, failing
 
 
 def _pack(stored: np.ndarray, bits: int, block_size: int) -> np.ndarray:
