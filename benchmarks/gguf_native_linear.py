@@ -26,7 +26,8 @@ def main() -> None:
     parser.add_argument("--tensor", default="blk.0.ffn_gate.weight", help="a Q4_1 tensor of the SmolLM2 GGUF")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=1, help="activation rows T")
-    parser.add_argument("--runs", type=int, default=3000)
+    parser.add_argument("--runs", type=int, default=4000, help="timed runs per contender (float zero points: a tenth)")
+    parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args()
     pin_threads(args.threads)
 
@@ -67,17 +68,23 @@ def main() -> None:
                                     bits=4, block_size=32, accuracy_level=level)], plain[1] + [numpy_helper.from_array(float_zp, "zpf")])
         contenders = {"symmetric, no correction": plain, "symmetric + block sums": (bs_nodes + exact[0], bs_inits + exact[1]),
                       "uint8 zero point 0 + sums": (bs_nodes + zero[0], bs_inits + zero[1]), "float zero points": floats}
-        for name, (nodes, inits) in contenders.items():
-            sess = session(nodes, inits)
-            y = sess.run(None, {"x": x})[0]
+        sessions = {name: session(nodes, inits) for name, (nodes, inits) in contenders.items()}
+        samples: dict[str, list[float]] = {name: [] for name in sessions}
+        for name, sess in sessions.items():
             for _ in range(200):
                 sess.run(None, {"x": x})
-            times = []
-            for _ in range(args.runs if "float" not in name else max(args.runs // 10, 50)):
-                start = time.perf_counter()
-                sess.run(None, {"x": x})
-                times.append(time.perf_counter() - start)
+        # contenders interleaved in rounds, so load from other jobs hits them alike
+        for _ in range(args.rounds):
+            for name, sess in sessions.items():
+                runs = args.runs // args.rounds if "float" not in name else max(args.runs // args.rounds // 10, 5)
+                for _ in range(runs):
+                    start = time.perf_counter()
+                    sess.run(None, {"x": x})
+                    samples[name].append(time.perf_counter() - start)
+        for name, sess in sessions.items():
+            y = sess.run(None, {"x": x})[0]
             error = float(np.abs(y - reference).max() / np.abs(reference).max())
+            times = np.array(samples[name])
             rows.append({"accuracy": level, "form": name, "median us": f"{np.median(times) * 1e6:.1f}",
                          "p10 us": f"{np.percentile(times, 10) * 1e6:.1f}", "max rel. error": f"{error:.1e}"})
     print(f"{args.tensor}: N={nl.n} K={nl.k} T={args.tokens} threads={args.threads}")
