@@ -52,7 +52,7 @@ def main() -> None:
     def session(nodes, inits):
         graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, nl.k])],
                                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=gn.unique_initializers(inits))
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(gn.MS_DOMAIN, 1)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(gn.MS_DOMAIN, 1)])
         model.ir_version = 10
         options = ort.SessionOptions()
         options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1

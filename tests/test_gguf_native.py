@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")
-import onnx  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
 from exporter import gguf_native as gn  # noqa: E402
@@ -266,7 +265,7 @@ def run_graph(nodes, inits, inputs: dict[str, np.ndarray], outputs: list[str]) -
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(k, kinds[v.dtype], list(v.shape)) for k, v in inputs.items()],
                               [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
                               initializer=gn.unique_initializers(inits))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(gn.MS_DOMAIN, 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(gn.MS_DOMAIN, 1)])  # the exporter's opset
     model.ir_version = 10
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
