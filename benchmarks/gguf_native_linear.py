@@ -1,0 +1,95 @@
+"""One SmolLM2 Q4_1 linear as MatMulNBits, exact and not: what the block-sum correction costs.
+
+    python -m benchmarks.gguf_native_linear [--tensor blk.0.ffn_gate.weight] [--threads 2] [--tokens 1]
+
+Contenders (each a one-linear ONNX graph, x [1, T, K]):
+  symmetric, no correction   the fast kernel alone: wrong for Q4_1 (its mins are dropped)
+  symmetric + block sums     MatMulNBits(x) + blocksum(x) @ (m + 8d), exporter/gguf_native.py's form
+  uint8 zero point 0 + sums  explicit zero points (gguf_native's exactness fallback)
+  float zero points          z = -m/d as float zero points: exact, no fast kernel
+Reports median / p10 microseconds per run and the max relative error against x @ W^T with W
+the GGUF's own dequantized weights, at accuracy levels 1 (fp32) and 4 (int8 activations).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import numpy as np
+
+from benchmarks.common import pin_threads, print_table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tensor", default="blk.0.ffn_gate.weight", help="a Q4_1 tensor of the SmolLM2 GGUF")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=1, help="activation rows T")
+    parser.add_argument("--runs", type=int, default=4000, help="timed runs per contender (float zero points: a tenth)")
+    parser.add_argument("--rounds", type=int, default=20)
+    args = parser.parse_args()
+    pin_threads(args.threads)
+
+    import gguf
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from exporter import gguf_native as gn
+    from exporter.model_loading import smollm2_gguf_path
+
+    reader = gguf.GGUFReader(smollm2_gguf_path())
+    nl = gn.native_linear(reader, [args.tensor], [None])
+    if nl.correction is None or nl.bits != 4:
+        raise SystemExit(f"{args.tensor} is {nl.source_types[0]}: pick a Q4_1 tensor")
+    w = gn.dequantize_native(nl)
+    x = np.random.default_rng(0).standard_normal((1, args.tokens, nl.k)).astype(np.float32)
+    reference = x.astype(np.float64) @ w.astype(np.float64).T
+    minimum = nl.correction.T - 8 * nl.scales  # approximately m: timing only, the error column says how close
+    zp0 = dataclasses.replace(nl, zero_points=np.zeros(nl.scales.shape, np.uint8), correction=np.ascontiguousarray(minimum.T, dtype=np.float32))
+    float_zp = (-minimum / nl.scales).astype(np.float32)
+
+    def session(nodes, inits):
+        graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, nl.k])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=gn.unique_initializers(inits))
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(gn.MS_DOMAIN, 1)])
+        model.ir_version = 10
+        options = ort.SessionOptions()
+        options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+    rows = []
+    for level in (1, 4):
+        bs_nodes, bs_inits = gn.blocksum_nodes("x", "x_bs", nl.k, "bs")
+        plain = gn.matmul_nbits_nodes("x", "y", "w", dataclasses.replace(nl, correction=None), level, None)
+        exact = gn.matmul_nbits_nodes("x", "y", "w", nl, level, "x_bs")
+        zero = gn.matmul_nbits_nodes("x", "y", "w", zp0, level, "x_bs")
+        floats = ([helper.make_node("MatMulNBits", ["x", "w.qweight", "w.scales", "zpf"], ["y"], domain=gn.MS_DOMAIN, K=nl.k, N=nl.n,
+                                    bits=4, block_size=32, accuracy_level=level)], plain[1] + [numpy_helper.from_array(float_zp, "zpf")])
+        contenders = {"symmetric, no correction": plain, "symmetric + block sums": (bs_nodes + exact[0], bs_inits + exact[1]),
+                      "uint8 zero point 0 + sums": (bs_nodes + zero[0], bs_inits + zero[1]), "float zero points": floats}
+        sessions = {name: session(nodes, inits) for name, (nodes, inits) in contenders.items()}
+        samples: dict[str, list[float]] = {name: [] for name in sessions}
+        for name, sess in sessions.items():
+            for _ in range(200):
+                sess.run(None, {"x": x})
+        # contenders interleaved in rounds, so load from other jobs hits them alike
+        for _ in range(args.rounds):
+            for name, sess in sessions.items():
+                runs = args.runs // args.rounds if "float" not in name else max(args.runs // args.rounds // 10, 5)
+                for _ in range(runs):
+                    start = time.perf_counter()
+                    sess.run(None, {"x": x})
+                    samples[name].append(time.perf_counter() - start)
+        for name, sess in sessions.items():
+            y = sess.run(None, {"x": x})[0]
+            error = float(np.abs(y - reference).max() / np.abs(reference).max())
+            times = np.array(samples[name])
+            rows.append({"accuracy": level, "form": name, "median us": f"{np.median(times) * 1e6:.1f}",
+                         "p10 us": f"{np.percentile(times, 10) * 1e6:.1f}", "max rel. error": f"{error:.1e}"})
+    print(f"{args.tensor}: N={nl.n} K={nl.k} T={args.tokens} threads={args.threads}")
+    print_table(rows, ["accuracy", "form", "median us", "p10 us", "max rel. error"])
+
+
+if __name__ == "__main__":
+    main()
