@@ -48,6 +48,7 @@ class BuildOptions:
     # "ort": ONNX Runtime's fused kernels (the fast default); "portable": standard ops, the
     # graphs TensorRT parses (a build with the tensorrt backend is always portable).
     onnx_flavour: str = "ort"
+    native_source: Path | None = None  # the quantized .gguf whose blocks --quantize native keeps
     # Runs on the staged bundle (provisional manifest written) before the final manifest:
     # calibration times the real engines here and may update manifest and calibration.json.
     after_export: Callable[[Path, dict[str, Any]], None] | None = None
@@ -95,7 +96,8 @@ def _engine_key(graph: GraphSpec) -> tuple[Any, ...]:
 
 
 def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress: bool, quantize: str = "none",
-                quant_options: dict[str, int] | None = None, max_len: int = DEFAULT_MAX_LEN) -> dict[str, Any]:
+                quant_options: dict[str, int] | None = None, max_len: int = DEFAULT_MAX_LEN,
+                native_source: Path | None = None) -> dict[str, Any]:
     """Export every graph to root/onnx with one shared weights file (optionally weight-quantized)."""
     folder = root / "onnx"
     folder.mkdir()
@@ -103,6 +105,14 @@ def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress
     written: dict[tuple[Any, ...], dict[str, Any]] = {}
     flavour = graphs[0].flavour
     packed = packed_weights(parts, max_len) if flavour == "ort" else None
+    native = None
+    if quantize == "native":
+        from exporter.native_quant import NativeWeights
+
+        if flavour != "ort" or native_source is None:
+            raise UsageError("--quantize native needs the ort ONNX flavour and a quantized .gguf model",
+                             "drop --onnx-flavour portable / --backend tensorrt, or use --quantize int8|int4")
+        native = NativeWeights.from_gguf(native_source, parts.spec)
     with WeightStore(folder / WEIGHTS_FILE) as store:
         store.name_parameters((n, p.detach().numpy()) for n, p in parts.hf_model.named_parameters())
         if packed is not None:
@@ -118,7 +128,11 @@ def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress
                 continue
             model = export_graph(parts, graph, packed)
             canonicalize_names(model, store)
-            if quantize != "none":
+            if native is not None:
+                from exporter.native_quant import apply_native
+
+                apply_native(model, native, (quant_options or {}).get("accuracy_level", 4))
+            elif quantize != "none":
                 from exporter.quantize import quantize as quantize_model
 
                 model = quantize_model(model, quantize, **(quant_options or {}))
@@ -132,7 +146,7 @@ def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress
         tensors = {t.name: {"dtype": t.dtype, "shape": list(t.shape), "offset": t.offset, "bytes": t.length} for t in store.tensors.values()}
         weight_bytes = store.total_bytes
     return {"weights": f"onnx/{WEIGHTS_FILE}", "weight_bytes": weight_bytes, "opset": OPSET, "flavour": flavour,
-            "quantize": quantize, "quant_options": quant_options or {},
+            "quantize": quantize, "quant_options": quant_options or {}, "quant_bits": native.dtype if native else quantize,
             "tensors": tensors, "graphs": entries}
 
 
@@ -149,14 +163,15 @@ def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: BuildOptions, pa
     flavour = "portable" if "tensorrt" in options.backends else options.onnx_flavour
     graphs = flavoured(plan.graphs(), flavour)
     with staging_dir(options.output, options.force) as root:
-        backends = {"onnx": export_onnx(root, parts, graphs, options.progress, options.quantize, options.quant_options, options.max_len)}
+        backends = {"onnx": export_onnx(root, parts, graphs, options.progress, options.quantize, options.quant_options, options.max_len,
+                                        options.native_source)}
         save_tokenizer(loaded.tokenizer, root / "tokenizer.json")
         manifest: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
             "format": FORMAT,
             "model": {**loaded.spec.to_json(), "source": loaded.source},
             "max_len": options.max_len,
-            "dtype": "float32" if options.quantize == "none" else options.quantize,
+            "dtype": "float32" if options.quantize == "none" else backends["onnx"]["quant_bits"],
             "router_threshold": options.router_threshold,
             "tokenizer": {"file": "tokenizer.json", "chat": chat_format(loaded.tokenizer), **special_tokens(loaded.tokenizer, loaded.hf_model)},
             "configs": [

@@ -88,6 +88,15 @@ class CheckReport:
         return ET.ElementTree(suite)
 
 
+def gated_on_quality(bundle: Bundle) -> bool:
+    """Quantized weights are gated on quality, except GGUF-exact engines at accuracy level 1:
+    their weights are the reference model's own (the GGUF dequantized) and their activations
+    fp32, so they are held to the fp32 tolerances and greedy identity."""
+    onnx_entry = bundle.manifest["backends"].get("onnx", {})
+    exact = onnx_entry.get("quantize") == "native" and (onnx_entry.get("quant_options") or {}).get("accuracy_level") == 1
+    return bundle.manifest["dtype"] in QUANT_MIN_AGREEMENT and not exact
+
+
 def compare(actual: np.ndarray, expected: np.ndarray, dtype: str = "float32", scale_tol: float = 1.0) -> tuple[bool, float, float, float]:
     tol = TOLERANCES[dtype]
     diff = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
@@ -141,6 +150,7 @@ def engine_parity(bundle: Bundle, backend: Any, parts: Any, graph_name: str, see
             past = [torch.from_numpy(np.ascontiguousarray(before[i, kv, :past_len])) for kv in (0, 1) for i in spec.layers]
             ref = module(torch.from_numpy(first), *past)
     names = spec.output_names()
+    quantized = gated_on_quality(bundle)
     worst = (True, 0.0, 0.0, 0.0)
     failures = []
     actual_by_name = {"logits": out.logits, "router_scores": out.router_scores, "exit_hidden": out.exit_hidden}
@@ -155,17 +165,15 @@ def engine_parity(bundle: Bundle, backend: Any, parts: Any, graph_name: str, see
             expected = expected[:, :, : past_len + count]
         else:
             actual = actual_by_name[name]
-        dtype = bundle.manifest["dtype"]
-        if dtype in QUANT_MIN_AGREEMENT:  # informational: the quality check gates quantized bundles
+        if quantized:  # informational: the quality check gates quantized bundles
             _, max_abs, max_rel, bound = compare(np.asarray(actual), expected, "float32", scale_tol)
             ok = bool(np.isfinite(actual).all())
         else:
-            ok, max_abs, max_rel, bound = compare(np.asarray(actual), expected, dtype, scale_tol)
+            ok, max_abs, max_rel, bound = compare(np.asarray(actual), expected, "float32", scale_tol)
         if not ok:
             failures.append(f"{name}: max |diff| {max_abs:.3g} > {bound:.3g}")
         if max_abs > worst[1] or not ok:
             worst = (ok and worst[0], max_abs, max_rel, bound)
-    quantized = bundle.manifest["dtype"] in QUANT_MIN_AGREEMENT
     detail = "; ".join(failures) or (f"{bundle.manifest['dtype']} weights: difference to fp32 is informational, the quality checks gate"
                                      if quantized else f"{len(names)} outputs within tolerance")
     return CheckResult(backend.name, graph_name, "parity", not failures, max_abs=worst[1], max_rel=worst[2],
@@ -306,7 +314,7 @@ def run_check(bundle_dir: str, model: str | None, prompts: list[str] | None, new
         for graph in tqdm(graphs, desc=f"check {backend_name} engines", unit="engine", disable=not progress):
             report.results.append(engine_parity(bundle, backend, parts, graph, scale_tol=scale_tol))
         generator = Generator(bundle, backend=backend_name)
-        if bundle.manifest["dtype"] in QUANT_MIN_AGREEMENT:
+        if gated_on_quality(bundle):
             rows = [quality_check(generator, parts, prompt, new_tokens)
                     for prompt in tqdm(prompts, desc=f"check {backend_name} quality", unit="prompt", disable=not progress)]
             report.results += rows + [quality_gate(backend_name, bundle.manifest["dtype"], rows)]

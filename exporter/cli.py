@@ -60,11 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "continuations of the calibration prompts) at E in {L/2, 2L/3, 5L/6, L-2} (at E with --speculate E:k), so calibration sees the "
                         "adapted acceptance and the chosen exit's adapter ships as exit_adapters.safetensors; FILE reuses such a "
                         "file; none (default) drafts from the raw exit")
-    b.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help="weight-only quantization of the ONNX engines (default: none, fp32)")
+    b.add_argument("--quantize", choices=["auto", "none", "native", "int8", "int4"], default="auto",
+                   help="weight precision of the ONNX engines. native: keep a quantized GGUF's own blocks (Q4_0/Q4_1/Q4_K/Q5_0/Q5_K/Q6_K/Q8_0) "
+                        "bit for bit as MatMulNBits, no re-quantization; int8/int4: round-to-nearest re-quantization of float weights; "
+                        "none: fp32; auto (default): native for a quantized .gguf (e.g. smollm2), none otherwise")
     b.add_argument("--coreml-precision", choices=["float16", "float32"], default="float16", help="CoreML compute precision (default: float16)")
     b.add_argument("--trt-precision", choices=["fp32", "fp16", "int8"], default="fp16", help="TensorRT engine precision flag (default: fp16)")
     b.add_argument("--quant-block", type=int, default=32, help="quantization block size along the input dimension (default: 32)")
-    b.add_argument("--quant-accuracy", type=int, default=4, help="MatMulNBits accuracy_level: 4 = int8 activations (fastest on CPU, default), 0 = unset")
+    b.add_argument("--quant-accuracy", type=int, default=4,
+                   help="MatMulNBits accuracy_level: 4 = int8 activations (fastest on CPU, default; slightly lossy), "
+                        "1 = fp32 activations (with --quantize native: the engines compute exactly the GGUF's model), 0 = unset")
     b.add_argument("--seed", type=int, default=0, help="seed for calibration and training (default: 0)")
 
     r = sub.add_parser("run", help="generate text from a bundle (torch-free)", description="Generate from a bundle with the pure-Python runtime. Streams text unless --json.")

@@ -7,7 +7,7 @@ from typing import Any
 
 from exporter.build import EXTRA_BACKENDS, SUPPORTED_BACKENDS, BuildOptions, build_bundle
 from exporter.bundle_writer import check_output_dir
-from exporter.model_loading import load_model
+from exporter.model_loading import load_model, resolve_model_path
 from graphs.plan import BuildPlan
 from graphs.span_graph import ModelParts
 from calibration.router_pipeline import THRESHOLD
@@ -48,12 +48,46 @@ def check_exit_adapter_option(args: argparse.Namespace) -> None:
                          "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build")
 
 
+def quantized_gguf(model: str) -> Path | None:
+    """The model's .gguf file when it holds quantized tensors (its own grid to keep), else None."""
+    directory, gguf_file = resolve_model_path(model)
+    if gguf_file is None:
+        return None
+    import gguf
+
+    path = directory / gguf_file
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read GGUF file {str(path)!r}: {exc}", "pass a complete .gguf file") from exc
+    floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    return path if any(t.tensor_type not in floats for t in reader.tensors) else None
+
+
+def resolve_quantize(choice: str, model: str, backends: tuple[str, ...], flavour: str) -> tuple[str, Path | None]:
+    """`auto` keeps a quantized GGUF's own grid (native) where the fused engines run, else fp32."""
+    portable = flavour == "portable" or "tensorrt" in backends
+    if choice not in ("auto", "native"):
+        return choice, None
+    source = quantized_gguf(model)
+    if choice == "auto":
+        return ("native", source) if source is not None and not portable else ("none", None)
+    if source is None:
+        raise UsageError(f"--quantize native needs a quantized .gguf model, and {model!r} is not one",
+                         "use --quantize int8 or int4 to quantize float weights, or none")
+    if portable:
+        raise UsageError("--quantize native needs the fused ONNX Runtime engines (--onnx-flavour ort, no tensorrt backend)",
+                         "drop --onnx-flavour portable / --backend tensorrt, or use --quantize none")
+    return "native", source
+
+
 def run_build(args: argparse.Namespace) -> dict[str, Any]:
     backends = parse_backends(args.backend)
     check_exit_adapter_option(args)
     register_backends(backends, args)
     output = Path(args.output)
     check_output_dir(output, args.force)  # fail fast, before minutes of loading and export
+    args.quantize, native_source = resolve_quantize(args.quantize, args.model, backends, getattr(args, "onnx_flavour", "ort"))
     if args.quantize != "none":
         from exporter.quantize import validate_options
 
@@ -86,6 +120,6 @@ def run_build(args: argparse.Namespace) -> dict[str, Any]:
             finalize_with_latencies(root, manifest, calibration)
     options = BuildOptions(speculation=speculation, calibration=calibration or None, extra_files=extra_files,
                            router_threshold=THRESHOLD if args.routers else 0.5, output=output, backends=backends, max_len=args.max_len,
-                           force=args.force, quantize=args.quantize, onnx_flavour=getattr(args, "onnx_flavour", "ort"), after_export=after_export,
+                           force=args.force, quantize=args.quantize, onnx_flavour=getattr(args, "onnx_flavour", "ort"), native_source=native_source, after_export=after_export,
                            quant_options={"block_size": args.quant_block, "accuracy_level": args.quant_accuracy} if args.quantize != "none" else {})
     return build_bundle(loaded, plan, options, parts)

@@ -57,6 +57,19 @@ class PackedWeights:
         self.cos_cache = (freqs.cos() * scaling).contiguous()
         self.sin_cache = (freqs.sin() * scaling).contiguous()
 
+    @staticmethod
+    def sources(num_layers: int) -> dict[str, list[str]]:
+        """Packed tensor name -> the HF weights it stacks along the output dimension, in order
+        (what a GGUF-exact build reads from the file for that tensor)."""
+        out = {}
+        for i in range(num_layers):
+            p = f"model.layers.{i}"
+            out[f"{p}.self_attn.qkv_proj.weight_t"] = [f"{p}.self_attn.{x}_proj.weight" for x in "qkv"]
+            out[f"{p}.self_attn.o_proj.weight_t"] = [f"{p}.self_attn.o_proj.weight"]
+            out[f"{p}.mlp.gate_up_proj.weight_t"] = [f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"]
+            out[f"{p}.mlp.down_proj.weight_t"] = [f"{p}.mlp.down_proj.weight"]
+        return out
+
     def named(self) -> list[tuple[str, Tensor]]:
         """Stable names for the packed tensors, so every graph and build names them alike."""
         out = [("rotary.cos_cache", self.cos_cache), ("rotary.sin_cache", self.sin_cache)]

@@ -30,7 +30,13 @@ class TextCodec:
 
 
 class StreamDecoder:
-    """Turns generated ids into text deltas, holding back incomplete UTF-8 and stop-string prefixes."""
+    """Turns generated ids into text deltas, holding back incomplete UTF-8 and stop-string prefixes.
+
+    Detokenization is incremental (constant work per token, not the whole sequence again):
+    only the ids since the last complete piece are decoded, with one token of left context so
+    that decoders which drop a leading space at the start of a decode (SentencePiece) still
+    produce it; the piece is committed once it is not an incomplete UTF-8 sequence.
+    """
 
     def __init__(self, codec: TextCodec, stop: list[str]) -> None:
         self.codec = codec
@@ -39,10 +45,22 @@ class StreamDecoder:
         self.emitted = 0
         self.text = ""
         self.stopped = False
+        self.committed = ""  # text of ids[:read]
+        self.context = 0  # ids[context:read] are decoded again as left context of the next piece
+        self.read = 0
+
+    def _decode_tail(self) -> str:
+        prefix = self.codec.decode(self.ids[self.context : self.read])
+        window = self.codec.decode(self.ids[self.context :])
+        if window.startswith(prefix) and not window.endswith("\ufffd"):
+            self.committed += window[len(prefix):]
+            self.context, self.read = self.read, len(self.ids)
+            return self.committed
+        return self.committed + window[len(prefix):] if window.startswith(prefix) else self.committed + window
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.codec.decode(self.ids)
+        text = self._decode_tail()
         for stop in self.stop:
             at = text.find(stop)
             if at >= 0:

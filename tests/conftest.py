@@ -99,5 +99,5 @@ def smol_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from exporter.cli import main
 
     out = tmp_path_factory.mktemp("smol") / "bundle"
-    assert main(["build", "smollm2", "-o", str(out), "--max-len", "512", "--speculate", "24:3"]) == 0
+    assert main(["build", "smollm2", "-o", str(out), "--max-len", "512", "--speculate", "24:3", "--quantize", "none"]) == 0
     return out

@@ -19,7 +19,7 @@ ROOT = Path(__file__).parents[1]
 @pytest.fixture(scope="module")
 def routed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("smol_routed") / "bundle"
-    assert main(["build", "smollm2", "-o", str(out), "--max-len", "256", "--routers", "train"]) == 0
+    assert main(["build", "smollm2", "-o", str(out), "--max-len", "256", "--routers", "train", "--quantize", "none"]) == 0
     return out
 
 
