@@ -90,5 +90,6 @@ def compile_coreml(root: Path, manifest: dict[str, Any], parts: ModelParts, plan
         "package": PACKAGE,
         "precision": precision,
         "kv": "explicit inputs/outputs (arena contract), not state",
-        "graphs": {g.name: {"function": g.name} for g in graphs},
+        # portable I/O (KV prefix in, new rows out), whatever flavour the onnx engines have
+        "graphs": {g.name: {"function": g.name, "inputs": g.input_names(), "outputs": g.output_names()} for g in graphs},
     }

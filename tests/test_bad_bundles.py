@@ -38,7 +38,7 @@ def expect_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str], *fra
 
 
 BAD_BUNDLES: dict[str, tuple[Callable[[Path], None], str]] = {
-    "missing_engine_file": (lambda r: (r / "onnx" / "decode_full.onnx").unlink(), "is missing"),
+    "missing_engine_file": (lambda r: (r / "onnx" / "prefill.onnx").unlink(), "is missing"),
     "manifest_missing": (lambda r: (r / "manifest.json").unlink(), "has no manifest.json"),
     "manifest_not_json": (lambda r: (r / "manifest.json").write_text("{not json"), "not valid JSON"),
     "manifest_not_object": (lambda r: (r / "manifest.json").write_text("[1, 2]"), "not a JSON object"),

@@ -35,7 +35,8 @@ def test_package_holds_every_graph_as_a_function(coreml_bundle: Path) -> None:
     assert spec.description.defaultFunctionName == "prefill"
     model = manifest["model"]
     for name, function in functions.items():
-        graph = manifest["graphs"][name]
+        graph = entry["graphs"][name]  # CoreML functions keep the portable I/O contract
+        assert graph["inputs"][0] == manifest["graphs"][name]["inputs"][0]
         assert [i.name for i in function.input] == graph["inputs"]
         assert [o.name for o in function.output] == graph["outputs"]
         for tensor in function.input[1:]:  # KV prefixes: [P flexible from 0, kv heads, head dim]

@@ -14,13 +14,18 @@ from exporter.trt_compat import check_bundle, check_model
 from runtimes import load_bundle
 
 
-def test_every_graph_of_a_bundle_is_tensorrt_parsable(tiny_bundle: Path) -> None:
-    bundle = load_bundle(tiny_bundle)
+def test_every_portable_graph_is_tensorrt_parsable_and_fused_ones_are_not(tiny_model_dir: Path, tiny_bundle: Path, tmp_path: Path) -> None:
+    """TensorRT builds from the portable flavour; the fused ONNX Runtime graphs use contrib ops."""
+    assert main(["build", str(tiny_model_dir), "-o", str(tmp_path / "p"), "--max-len", "96", "--onnx-flavour", "portable"]) == 0
+    bundle = load_bundle(tmp_path / "p")
     reports = check_bundle(bundle.root, bundle.manifest["backends"]["onnx"])
     assert len(reports) == len(bundle.manifest["graphs"])
     for report in reports:
         assert report.ok, (report.graph, report.problems)
         assert "Gemm" in report.ops and "Softmax" in report.ops
+    fused = load_bundle(tiny_bundle)
+    assert fused.manifest["backends"]["onnx"]["flavour"] == "ort"
+    assert not any(r.ok for r in check_bundle(fused.root, fused.manifest["backends"]["onnx"]))
 
 
 def test_unsupported_operator_and_custom_domain_are_reported() -> None:
