@@ -93,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--provider", default="cpu", choices=["cpu", "cuda", "tensorrt"], help="ONNX Runtime execution provider (default: cpu)")
     r.add_argument("--threads", type=int, default=0, help="intra-op threads (default: 0 = ONNX Runtime's choice, the physical cores)")
     r.add_argument("--verify", default="full", choices=["full", "size"], help="bundle verification: full sha256 (default) or sizes only (fast path)")
-    r.add_argument("--prepack", default="none", choices=["none", "decode", "all"], help="ONNX Runtime weight prepacking for fp32 engines: ~10%% faster decode, +1 copy of the weights per prepacked engine (default: none; quantized engines always prepack)")
+    r.add_argument("--prepack", default="auto", choices=["auto", "none", "decode", "all"],
+                   help="ONNX Runtime weight prepacking for fp32 engines (quantized ones always prepack). auto (default): the fused "
+                        "full-model engine only (faster decoding and verification, no extra memory: the runtime releases its own copy); "
+                        "decode: every decode engine; all: every engine; each further prepacked engine holds its own packed copy")
 
     c = sub.add_parser("check", help="check every engine against the PyTorch reference (CI gate)", description="Parity of every engine of every backend against PyTorch, greedy tokens against HF transformers. Exit 0 pass, 1 mismatch, 2 bad input.")
     c.add_argument("bundle", help="bundle directory")
@@ -116,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--config", default="auto", help="skip configuration (default: auto)")
     n.add_argument("--mode", default="ar", choices=["ar", "spec", "auto"], help="decoding mode (default: ar)")
     n.add_argument("--threads", type=int, default=0, help="intra-op threads (default: ONNX Runtime's choice)")
-    n.add_argument("--prepack", default="none", choices=["none", "decode", "all"], help="ONNX Runtime weight prepacking (see `run --help`)")
+    n.add_argument("--prepack", default="auto", choices=["auto", "none", "decode", "all"], help="ONNX Runtime weight prepacking (see `run --help`)")
     n.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
@@ -157,8 +160,10 @@ def _read_prompt_file(path: str) -> str:
         raise UsageError(f"cannot read prompt file {path!r}: {exc.strerror}", "check its permissions") from None
 
 
-def prepack_graphs(bundle_dir: str, choice: str) -> list[str]:
-    """Graph names whose ONNX Runtime sessions prepack their weights."""
+def prepack_graphs(bundle_dir: str, choice: str) -> list[str] | None:
+    """Graph names whose ONNX Runtime sessions prepack their weights (None: the backend's default)."""
+    if choice == "auto":
+        return None
     if choice == "none":
         return []
     from runtimes.bundle import load_bundle

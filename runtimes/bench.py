@@ -9,7 +9,7 @@ from runtimes.generate import Generator
 
 def bench_bundle(directory: str, prompt: str, new_tokens: int, repeat: int, config: str = "auto", mode: str = "ar",
                  threads: int = 0, prepack: list[str] | None = None) -> dict[str, Any]:
-    generator = Generator(directory, threads=threads, prepack=prepack or [])
+    generator = Generator(directory, threads=threads, prepack=prepack)
     generator.generate(prompt, max_new_tokens=new_tokens, config=config, mode=mode)  # warm-up
     runs = [generator.generate(prompt, max_new_tokens=new_tokens, config=config, mode=mode).stats for _ in range(repeat)]
     return {

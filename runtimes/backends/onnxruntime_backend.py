@@ -1,10 +1,12 @@
 """ONNX Runtime backend: one session per graph, all sharing one in-memory copy of the weights.
 
-Weights: the bundle's weights file is read once; every session receives the same numpy
-memory through `SessionOptions.add_initializer`, which ORT uses in place. (Measured on
-SmolLM2: 3 sessions cost +47 MB this way; `add_external_initializers` copied, +530 MB
-per session.) ORT's prepacking would give each session its own packed copy (+536 MB per
-session for ~10% faster decode), so it is off by default and opt-in per engine.
+Weights: the bundle's weights file is mapped once; every session receives the same memory
+through `SessionOptions.add_initializer`, which ORT uses in place. (Measured on SmolLM2:
+3 sessions cost +47 MB this way; `add_external_initializers` copied, +530 MB per session.)
+A session that prepacks holds its own packed copy, so our pages of those weights are then
+released (they come back from the file if ORT still reads them). Quantized engines always
+prepack (MatMulNBits dequantizes per call otherwise); fp32 ones by `prepack` (default: the
+fused full-model engine, see `_default_prepack`).
 
 KV, portable engines: IO binding feeds the arena's prefix views as inputs and binds the
 new-row outputs straight onto the arena rows, so every row is written once, in place.
@@ -17,8 +19,10 @@ decode) share one session, so ONNX Runtime prepacks their weights once.
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
-from typing import Any, Iterable
+import threading
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -39,12 +43,12 @@ def _import_ort() -> Any:
 
 
 def _map_weights(path: Any) -> tuple[mmap.mmap | None, np.ndarray]:
-    """The weights file as one private, file-backed mapping, shared by every session."""
+    """The weights file as one read-only, file-backed mapping, shared by every session."""
     with open(path, "rb") as handle:
         size = handle.seek(0, 2)
         if size == 0:
             return None, np.empty(0, dtype=np.uint8)
-        mapping = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
+        mapping = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_READ)  # read-only: nothing may write weights
     return mapping, np.frombuffer(mapping, dtype=np.uint8)
 
 
@@ -108,7 +112,7 @@ class FusedBinding:
 class OnnxRuntimeBackend(Backend):
     name = "onnx"
 
-    def __init__(self, bundle: Bundle, threads: int = 0, provider: str = "cpu", prepack: Iterable[str] = (),
+    def __init__(self, bundle: Bundle, threads: int = 0, provider: str = "cpu", prepack: Iterable[str] | None = None,
                  profile_prefix: str | None = None) -> None:
         super().__init__(bundle)
         self.ort = _import_ort()
@@ -120,16 +124,26 @@ class OnnxRuntimeBackend(Backend):
                              "install onnxruntime-gpu (`pip install adaptive-export[gpu]`) on a machine with a GPU, or use --provider cpu")
         self.provider = PROVIDERS[provider]
         self.threads = threads
-        self.prepack = set(prepack)
         self.profile_prefix = profile_prefix  # ORT's per-node profiler, for benchmarks/profile_decode.py
         self.flavour = self.entry.get("flavour", "portable")
         self.kv_layout = "head" if self.flavour == "ort" else "seq"
+        self.prepack = set(prepack) if prepack is not None else self._default_prepack()
         self._weights_map, self.weights = _map_weights(bundle.path(self.entry["weights"]))
         self._values: dict[str, Any] = {}
         self._sessions: dict[str, Any] = {}  # by engine file: graphs that are one file share a session
         self._bindings: dict[str, Any] = {}
         self._fused: dict[str, FusedBinding] = {}
         self._out_buffers: dict[tuple[str, str, tuple[int, ...]], np.ndarray] = {}
+
+    def _default_prepack(self) -> set[str]:
+        """Fused fp32 bundles prepack the full-model engine (prefill, plain decoding and
+        prompt-lookup verification in one session): faster at T=1 and much faster at T>1,
+        and, with our pages released, no extra memory. Other engines read the mapped weights
+        as they are, so skip configurations and draft/verify add no packed copies. Portable
+        bundles have prefill and decode as two sessions: off (two packed copies)."""
+        if self.flavour != "ort":
+            return set()
+        return {"prefill", self.bundle.config("full")["engines"]["decode"]}
 
     def _tensor(self, name: str) -> Any:
         value = self._values.get(name)
@@ -164,13 +178,37 @@ class OnnxRuntimeBackend(Backend):
                 options.add_initializer(name, self._tensor(name))
             path = self.bundle.path(engine["file"])
             try:
-                session = self.ort.InferenceSession(str(path), options, providers=[self.provider])
+                with self._releasing(engine["initializers"] if prepacked else ()):
+                    session = self.ort.InferenceSession(str(path), options, providers=[self.provider])
             except Exception as exc:  # ORT raises its own exception types for invalid models
                 raise UsageError(f"ONNX Runtime cannot load engine {engine['file']!r}: {str(exc).splitlines()[0]}", "rebuild the bundle") from exc
             self._sessions[engine["file"]] = session
             if prepacked:
                 self._release(engine["initializers"])
         return session
+
+    @contextlib.contextmanager
+    def _releasing(self, names: Iterable[str], every_s: float = 0.02) -> Iterator[None]:
+        """Release pages while ONNX Runtime prepacks (it creates sessions without the GIL):
+        prepacking reads every weight once, and without this the load-time peak would hold
+        the mapped weights and their packed copies at once (SmolLM2 fp32: 1.16 GB)."""
+        names = list(names)
+        if not names or self._weights_map is None:
+            yield
+            return
+        done = threading.Event()
+
+        def loop() -> None:
+            while not done.wait(every_s):
+                self._release(names)
+
+        worker = threading.Thread(target=loop, name="release-prepacked-pages", daemon=True)
+        worker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            worker.join()
 
     def _release(self, names: Iterable[str]) -> None:
         """Drop our resident pages of weights a session has prepacked into its own buffers.
