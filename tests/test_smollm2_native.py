@@ -65,10 +65,26 @@ def test_accuracy_1_is_greedy_identical_to_hf_fp32(native_bundle: Path, tmp_path
     assert parity and all(r["tolerance"] is not None and r["max_abs"] <= r["tolerance"] for r in parity)
 
 
-def test_native_bundle_is_smaller_than_fp32_and_shares_the_embedding(native_bundle: Path) -> None:
+def test_accuracy_1_keeps_8_bit_tables_as_exact_floats(native_bundle: Path) -> None:
     manifest = json.loads((native_bundle / "manifest.json").read_text())
     onnx_entry = manifest["backends"]["onnx"]
     assert onnx_entry["quantize"] == "native" and manifest["dtype"] == "int4"
-    assert onnx_entry["weight_bytes"] < 130e6  # fp32: 538 MB; the GGUF itself: 98 MB
-    # the tied Q8_0 table is stored once: the embedding gather and the LM head read the same bytes
+    assert onnx_entry["weight_bytes"] < 250e6  # fp32: 538 MB; the GGUF itself: 98 MB
+    # 8-bit MatMulNBits has no fp32-activation kernel, and a Q8_0 block is d * q, exact in fp32
+    assert "token_embd.qweight" not in onnx_entry["tensors"] and "model.embed_tokens.weight" in onnx_entry["tensors"]
+
+
+def test_default_build_is_gguf_exact_at_accuracy_4(tmp_path: Path) -> None:
+    """What the README's first command builds: the GGUF's own grid, int8 activations, the tied
+    Q8_0 table stored once for the embedding gather and the LM head; check gates it on quality."""
+    out = tmp_path / "default"
+    assert main(["build", "-o", str(out), "--max-len", "256"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    onnx_entry = manifest["backends"]["onnx"]
+    assert onnx_entry["quantize"] == "native" and onnx_entry["quant_options"]["accuracy_level"] == 4
     assert "token_embd.qweight" in onnx_entry["tensors"] and not any("embed_tokens" in t for t in onnx_entry["tensors"])
+    assert onnx_entry["weight_bytes"] < 130e6
+    report = tmp_path / "r.json"
+    assert main(["check", str(out), "--report", str(report), "--new-tokens", "24"]) == 0
+    gate = [r for r in json.loads(report.read_text())["results"] if r["check"] == "quality[mean]"]
+    assert len(gate) == 1 and gate[0]["passed"], gate
