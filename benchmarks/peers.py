@@ -13,10 +13,21 @@ thread count, in one run:
 - `hf-eager`: HF transformers `generate` (fp32, the packaged Q4_1 GGUF dequantized);
 - `optimum-ort`: optimum's `ORTModelForCausalLM` exported from the same model (needs
   `optimum-onnx`, which pins an older transformers: use a separate venv with --python);
-- `llama.cpp-q4_1`: llama-cpp-python on the packaged Q4_1 GGUF (compiled from source);
+- `llama.cpp-q4_1`: llama-cpp-python on the packaged Q4_1 GGUF, compiled from source; on a CPU
+  with AMX it crashes unless built with
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON
+  -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF" pip install llama-cpp-python
+  (timed with its own greedy sampler; a second instance with logits_all=True, which its
+  `scores` need, serves the teacher-forced pass);
 - `genai-fp32`, `genai-int8`, `genai-int4`: onnxruntime-genai, its model builder run on the
   same weights (the GGUF dequantized to fp32 and saved as an HF directory, since the builder
-  reads GGUF only at fp16/fp32), `-e cpu`, `intra_op_num_threads` set in genai_config.json;
+  reads GGUF only at fp16/fp32), `-e cpu`, `intra_op_num_threads` set in genai_config.json
+  (and its EOS/pad ids pointed at the last vocabulary entry, so it runs past <|im_end|> like
+  the others); timed with its Python API: prefill = append_tokens + the first
+  generate_next_token, TPOT over the next N-1 generate_next_token calls (the og.Generator,
+  which allocates the KV cache for max_length, is created before the clock starts, as the
+  bundle's arena is allocated at load); teacher forcing = append_tokens of prompt + forced
+  tokens, then get_output("logits"), which 0.18 returns for every appended position;
 - `bundle-<name>`: this project's bundles through the torch-free runtime (any bundle dir).
 Each contender runs in its own subprocess so peak RSS is its own.
 
