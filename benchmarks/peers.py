@@ -1,26 +1,56 @@
-"""Side-by-side decode benchmark against the tools an edge user would pick instead.
+"""Side-by-side decode benchmark against the tools an edge user would pick instead (issue #13).
 
-    python -m benchmarks.peers --bundles fp32=bundles/smollm2,int8=bundles/smollm2-int8,int4=bundles/smollm2-int4
+One command re-runs everything (bundles built beforehand with `adaptive-export build smollm2
+-o bundles/smollm2 [--quantize int8|int4]`; the genai models and the HF reference are
+prepared once under --work-dir and reused):
 
-Contenders, on the same chat-formatted prompts, greedy, same thread count, in one run:
-- `hf-eager`: HF transformers `generate` (fp32, the GGUF dequantized);
+    python -m benchmarks.peers --bundles fp32=bundles/smollm2,int8=bundles/smollm2-int8,int4=bundles/smollm2-int4 \\
+        --repeat 2 --json peers.json
+
+Contenders, on the same chat-templated prompt token ids (HF tokenizer, `apply_chat_template`
+with the generation prompt), greedy, 32 new tokens (EOS ignored by every contender), the same
+thread count, in one run:
+- `hf-eager`: HF transformers `generate` (fp32, the packaged Q4_1 GGUF dequantized);
 - `optimum-ort`: optimum's `ORTModelForCausalLM` exported from the same model (needs
-  `optimum-onnx`, which pins an older transformers: use a separate venv, see README);
-- `llama.cpp-q4_1`: llama-cpp-python on the packaged Q4_1 GGUF (compiled from source);
-- `bundle-<name>`: this project's bundles (plain AR; add routed/spec bundles the same way).
-Each contender runs in its own subprocess so peak RSS is its own. Reported: median prefill
-ms and TPOT over repetitions (one warm-up excluded), peak RSS MB, TPOT ratio to hf-eager.
-A contender whose package is missing is listed with the reason instead of numbers.
+  `optimum-onnx`, which pins an older transformers: use a separate venv with --python);
+- `llama.cpp-q4_1`: llama-cpp-python on the packaged Q4_1 GGUF, compiled from source; on a CPU
+  with AMX it crashes unless built with
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON
+  -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF" pip install llama-cpp-python
+  (timed with its own greedy sampler; a second instance with logits_all=True, which its
+  `scores` need, serves the teacher-forced pass);
+- `genai-fp32`, `genai-int8`, `genai-int4`: onnxruntime-genai, its model builder run on the
+  same weights (the GGUF dequantized to fp32 and saved as an HF directory, since the builder
+  reads GGUF only at fp16/fp32), `-e cpu`, `intra_op_num_threads` set in genai_config.json
+  (and its EOS/pad ids pointed at the last vocabulary entry, so it runs past <|im_end|> like
+  the others); timed with its Python API: prefill = append_tokens + the first
+  generate_next_token, TPOT over the next N-1 generate_next_token calls (the og.Generator,
+  which allocates the KV cache for max_length, is created before the clock starts, as the
+  bundle's arena is allocated at load); teacher forcing = append_tokens of prompt + forced
+  tokens, then get_output("logits"), which 0.18 returns for every appended position;
+- `bundle-<name>`: this project's bundles through the torch-free runtime (any bundle dir).
+Each contender runs in its own subprocess so peak RSS is its own.
+
+Reported per contender: median prefill ms (time to the first token) and TPOT (the next N-1
+tokens) over prompts x repetitions (one warm-up excluded); peak RSS MB (ru_maxrss of its
+process, read after the timed pass, before the quality pass); greedy identity with HF fp32
+(prompts whose N greedy tokens equal HF's; a divergence counts as identical only where HF's
+top-1/top-2 logit margin at the first divergent position is < 1e-3, and those ties are
+counted); teacher-forced top-1 agreement with HF fp32 (HF's greedy continuation fed in,
+each contender's argmax compared at every position, mean over positions). The HF fp32
+reference (prompt ids, greedy tokens, margins) is computed once per prompt set and cached.
+A contender whose package is missing or whose preparation fails is listed with the reason.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -28,157 +58,496 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import hf_generate_timer, load_prompts, median_of, pin_threads, print_table  # noqa: E402
+from benchmarks.common import load_prompts, median_of, pin_threads  # noqa: E402
 
-NEW_TOKENS = 32
+FIXED = ("hf-eager", "optimum-ort", "llama.cpp-q4_1", "genai-fp32", "genai-int8", "genai-int4")
+PRECISION = {"hf-eager": "fp32", "optimum-ort": "fp32", "llama.cpp-q4_1": "int4",
+             "genai-fp32": "fp32", "genai-int8": "int8", "genai-int4": "int4"}
+BUNDLE_DTYPES = {"float32": "fp32", "float16": "fp16", "int8": "int8", "int4": "int4"}
+DEFAULT_WORK_DIR = ROOT / "bundles" / "peers-cache"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+
+# A contender: run(ids) -> (prefill_s, total_s, tokens) for exactly new_tokens greedy tokens,
+# and forced(ids, continuation) -> argmax per continuation position (teacher forcing).
+Runner = Callable[[list[int]], tuple[float, float, list[int]]]
+Forced = Callable[[list[int], list[int]], list[int]]
 
 
-def _measure(run: Callable[[list[int]], tuple[float, float]], prompts: list[list[int]], repeat: int) -> dict[str, float]:
-    """run(ids) -> (prefill_s, total_s) for NEW_TOKENS tokens; medians over prompts x repeats."""
-    run(prompts[0])  # warm-up
-    prefill, tpot = [], []
-    for ids in prompts:
-        for _ in range(repeat):
-            p, generate = run(ids)  # generate covers the prefill again plus NEW_TOKENS - 1 decode steps
+# ---------------------------------------------------------------------------------------
+# in the child process: one contender
+# ---------------------------------------------------------------------------------------
+def _measure(run: Runner, forced: Forced, ref: dict[str, Any], repeat: int, new_tokens: int) -> dict[str, Any]:
+    """Timed pass (medians over prompts x repeat after one warm-up), RSS, then the quality pass."""
+    ids_all = ref["ids"]
+    run(ids_all[0])  # warm-up
+    prefill, tpot, tokens = [], [], []
+    for ids in ids_all:
+        for r in range(repeat):
+            p, total, toks = run(ids)
             prefill.append(p * 1e3)
-            tpot.append(max(generate - p, 0.0) * 1e3 / (NEW_TOKENS - 1))
-    return {"prefill_ms": median_of(prefill), "tpot_ms": median_of(tpot)}
+            tpot.append(max(total - p, 0.0) * 1e3 / (new_tokens - 1))
+            if r == 0:
+                tokens.append([int(t) for t in toks])
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    argmax = [[int(t) for t in forced(ids, cont)] for ids, cont in zip(ids_all, ref["tokens"])]
+    return {"prefill_ms": median_of(prefill), "tpot_ms": median_of(tpot), "peak_rss_mb": rss,
+            "greedy_tokens": tokens, "forced_argmax": argmax}
 
 
-def contender_bundle(path: str, threads: int, prompts: list[str], repeat: int) -> dict[str, float]:
-    from runtimes import Generator
-
-    gen = Generator(path, threads=threads)
-    gen.codec.eos_ids = set()
-    ids = [gen.codec.encode(p) for p in prompts]
-
-    def run(prompt_ids: list[int]) -> tuple[float, float]:
-        started = time.perf_counter()
-        stats = gen.generate(prompt_ids, max_new_tokens=NEW_TOKENS).stats
-        return stats.prefill_ms / 1e3, time.perf_counter() - started
-
-    return _measure(run, ids, repeat)
-
-
-def _hf_model_and_ids(prompts: list[str]) -> tuple[Any, Any, list[list[int]]]:
-    from exporter.model_loading import resolve_model_path
-
+def _hf_runner(model: Any, new_tokens: int) -> tuple[Runner, Forced]:
+    """HF-style `generate`: prefill = one forward over the prompt; generate covers the prefill
+    again plus new_tokens - 1 decode steps. EOS is disabled so every run makes new_tokens."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    directory, gguf = resolve_model_path("smollm2")
-    tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32).eval()
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
-    ids = [list(i["input_ids"]) if isinstance(i, dict) or hasattr(i, "keys") else list(i) for i in ids]
-    return model, tok, ids
+    model.generation_config.eos_token_id = None
+
+    def run(ids: list[int]) -> tuple[float, float, list[int]]:
+        x = torch.tensor([ids])
+        mask = torch.ones_like(x)
+        with torch.no_grad():
+            started = time.perf_counter()
+            model(input_ids=x, attention_mask=mask)
+            prefill = time.perf_counter() - started
+            started = time.perf_counter()
+            out = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None)
+            return prefill, time.perf_counter() - started, out[0, len(ids):].tolist()
+
+    def forced(ids: list[int], cont: list[int]) -> list[int]:
+        x = torch.tensor([ids + cont[:-1]])
+        with torch.no_grad():
+            logits = model(input_ids=x, attention_mask=torch.ones_like(x)).logits[0, len(ids) - 1:]
+        return logits.argmax(-1).tolist()
+
+    return run, forced
 
 
-def contender_hf(threads: int, prompts: list[str], repeat: int) -> dict[str, float]:
+def contender_hf(ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str) -> tuple[Runner, Forced]:
     import torch
+
+    from exporter.model_loading import load_model
 
     torch.set_num_threads(threads)
-    model, _, ids = _hf_model_and_ids(prompts)
-    return _measure(hf_generate_timer(model, NEW_TOKENS), ids, repeat)
+    return _hf_runner(load_model("smollm2").hf_model, new_tokens)
 
 
-def contender_optimum(threads: int, prompts: list[str], repeat: int) -> dict[str, float]:
+def contender_optimum(ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str) -> tuple[Runner, Forced]:
     from optimum.onnxruntime import ORTModelForCausalLM
     import onnxruntime
-
     import torch
 
     torch.set_num_threads(threads)
-    model, tok, ids = _hf_model_and_ids(prompts)
-    cache = Path(tempfile.gettempdir()) / "adaptive-export-optimum-smollm2"
+    cache = work / "optimum-fp32"
     if not (cache / "model.onnx").exists():
-        src = cache.with_suffix(".hf")
-        model.save_pretrained(src)
-        tok.save_pretrained(src)
-        ORTModelForCausalLM.from_pretrained(src, export=True).save_pretrained(cache)
+        ORTModelForCausalLM.from_pretrained(work / "hf-fp32", export=True).save_pretrained(cache)
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = threads
-    ort_model = ORTModelForCausalLM.from_pretrained(cache, session_options=options)
-    return _measure(hf_generate_timer(ort_model, NEW_TOKENS), ids, repeat)
+    return _hf_runner(ORTModelForCausalLM.from_pretrained(cache, session_options=options), new_tokens)
 
 
-def contender_llamacpp(threads: int, prompts: list[str], repeat: int) -> dict[str, float]:
+def contender_llamacpp(ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str) -> tuple[Runner, Forced]:
+    import numpy as np
     from llama_cpp import Llama
 
     from exporter.model_loading import smollm2_gguf_path
 
-    llm = Llama(model_path=str(smollm2_gguf_path()), n_ctx=1024, n_threads=threads, n_batch=512, verbose=False)
-    _, _, ids = _hf_model_and_ids(prompts)
+    path = str(smollm2_gguf_path())
+    common = {"model_path": path, "n_ctx": 1024, "n_threads": threads, "n_threads_batch": threads, "n_batch": 512, "verbose": False}
+    llm = Llama(**common)  # logits_all=False: llama.cpp's own sampler picks the greedy token
 
-    def run(prompt_ids: list[int]) -> tuple[float, float]:
-        llm.reset()
+    def run(ids: list[int]) -> tuple[float, float, list[int]]:
+        llm.reset()  # else generate() reuses the KV cache of a repeated prompt
+        tokens: list[int] = []
         started = time.perf_counter()
-        llm.eval(prompt_ids)
+        prefill = 0.0
+        for token in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+            if not tokens:
+                prefill = time.perf_counter() - started
+            tokens.append(int(token))
+            if len(tokens) == new_tokens:
+                break
+        return prefill, time.perf_counter() - started, tokens
+
+    scorer: list[Any] = []
+
+    def forced(ids: list[int], cont: list[int]) -> list[int]:
+        if not scorer:  # a second instance with logits_all=True (scores stay zero without it)
+            scorer.append(Llama(**common, logits_all=True))
+        s = scorer[0]
+        s.reset()
+        s.eval(ids + cont[:-1])
+        return np.asarray(s.scores[len(ids) - 1: len(ids) - 1 + len(cont)]).argmax(-1).tolist()
+
+    return run, forced
+
+
+def contender_genai(ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str) -> tuple[Runner, Forced]:
+    import numpy as np
+    import onnxruntime_genai as og
+
+    model = og.Model(spec)  # intra_op_num_threads set in its genai_config.json by the parent
+
+    def generator(length: int) -> Any:
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=length)
+        return og.Generator(model, params)
+
+    def run(ids: list[int]) -> tuple[float, float, list[int]]:
+        gen = generator(len(ids) + new_tokens)
+        tokens: list[int] = []
+        started = time.perf_counter()
+        gen.append_tokens(np.asarray(ids, dtype=np.int32))
+        gen.generate_next_token()
+        tokens.append(int(gen.get_next_tokens()[0]))
         prefill = time.perf_counter() - started
-        for _ in range(NEW_TOKENS - 1):
-            token = int(llm.scores[llm.n_tokens - 1].argmax())
-            llm.eval([token])
-        return prefill, time.perf_counter() - started
+        while len(tokens) < new_tokens:
+            if gen.is_done():
+                raise RuntimeError(f"genai stopped after {len(tokens)} tokens (EOS not disabled in genai_config.json?)")
+            gen.generate_next_token()
+            tokens.append(int(gen.get_next_tokens()[0]))
+        return prefill, time.perf_counter() - started, tokens
 
-    return _measure(run, ids, repeat)
+    def forced(ids: list[int], cont: list[int]) -> list[int]:
+        gen = generator(len(ids) + len(cont) + 1)
+        gen.append_tokens(np.asarray(ids + cont[:-1], dtype=np.int32))
+        logits = np.asarray(gen.get_output("logits"))
+        logits = logits.reshape(-1, logits.shape[-1])
+        if len(logits) < len(cont):  # only the last position is kept: step the forced tokens one by one
+            gen = generator(len(ids) + len(cont) + 1)
+            gen.append_tokens(np.asarray(ids, dtype=np.int32))
+            rows = [np.asarray(gen.get_logits()).reshape(-1)]
+            for token in cont[:-1]:
+                gen.append_tokens(np.asarray([token], dtype=np.int32))
+                rows.append(np.asarray(gen.get_logits()).reshape(-1))
+            logits = np.stack(rows)
+        return logits[-len(cont):].argmax(-1).tolist()
+
+    return run, forced
 
 
-def run_one(name: str, spec: str, threads: int, prompts: list[str], repeat: int) -> dict[str, Any]:
+def contender_bundle(ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str) -> tuple[Runner, Forced]:
+    from exporter.check import teacher_forced_logits
+    from runtimes import Generator
+
+    gen = Generator(spec, threads=threads)
+    gen.codec.eos_ids = set()
+
+    def run(ids: list[int]) -> tuple[float, float, list[int]]:
+        started = time.perf_counter()
+        result = gen.generate(ids, max_new_tokens=new_tokens)
+        return result.stats.prefill_ms / 1e3, time.perf_counter() - started, result.tokens
+
+    def forced(ids: list[int], cont: list[int]) -> list[int]:
+        return teacher_forced_logits(gen, ids, cont).argmax(-1).tolist()
+
+    return run, forced
+
+
+CONTENDERS = {"hf-eager": contender_hf, "optimum-ort": contender_optimum, "llama.cpp-q4_1": contender_llamacpp,
+              "genai-fp32": contender_genai, "genai-int8": contender_genai, "genai-int4": contender_genai}
+
+
+def run_one(name: str, spec: str, threads: int, repeat: int, new_tokens: int, work: Path, ref_path: Path) -> dict[str, Any]:
     pin_threads(threads)
+    ref = json.loads(ref_path.read_text())
+    factory = contender_bundle if name.startswith("bundle-") else CONTENDERS[name]
+    run, forced = factory(ref, threads, new_tokens, work, spec)
+    result = _measure(run, forced, ref, repeat, new_tokens)
     if name.startswith("bundle-"):
-        result = contender_bundle(spec, threads, prompts, repeat)
-    else:
-        result = {"hf-eager": contender_hf, "optimum-ort": contender_optimum, "llama.cpp-q4_1": contender_llamacpp}[name](threads, prompts, repeat)
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        from runtimes.bundle import load_bundle
+        from runtimes.text import TextCodec
+
+        bundle = load_bundle(spec, verify="size")
+        codec = TextCodec(bundle)
+        result["precision"] = BUNDLE_DTYPES.get(bundle.manifest["dtype"], bundle.manifest["dtype"])
+        result["codec_ids_match"] = all(codec.encode(p) == ids for p, ids in zip(ref["prompts"], ref["ids"]))
     return result
+
+
+# ---------------------------------------------------------------------------------------
+# in child processes: preparation (HF reference, HF directory for the genai builder)
+# ---------------------------------------------------------------------------------------
+def compute_reference(prompts: list[str], new_tokens: int, out: Path) -> None:
+    """HF fp32 greedy tokens (no EOS stop) and top-1/top-2 margins on the chat-templated ids."""
+    import transformers
+
+    from exporter.check import reference_greedy, top2_margin
+    from exporter.model_loading import load_model
+
+    loaded = load_model("smollm2")
+    ids = []
+    for prompt in prompts:
+        encoded = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids.append([int(t) for t in (encoded["input_ids"] if hasattr(encoded, "keys") else encoded)])
+    every = list(range(loaded.spec.num_layers))
+    tokens, margins = [], []
+    for prompt_ids in ids:
+        toks, steps = reference_greedy(loaded, prompt_ids, new_tokens, set(), every)
+        tokens.append(toks)
+        margins.append([top2_margin(s) for s in steps])
+    out.write_text(json.dumps({"prompts": prompts, "new_tokens": new_tokens, "ids": ids, "tokens": tokens, "margins": margins,
+                               "transformers": transformers.__version__}))
+
+
+def save_hf_dir(out: Path) -> None:
+    """The packaged GGUF dequantized to fp32 and saved as an HF directory (the genai builder's input)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from exporter.model_loading import resolve_model_path
+
+    directory, gguf = resolve_model_path("smollm2")
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32, local_files_only=True)
+    model.hf_quantizer = None  # transformers refuses to save a model loaded from a quantized GGUF otherwise
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tok.save_pretrained(partial)
+    partial.rename(out)
+
+
+# ---------------------------------------------------------------------------------------
+# in the parent
+# ---------------------------------------------------------------------------------------
+def _child(args: list[str], python: str = sys.executable, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([python, __file__, *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **OFFLINE, "PYTHONPATH": str(ROOT)}, timeout=timeout)
+
+
+def _last_error(proc: subprocess.CompletedProcess[str]) -> str:
+    lines = [line for line in (proc.stderr or proc.stdout or "").strip().splitlines() if line.strip()]
+    return (lines or [f"exit code {proc.returncode}"])[-1][:160]
+
+
+def ensure_reference(work: Path, prompts: list[str], new_tokens: int) -> Path:
+    key = hashlib.sha1(json.dumps([prompts, new_tokens]).encode()).hexdigest()[:12]
+    path = work / f"reference-{key}.json"
+    if not path.exists():
+        print("computing the HF fp32 reference ...", file=sys.stderr, flush=True)
+        proc = _child(["--reference-out", str(path), "--prompts", str(len(prompts)), "--new-tokens", str(new_tokens)])
+        if proc.returncode != 0:
+            sys.exit(f"HF fp32 reference failed: {_last_error(proc)}")
+    return path
+
+
+def ensure_hf_dir(work: Path) -> Path:
+    hf = work / "hf-fp32"
+    if not (hf / "config.json").exists():
+        print("saving the GGUF as an fp32 HF directory ...", file=sys.stderr, flush=True)
+        proc = _child(["--save-hf", str(hf)])
+        if proc.returncode != 0:
+            raise RuntimeError(f"saving the HF directory failed: {_last_error(proc)}")
+    return hf
+
+
+def ensure_genai(work: Path, precision: str, threads: int) -> Path:
+    """Run onnxruntime-genai's model builder once per precision (offline), then set the threads."""
+    import importlib.util
+
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        raise RuntimeError("onnxruntime-genai is not installed (pip install onnxruntime-genai)")
+    out = work / f"genai-{precision}"
+    if not (out / "genai_config.json").exists():
+        hf = ensure_hf_dir(work)
+        partial = out.with_name(out.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        print(f"building genai-{precision} with onnxruntime_genai.models.builder ...", file=sys.stderr, flush=True)
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(partial),
+               "-p", precision, "-e", "cpu", "-c", str(work / "builder-cache")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **OFFLINE}, cwd=work)
+        (work / f"genai-{precision}.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
+        if proc.returncode != 0 or not (partial / "genai_config.json").exists():
+            raise RuntimeError(f"genai builder failed ({work / f'genai-{precision}.log'}): {_last_error(proc)}")
+        partial.rename(out)
+    config_path = out / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    before = json.dumps(config)
+    config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
+    # Every contender makes exactly new_tokens tokens (EOS ignored, as HF's reference does). genai
+    # has no search option for that and rejects an empty or out-of-vocabulary eos_token_id (a
+    # Config.overlay of it is not honoured by generation in 0.18), so the EOS and pad ids point at
+    # the last vocabulary entry; a run that still stops early fails loudly instead of counting.
+    never = int(config["model"]["vocab_size"]) - 1
+    config["model"]["eos_token_id"] = config["model"]["pad_token_id"] = never
+    if json.dumps(config) != before:
+        config_path.write_text(json.dumps(config, indent=4))
+    return out
+
+
+def quality(result: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    """Greedy identity (ties counted) and teacher-forced top-1 agreement against the HF reference."""
+    from exporter.check import greedy_verdict
+
+    identical = ties = 0
+    divergence = []
+    for toks, expected, margins in zip(result["greedy_tokens"], ref["tokens"], ref["margins"]):
+        at, margin, passed = greedy_verdict(toks, expected, margins)
+        identical += passed
+        ties += passed and at is not None
+        divergence.append(at)
+    hits = total = 0
+    for argmax, expected in zip(result["forced_argmax"], ref["tokens"]):
+        hits += sum(a == b for a, b in zip(argmax, expected))
+        total += len(expected)
+    return {"greedy_identical": identical, "greedy_ties": ties, "prompts": len(ref["tokens"]),
+            "first_divergence": divergence, "top1_agreement": hits / total if total else None}
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return "unknown CPU"
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    def f(value: Any, digits: int = 2) -> str:
+        return "" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+    lines = ["| contender | prefill ms | TPOT ms | TPOT vs genai (same precision) | peak RSS MB | greedy identical (k/N, ties) | top-1 agreement | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        greedy = f"{r['greedy_identical']}/{r['prompts']} ({r['greedy_ties']} ties)" if "greedy_identical" in r else ""
+        lines.append(f"| {r['contender']} | {f(r.get('prefill_ms'), 1)} | {f(r.get('tpot_ms'))} | {f(r.get('tpot_vs_genai'))} | "
+                     f"{f(r.get('peak_rss_mb'), 0)} | {greedy} | {f(r.get('top1_agreement'), 3)} | {r.get('note', '')} |")
+    return "\n".join(lines)
+
+
+def select(names: list[str], wanted: str, skip: str) -> list[str]:
+    """Keep names matching a comma-separated list of names or prefixes (`genai`, `bundle`)."""
+    picks = [w for w in wanted.split(",") if w]
+    drops = set(filter(None, skip.split(",")))
+    return [n for n in names if (not picks or any(n.startswith(p) for p in picks)) and n not in drops]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bundles", default="", help="comma-separated name=dir pairs of bundles to include")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions per prompt")
-    parser.add_argument("--prompts", type=int, default=3, help="how many prompts of samples/eval_prompts.jsonl")
-    parser.add_argument("--skip", default="", help="comma-separated contenders to leave out")
+    parser.add_argument("--bundles", default="", metavar="NAME=DIR,...",
+                        help="comma-separated name=dir pairs of bundles to include, each as contender bundle-NAME "
+                             "(any bundle directory; its precision is read from its manifest)")
+    parser.add_argument("--contenders", default="", metavar="LIST",
+                        help=f"comma-separated contenders (or prefixes: genai, bundle) to run; default all: {', '.join(FIXED)}, bundle-*")
+    parser.add_argument("--skip", default="", metavar="LIST", help="comma-separated contenders to leave out")
+    parser.add_argument("--threads", type=int, default=2, help="threads for every contender (torch, ORT intra-op, llama.cpp, genai) (default: 2)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions per prompt, after one warm-up run (default: 3)")
+    parser.add_argument("--prompts", type=int, default=10, help="how many prompts of samples/eval_prompts.jsonl, chat template applied (default: 10)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per run; TPOT is over the last N-1 (default: 32)")
+    parser.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR),
+                        help="cache for the HF fp32 reference, the fp32 HF directory and the genai models; reused when present "
+                             f"(default: {DEFAULT_WORK_DIR.relative_to(ROOT)})")
     parser.add_argument("--python", action="append", default=[], metavar="NAME=PATH",
-                        help="run contender NAME with another interpreter (e.g. hf-eager with the newest transformers, "
-                             "while optimum needs an older one in its own venv)")
+                        help="run contender NAME with another interpreter (e.g. optimum-ort from a venv with optimum-onnx "
+                             "and the older transformers it pins)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds allowed per contender process (default: 3600)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the raw results (rows, per-prompt tokens, setting) as JSON here")
     parser.add_argument("--one", nargs=2, metavar=("NAME", "SPEC"), help=argparse.SUPPRESS)  # internal: child process
-    parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--reference", default=None, help=argparse.SUPPRESS)  # internal
+    parser.add_argument("--reference-out", default=None, help=argparse.SUPPRESS)  # internal
+    parser.add_argument("--save-hf", default=None, help=argparse.SUPPRESS)  # internal
     args = parser.parse_args()
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2 (TPOT is over the tokens after the first)")
+    work = Path(args.work_dir).resolve()
     prompts = load_prompts(limit=args.prompts)
-    if args.one:
-        print(json.dumps(run_one(args.one[0], args.one[1], args.threads, prompts, args.repeat)))
+    if args.reference_out:
+        compute_reference(prompts, args.new_tokens, Path(args.reference_out))
         return
-    contenders = [("hf-eager", ""), ("optimum-ort", ""), ("llama.cpp-q4_1", "")]
-    contenders += [(f"bundle-{pair.split('=', 1)[0]}", pair.split("=", 1)[1]) for pair in args.bundles.split(",") if pair]
-    skip = set(filter(None, args.skip.split(",")))
+    if args.save_hf:
+        save_hf_dir(Path(args.save_hf))
+        return
+    if args.one:
+        print(json.dumps(run_one(args.one[0], args.one[1], args.threads, args.repeat, args.new_tokens, work, Path(args.reference))))
+        return
+
+    work.mkdir(parents=True, exist_ok=True)
+    bundles = [(f"bundle-{pair.split('=', 1)[0]}", pair.split("=", 1)[1]) for pair in args.bundles.split(",") if pair]
+    specs = dict([(n, "") for n in FIXED] + bundles)
+    names = select(list(specs), args.contenders, args.skip)
     interpreters = dict(pair.split("=", 1) for pair in args.python)
-    rows = []
-    for name, spec in contenders:
-        if name in skip:
+    ref_path = ensure_reference(work, prompts, args.new_tokens)
+    ref = json.loads(ref_path.read_text())
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        spec = specs[name]
+        row: dict[str, Any] = {"contender": name, "precision": PRECISION.get(name)}
+        try:
+            if name.startswith("genai-"):
+                spec = str(ensure_genai(work, name.split("-", 1)[1], args.threads))
+            elif name == "optimum-ort":
+                ensure_hf_dir(work)
+            elif name.startswith("bundle-"):
+                spec = str(Path(spec).resolve())
+                if not (Path(spec) / "manifest.json").exists():
+                    raise RuntimeError(f"no bundle at {spec}")
+        except RuntimeError as exc:
+            rows.append({**row, "note": str(exc)})
+            print(f"{name}: {exc}", file=sys.stderr, flush=True)
             continue
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        proc = subprocess.run([interpreters.get(name, sys.executable), __file__, "--one", name, spec or "-", "--threads", str(args.threads),
-                               "--repeat", str(args.repeat), "--prompts", str(args.prompts)],
-                              capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or ["failed"])[-1]
-            rows.append({"contender": name, "note": last[:90]})
+        started = time.perf_counter()
+        try:
+            proc = _child(["--one", name, spec or "-", "--threads", str(args.threads), "--repeat", str(args.repeat),
+                           "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens), "--work-dir", str(work),
+                           "--reference", str(ref_path)], python=interpreters.get(name, sys.executable), timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            rows.append({**row, "note": f"timed out after {args.timeout:.0f} s"})
             continue
-        version = subprocess.run([interpreters.get(name, sys.executable), "-c", "import transformers; print(transformers.__version__)"],
-                                 capture_output=True, text=True).stdout.strip()
-        note = f"transformers {version}" if name in ("hf-eager", "optimum-ort") and version else ""
-        rows.append({"contender": name, **json.loads(proc.stdout.strip().splitlines()[-1]), "note": note})
-    base = next((r["tpot_ms"] for r in rows if r["contender"] == "hf-eager" and "tpot_ms" in r), None)
+        if proc.returncode != 0:
+            rows.append({**row, "note": _last_error(proc)})
+            print(f"{name} failed: {proc.stderr[-2000:]}", file=sys.stderr, flush=True)
+            continue
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        row.update(result)
+        row.update(quality(result, ref))
+        row["seconds"] = time.perf_counter() - started
+        notes = []
+        if name == "llama.cpp-q4_1":
+            notes.append(_version(interpreters.get(name, sys.executable), "llama_cpp"))
+        elif name.startswith("genai-"):
+            notes.append(_version(sys.executable, "onnxruntime_genai"))
+        elif name in ("hf-eager", "optimum-ort"):
+            notes.append(_version(interpreters.get(name, sys.executable), "transformers"))
+        elif name.startswith("bundle-"):
+            notes.append(f"{row['precision']}, {Path(spec).name}")
+            if not row.get("codec_ids_match", True):
+                notes.append("bundle codec's chat ids differ from HF's (HF's are used)")
+        row["note"] = ", ".join(n for n in notes if n)
+        rows.append(row)
+        print(f"{name}: prefill {row['prefill_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms, RSS {row['peak_rss_mb']:.0f} MB, "
+              f"greedy {row['greedy_identical']}/{row['prompts']}, agreement {row['top1_agreement']:.3f}", file=sys.stderr, flush=True)
+    genai = {r["precision"]: r["tpot_ms"] for r in rows if r["contender"].startswith("genai-") and "tpot_ms" in r}
+    hf = next((r["tpot_ms"] for r in rows if r["contender"] == "hf-eager" and "tpot_ms" in r), None)
     for r in rows:
-        if base and "tpot_ms" in r:
-            r["tpot_vs_hf"] = r["tpot_ms"] / base
-    print(f"SmolLM2-135M-Instruct, {args.threads} threads, {NEW_TOKENS} new tokens, {args.prompts} prompts x {args.repeat} (medians), "
-          f"{os.cpu_count()} CPUs, {os.uname().machine}")
-    print_table(rows, ["contender", "prefill_ms", "tpot_ms", "tpot_vs_hf", "peak_rss_mb", "note"])
+        if "tpot_ms" in r and genai.get(r.get("precision")):
+            r["tpot_vs_genai"] = r["tpot_ms"] / genai[r["precision"]]
+        if "tpot_ms" in r and hf:
+            r["tpot_vs_hf"] = r["tpot_ms"] / hf
+    setting = {"cpu": cpu_model(), "cpus": os.cpu_count(), "machine": os.uname().machine, "threads": args.threads,
+               "prompts": len(prompts), "repeat": args.repeat, "new_tokens": args.new_tokens, "reference": ref_path.name,
+               "reference_transformers": ref.get("transformers")}
+    print(f"CPU: {setting['cpu']} ({setting['cpus']} CPUs, {setting['machine']}); threads: {args.threads}")
+    print(f"SmolLM2-135M-Instruct, {len(prompts)} chat prompts x {args.repeat} (medians after a warm-up), greedy, "
+          f"{args.new_tokens} new tokens; quality against HF transformers {ref.get('transformers')} fp32")
+    print()
+    print(markdown_table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps({"setting": setting, "rows": rows}, indent=2) + "\n")
+
+
+def _version(python: str, module: str) -> str:
+    proc = subprocess.run([python, "-c", f"import importlib.metadata as m; print(m.version({_DIST[module]!r}))"],
+                          capture_output=True, text=True)
+    return f"{_DIST[module]} {proc.stdout.strip()}" if proc.returncode == 0 else ""
+
+
+_DIST = {"llama_cpp": "llama-cpp-python", "onnxruntime_genai": "onnxruntime-genai", "transformers": "transformers"}
 
 
 if __name__ == "__main__":

@@ -187,6 +187,38 @@ def first_divergence(actual: list[int], expected: list[int]) -> int | None:
     return None if len(actual) == len(expected) else min(len(actual), len(expected))
 
 
+def top2_margin(logits: np.ndarray) -> float:
+    """Top-1 minus top-2 logit: below TIE_MARGIN the reference's choice is a float tie."""
+    top2 = np.sort(np.asarray(logits, dtype=np.float64))[-2:]
+    return float(top2[1] - top2[0])
+
+
+def greedy_verdict(actual: list[int], expected: list[int], margins: list[float]) -> tuple[int | None, float, bool]:
+    """(first divergent index or None, reference margin there, passed): a divergence passes
+    only where the reference's top-1/top-2 margin at that position is below TIE_MARGIN."""
+    at = first_divergence(actual, expected)
+    if at is None:
+        return None, float("inf"), True
+    margin = float(margins[at]) if at < len(margins) else float("inf")
+    return at, margin, margin < TIE_MARGIN
+
+
+def teacher_forced_logits(generator: Any, prompt_ids: list[int], continuation: list[int], config: str = "full") -> np.ndarray:
+    """Logits of a bundle at each position of `continuation` (row i predicts continuation[i])
+    when fed prompt + continuation[:-1]: the prefill engine over the prompt, then one pass of
+    the configuration's decode engine over the forced tokens, on the generator's arena."""
+    decode = generator.bundle.config(config)["engines"]["decode"]
+    arena = generator.arena
+    arena.reset()
+    out = generator.backend.run("prefill", np.asarray([prompt_ids]), arena, 0)
+    rows = [out.logits[0, -1].copy()]
+    arena.length = len(prompt_ids)
+    if len(continuation) > 1:
+        out = generator.backend.run(decode, np.asarray([continuation[:-1]]), arena, arena.length)
+        rows += list(out.logits[0].copy())
+    return np.stack(rows)
+
+
 def reference_greedy(parts: Any, prompt_ids: list[int], new_tokens: int, eos_ids: set[int], kept: list[int]) -> tuple[list[int], list[np.ndarray]]:
     """Greedy tokens and per-step logits in PyTorch: HF transformers itself for the full
     model; for a skip configuration, prefill over every layer and decode over the kept
@@ -235,15 +267,9 @@ def greedy_check(generator: Any, parts: Any, config: dict[str, Any], prompt: str
     mode = "ar" if draft is None else "spec"
     result = generator.generate(prompt, max_new_tokens=new_tokens, config=config["id"], mode=mode, draft=draft)
     expected, steps = reference_greedy(parts, result.prompt_ids, new_tokens, generator.codec.eos_ids, config["kept"])
-    at = first_divergence(result.tokens, expected)
-    passed, detail = True, f"{len(result.tokens)} tokens identical"
+    at, margin, passed = greedy_verdict(result.tokens, expected, [top2_margin(s) for s in steps])
+    detail = f"{len(result.tokens)} tokens identical"
     if at is not None:
-        if at < len(steps):
-            top2 = np.sort(steps[at])[-2:]
-            margin = float(top2[1] - top2[0])
-        else:
-            margin = float("inf")
-        passed = margin < TIE_MARGIN
         detail = f"first divergence at token {at} (reference top-1/top-2 margin {margin:.2e}: {'a float tie' if passed else 'a real mismatch'})"
     engine = config["engines"]["decode"] if draft is None else f"spec:{config['id']}:{draft}"
     return CheckResult(generator.backend.name, engine, f"greedy[{prompt[:32]}]", passed,
@@ -258,15 +284,7 @@ def quality_check(generator: Any, parts: Any, prompt: str, new_tokens: int) -> C
     prompt_ids = generator.codec.encode(prompt)
     full = generator.bundle.config("full")
     reference, steps = reference_greedy(parts, prompt_ids, new_tokens, set(), full["kept"])
-    arena = generator.arena
-    arena.reset()
-    out = generator.backend.run("prefill", np.asarray([prompt_ids]), arena, 0)
-    rows = [out.logits[0, -1].copy()]
-    arena.length = len(prompt_ids)
-    if len(reference) > 1:
-        out = generator.backend.run(full["engines"]["decode"], np.asarray([reference[:-1]]), arena, arena.length)
-        rows += list(out.logits[0].copy())
-    logits = np.stack(rows)
+    logits = teacher_forced_logits(generator, prompt_ids, reference)
     agreement = float(np.mean(logits.argmax(-1) == np.asarray(reference)))
 
     def nll(matrix: np.ndarray) -> float:
