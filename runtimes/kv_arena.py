@@ -10,11 +10,14 @@ from __future__ import annotations
 import numpy as np
 
 from runtimes.errors import UsageError
+from runtimes.limits import check_arena_bytes
 
 
 class KVArena:
     def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: type = np.float32) -> None:
-        self.data = np.zeros((num_layers, 2, max_len, num_kv_heads, head_dim), dtype=dtype)
+        shape = (num_layers, 2, max_len, num_kv_heads, head_dim)
+        check_arena_bytes(int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize)  # before any allocation
+        self.data = np.zeros(shape, dtype=dtype)
         self.max_len = max_len
         self.length = 0  # rows [0:length] hold valid KV for every layer the sequence uses
 
