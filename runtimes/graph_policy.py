@@ -76,6 +76,9 @@ IO_RULES: list[tuple[str, frozenset[int], tuple[tuple[Any, ...], ...]]] = [
     ("position_ids", frozenset({INT32, INT64}), ((1, None),)),
 ]
 _ALLOWED_ELEM_TYPES = frozenset({FLOAT, INT64, INT32})
+# Sizes that must be static in the graph, not only compatible: a prefill engine (logits of the
+# last row only) swapped for a decode engine (every row) must be refused before it runs.
+_STATIC_KEYS = frozenset({"logit_rows"})
 
 
 def _refuse(where: str, problem: str) -> UsageError:
@@ -115,6 +118,9 @@ def _check_value(where: str, value: Any, graph_entry: dict[str, Any], dims: dict
         if len(shape) != len(actual):
             continue
         expected = [dims.get(s) if isinstance(s, str) else s for s in shape]
+        strict = [isinstance(s, str) and s in _STATIC_KEYS and e is not None for s, e in zip(shape, expected)]
+        if any(st and a is None for st, a in zip(strict, actual)):
+            continue
         if all(a is None or (e is not None and a == e) or (e is None and s is None) for a, e, s in zip(actual, expected, shape)):
             # a static size where the runtime varies it (T, P, logits of every row) is refused too
             if all(not (e is None and a is not None) for a, e in zip(actual, expected)):

@@ -77,7 +77,7 @@ class OnnxRuntimeBackend(Backend):
             options.intra_op_num_threads = self.threads
             options.inter_op_num_threads = 1
             options.graph_optimization_level = self.ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            options.log_severity_level = 3
+            options.log_severity_level = 4  # fatal only: a failing engine is reported once, as the UsageError
             if self.profile_prefix:
                 options.enable_profiling = True
                 options.profile_file_prefix = f"{self.profile_prefix}_{graph}"
