@@ -147,32 +147,43 @@ def staging_dir(target: Path, force: bool) -> Iterator[Path]:
     _commit(staging, target)
 
 
+def _record_only(signum: int, frame: object) -> None:
+    request_interrupt()
+
+
 def _commit(staging: Path, target: Path) -> None:
-    """The point of no return, with SIGINT/SIGTERM blocked: an interrupt requested at any
-    time before it (even one a library swallowed) aborts here; one that arrives after it
-    is ignored, because the build is complete."""
-    signals = {signal.SIGINT, signal.SIGTERM}
-    masked = Interrupts.managed and threading.current_thread() is threading.main_thread()
-    if masked:
-        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    """The point of no return. Under the CLI, SIGINT/SIGTERM only record a request while
+    the bundle is swapped in, so no KeyboardInterrupt can land between the two renames; a
+    request recorded at any time before the final check below (even one a library
+    swallowed) puts the old bundle back and ends in exit 130. After that check the build
+    is complete and later signals are ignored."""
+    managed = Interrupts.managed and threading.current_thread() is threading.main_thread()
     try:
+        if managed:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, _record_only)
         if Interrupts.requested:
+            raise KeyboardInterrupt
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    old = None
+    if target.exists():
+        old = target.parent / f".{target.name}.old-{os.getpid()}"
+        os.rename(target, old)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp made it private; a bundle is a normal directory
+    os.rename(staging, target)
+    if managed:
+        if Interrupts.requested:  # arrived during the swap: undo it
+            os.rename(target, staging)
+            if old is not None:
+                os.rename(old, target)
             shutil.rmtree(staging, ignore_errors=True)
             raise KeyboardInterrupt
-        old = None
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{os.getpid()}"
-            os.rename(target, old)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staging, 0o777 & ~umask)  # mkdtemp made it private; a bundle is a normal directory
-        os.rename(staging, target)
-        if masked:  # committed: a signal from now on no longer interrupts anything
-            for signum in signals:
-                signal.signal(signum, signal.SIG_IGN)
-    finally:
-        if masked:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
