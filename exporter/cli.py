@@ -49,6 +49,16 @@ def _bounded_int(low: int, high: int) -> Any:
     return parse
 
 
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="adaptive-export", description="Export adaptive-compute LLMs (router layer skipping, early-exit self-speculation) to static edge engines, run and check them.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log each step (default: warnings and progress bars only)")
@@ -62,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true", help="replace the output directory if it is a previous bundle (never the model, the working directory or a parent of either)")
     b.add_argument("--routers", default=None, help="'train' to train FiRST routers on the calibration prompts, or a routers .safetensors file; omit for no layer skipping")
     b.add_argument("--calib", default=None, help="calibration prompts, JSONL with a 'prompt' field per line (default: the built-in sample set in samples/)")
-    b.add_argument("--max-configs", type=_positive_int, default=3, help="most skip configurations to compile besides the full model (default: 3)")
-    b.add_argument("--router-lambda", type=float, default=None, help="router sparsity weight lambda for --routers train (default: 0.02, the largest lambda of the README sweep keeping held-out top-1 agreement above 0.9; 0.1 skips about 4.6 of 30 SmolLM2 layers at 0.63)")
-    b.add_argument("--min-config-agreement", type=float, default=None, help="compile a skip configuration only if decoding with it keeps this share of the full model's greedy tokens on the calibration prompts (teacher-forced; default: 0.8, i.e. at most one token in five differs; 0 keeps every chosen configuration)")
-    b.add_argument("--router-lr", type=float, default=None, help="Adam learning rate for --routers train (default: 5e-3, for about 120 steps on 40 prompts; raise it for tiny prompt sets)")
+    b.add_argument("--max-configs", type=_bounded_int(1, 64), default=3, help="most skip configurations to compile besides the full model (default: 3)")
+    b.add_argument("--router-lambda", type=_finite_float, default=None, help="router sparsity weight lambda for --routers train (default: 0.02, the largest lambda of the README sweep keeping held-out top-1 agreement above 0.9; 0.1 skips about 4.6 of 30 SmolLM2 layers at 0.63)")
+    b.add_argument("--min-config-agreement", type=_finite_float, default=None, help="compile a skip configuration only if decoding with it keeps this share of the full model's greedy tokens on the calibration prompts (teacher-forced; default: 0.8, i.e. at most one token in five differs; 0 keeps every chosen configuration)")
+    b.add_argument("--router-lr", type=_finite_float, default=None, help="Adam learning rate for --routers train (default: 5e-3, for about 120 steps on 40 prompts; raise it for tiny prompt sets)")
     b.add_argument("--speculate", default=None, help="'auto' to calibrate self-speculation (exit layer E, draft length k, exit adapter) and build draft/verify engines, or 'E:k' to force them")
     b.add_argument("--exit-adapter", default="none", metavar="none|fit|FILE",
                    help="with --speculate: 'fit' fits a low-rank exit adapter (head(adapter(h_E)) ~ full model, KL on the model's own "
@@ -75,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quantize", choices=["none", "int8", "int4"], default="none", help="weight-only quantization of the ONNX engines (default: none, fp32)")
     b.add_argument("--coreml-precision", choices=["float16", "float32"], default="float16", help="CoreML compute precision (default: float16)")
     b.add_argument("--trt-precision", choices=["fp32", "fp16", "int8"], default="fp16", help="TensorRT engine precision flag (default: fp16)")
-    b.add_argument("--quant-block", type=int, default=32, help="quantization block size along the input dimension (default: 32)")
+    b.add_argument("--quant-block", type=_bounded_int(1, 4096), default=32, help="quantization block size along the input dimension (default: 32)")
     b.add_argument("--quant-accuracy", type=int, default=4, help="MatMulNBits accuracy_level: 4 = int8 activations (fastest on CPU, default), 0 = unset")
     b.add_argument("--seed", type=int, default=0, help="seed for calibration and training (default: 0)")
 
@@ -108,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--report", default=None, help="write the JSON report here")
     c.add_argument("--junit", default=None, help="write JUnit XML here (one test case per engine and check)")
     c.add_argument("--prompts", default=None, help="JSONL prompts ('prompt' field) for the greedy checks (default: built-in prompts)")
-    c.add_argument("--new-tokens", type=_positive_int, default=16, help="greedy tokens compared per prompt (default: 16)")
+    c.add_argument("--new-tokens", type=_bounded_int(1, limits.MAX_LEN), default=16, help="greedy tokens compared per prompt (default: 16)")
     c.add_argument("--tolerance", type=float, default=1.0, help=f"multiply the documented logit tolerances by this factor, in (0, {MAX_TOLERANCE:g}] (default: 1)")
 
     i = sub.add_parser("inspect", help="describe a bundle: graphs, sizes, configurations, backends", description="Print what a bundle holds and can do (torch-free).")
@@ -118,8 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     n = sub.add_parser("bench", help="time prefill and decoding of a bundle", description="Median prefill ms and TPOT of the bundle over repetitions (torch-free). For comparisons with HF transformers use benchmarks/decode.py.")
     n.add_argument("bundle", help="bundle directory")
     n.add_argument("-p", "--prompt", default="Write a short story about a robot who learns to paint.", help="prompt text")
-    n.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens per repetition (default: 32)")
-    n.add_argument("--repeat", type=_positive_int, default=5, help="timed repetitions after one warm-up (default: 5)")
+    n.add_argument("--max-new-tokens", type=_bounded_int(1, limits.MAX_LEN), default=32, help="tokens per repetition (default: 32)")
+    n.add_argument("--repeat", type=_bounded_int(1, 1000), default=5, help="timed repetitions after one warm-up (default: 5)")
     n.add_argument("--config", default="auto", help="skip configuration (default: auto)")
     n.add_argument("--mode", default="ar", choices=["ar", "spec", "auto"], help="decoding mode (default: ar)")
     n.add_argument("--threads", type=int, default=0, help="intra-op threads (default: ONNX Runtime's choice)")

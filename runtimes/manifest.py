@@ -23,6 +23,7 @@ _GRAPH_KINDS = ("prefill", "decode", "draft", "verify")
 _ROLE_KINDS = {"decode": "decode", "draft": "draft", "verify": "verify"}
 DTYPE_SIZES = {"<f4": 4, "<f2": 2, "|u1": 1, "|i1": 1, "<i8": 8, "<i4": 4, "<u2": 2}
 _DRAFT_SOURCES = ("early_exit", "prompt_lookup")
+DTYPES = ("float32", "float16", "int8", "int4")
 
 
 def path_problem(path: Any) -> str | None:
@@ -99,7 +100,7 @@ def validate(manifest: Any) -> dict[str, Any]:
     for key in ("max_len", "dtype", "router_threshold"):
         _need(key in manifest, f"missing key {key!r}")
     _need(_is_int(manifest["max_len"]) and manifest["max_len"] > 0, "key 'max_len' has the wrong type or is not positive")
-    _need(isinstance(manifest["dtype"], str), "key 'dtype' has the wrong type")
+    _need(manifest["dtype"] in DTYPES, f"key 'dtype' must be one of {', '.join(DTYPES)}")
     threshold = manifest["router_threshold"]
     _need(isinstance(threshold, (int, float)) and not isinstance(threshold, bool) and 0.0 <= threshold <= 1.0,
           "key 'router_threshold' must be a number in [0, 1]")

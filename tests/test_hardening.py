@@ -177,6 +177,35 @@ def test_external_data_outside_the_bundle_is_refused_before_loading(where: str, 
     assert_one_line(rc, err, "onnx/decode_full.onnx", "is refused")
 
 
+@pytest.mark.parametrize("where", ["dotdot", "absolute", "symlink_in_bundle"])
+def test_pinned_onnxruntime_refuses_external_data_outside_the_engine_folder(where: str, tiny_bundle: Path, tmp_path: Path) -> None:
+    """Defence in depth: with the runtime's own policy bypassed, ONNX Runtime (pinned in
+    pyproject.toml) still refuses, given the session setup of the onnx backend."""
+    import onnxruntime as ort
+
+    from runtimes import load_bundle
+
+    vocab = vocab_of(tiny_bundle)
+    secret = sentinel(tmp_path, vocab * 4)
+    bundle = load_bundle(make_bad(tiny_bundle, tmp_path), verify="size")
+    if where == "symlink_in_bundle":
+        os.symlink(secret, bundle.root / "onnx" / "cache.bin")
+    location = {"dotdot": "../../SENTINEL_outside.bin", "absolute": str(secret), "symlink_in_bundle": "cache.bin"}[where]
+    model = onnx.load(str(bundle.root / "onnx" / "decode_full.onnx"), load_external_data=False)
+    leak_into_logits(model, location, vocab)
+    entry = bundle.backend_entry("onnx")
+    weights = np.fromfile(bundle.root / entry["weights"], dtype=np.uint8)
+    options, values = ort.SessionOptions(), []
+    options.log_severity_level = 4
+    for name in entry["graphs"]["decode_full"]["initializers"]:
+        meta = entry["tensors"][name]
+        values.append(ort.OrtValue.ortvalue_from_numpy(weights[meta["offset"]: meta["offset"] + meta["bytes"]].view(meta["dtype"]).reshape(meta["shape"])))
+        options.add_initializer(name, values[-1])
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(bundle.root / "onnx"))
+    with pytest.raises(Exception, match="External data path"):
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
 def test_constant_with_external_data_is_refused(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     secret = sentinel(tmp_path, 64)
 
