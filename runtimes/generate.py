@@ -100,6 +100,10 @@ class Generator:
         if not isinstance(sampling, SamplingParams):
             raise UsageError(f"sampling is {type(sampling).__name__}, not SamplingParams", "pass SamplingParams(...) or None")
         stop = _stop_strings(stop)
+        if on_text is not None and not callable(on_text):
+            raise UsageError(f"on_text is {type(on_text).__name__}, not a callable", "pass a function taking one str, or None")
+        if not isinstance(config, str):
+            raise UsageError(f"config {config!r} is not a configuration id", "pass 'auto' or an id from `inspect`")
         draft_len = check_draft_len(draft_len)
         if isinstance(prompt, str):
             prompt_ids = self.codec.encode(prompt, raw)

@@ -20,6 +20,7 @@ FORMAT = "adaptive-export-bundle"
 _MODEL_INTS = {"num_layers": limits.MAX_LAYERS, "hidden_size": limits.MAX_HIDDEN, "num_heads": limits.MAX_HEADS,
                "num_kv_heads": limits.MAX_HEADS, "head_dim": limits.MAX_HEAD_DIM, "vocab_size": limits.MAX_VOCAB}
 _GRAPH_KINDS = ("prefill", "decode", "draft", "verify")
+_KIND_SOURCE = {"prefill": "ids", "decode": "ids", "draft": "ids", "verify": "hidden"}
 _ROLE_KINDS = {"decode": "decode", "draft": "draft", "verify": "verify"}
 DTYPE_SIZES = {"<f4": 4, "<f2": 2, "|u1": 1, "|i1": 1, "<i8": 8, "<i4": 4, "<u2": 2}
 _DRAFT_SOURCES = ("early_exit", "prompt_lookup")
@@ -128,7 +129,7 @@ def validate(manifest: Any) -> dict[str, Any]:
         _need(config["id"] not in ids, f"config id {config['id']!r} appears twice")
         ids.add(config["id"])
         kept = config.get("kept")
-        _need(isinstance(kept, list) and all(_is_int(i) and 0 <= i < num_layers for i in kept),
+        _need(isinstance(kept, list) and all(_is_int(i) and 0 <= i < num_layers for i in kept) and len(set(kept)) == len(kept),
               f"config {config['id']!r} has no valid kept layer list")
         engines = config.get("engines")
         _need(isinstance(engines, dict) and isinstance(engines.get("decode"), str), f"config {config['id']!r} lacks a decode engine")
@@ -239,6 +240,10 @@ def _validate_graph(name: Any, graph: Any, num_layers: int) -> None:
     for flag in ("router_scores", "exit_hidden", "exit_adapter"):
         _need(isinstance(graph.get(flag, False), bool), f"graph {name!r} field {flag!r} must be true or false")
     _need(len(set(layers)) == len(layers), f"graph {name!r} lists a layer twice")
+    kind = graph["kind"]
+    _need(graph.get("source", "ids") == _KIND_SOURCE[kind], f"graph {name!r} of kind {kind!r} must take {_KIND_SOURCE[kind]!r} as its source")
+    _need(kind == "prefill" or graph.get("logits", "all") == "all", f"graph {name!r} of kind {kind!r} must return logits for every row")
+    _need(kind != "draft" or graph.get("exit_hidden", False), f"draft graph {name!r} must return exit_hidden")
     _need(_is_str_list(graph.get("inputs")) and graph["inputs"], f"graph {name!r} lacks its input names")
     _need(_is_str_list(graph.get("outputs")) and graph["outputs"], f"graph {name!r} lacks its output names")
     _need(graph.get("exit_layer") is None or _is_int(graph["exit_layer"]), f"graph {name!r} has a bad exit_layer")
@@ -269,4 +274,5 @@ def _validate_onnx(entry: dict[str, Any]) -> None:
               f"weight table entry {name!r}: shape {meta['shape']} of {meta['dtype']} is not {meta['bytes']} bytes")
     for graph_name, engine in entry["graphs"].items():
         _need(isinstance(engine.get("file"), str), f"onnx engine {graph_name!r} lacks its file")
+        _need(_is_str_list(engine.get("initializers")), f"onnx engine {graph_name!r} lacks its initializer list")
         _need(all(n in tensors for n in engine.get("initializers", [])), f"onnx engine {graph_name!r} uses a weight missing from the table")

@@ -31,8 +31,9 @@ LIMIT_S, LIMIT_RSS_MB = 10.0, 1024
 SENTINEL_TEXT = b"SENTINEL-7f3a9c-do-not-read"
 
 _RUNNER = r"""
-import sys
+import atexit, os, resource, sys
 sentinel = sys.argv[1]
+atexit.register(lambda: open(os.environ["RSS_FILE"], "w").write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)))
 def hook(event, args):
     if event == "open" and args and isinstance(args[0], (str, bytes)) and sentinel in str(args[0]):
         sys.stderr.write("AUDIT: the sentinel outside the bundle was opened\n")
@@ -85,7 +86,8 @@ def run_isolated(argv: list[str], sentinel_path: Path | None = None, timeout: fl
     """Run the CLI in a child: returns (exit code, stdout, stderr) after checking the
     time, memory, one-line and no-read rules."""
     marker = sentinel_path.name if sentinel_path else "no-sentinel-marker"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), ADAPTIVE_EXPORT_TRACEBACK="")
+    rss_file = sentinel_path.parent / "rss.txt" if sentinel_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"rss-{os.getpid()}.txt"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), ADAPTIVE_EXPORT_TRACEBACK="", RSS_FILE=str(rss_file))
     started = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-c", _RUNNER, marker, *argv], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -98,6 +100,9 @@ def run_isolated(argv: list[str], sentinel_path: Path | None = None, timeout: fl
     elapsed = time.monotonic() - started
     text_out, text_err = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
     assert elapsed < timeout + 8, f"took {elapsed:.1f} s"  # + start-up of a fresh interpreter on a loaded 2-core machine
+    peak_mb = int(rss_file.read_text()) / 1024
+    rss_file.unlink()
+    assert peak_mb < LIMIT_RSS_MB, f"peak RSS {peak_mb:.0f} MB"
     assert "AUDIT" not in text_err, text_err
     if sentinel_path is not None:
         assert SENTINEL_TEXT.decode() not in text_out + text_err, "sentinel bytes leaked"
@@ -345,6 +350,13 @@ INTEGRITY_CASES: dict[str, tuple[Callable[[Path], None] | None, Callable[[dict[s
     "num_layers_1e9": (None, lambda m: m["model"].update(num_layers=10**9), "num_layers"),
     "vocab_1e12": (None, lambda m: m["model"].update(vocab_size=10**12), "vocab_size"),
     "chat_prefix_huge": (None, lambda m: m["tokenizer"].update(chat={"prefix": "x" * 200_000, "suffix": ""}), "chat"),
+    "decode_logits_last": (None, lambda m: m["graphs"]["decode_full"].update(logits="last"), "every row"),
+    "kept_twice": (None, lambda m: m["configs"][0].update(kept=[0, 0, 1, 2, 3]), "kept layer list"),
+    "decode_from_hidden": (None, lambda m: m["graphs"]["decode_full"].update(source="hidden"), "source"),
+    "weights_beyond_file": (None, lambda m: m["backends"]["onnx"]["tensors"]["lm_head.weight"].update(offset=10**9), "outside the weights file"),
+    "manifest_is_directory": (lambda r: ((r / "manifest.json").unlink(), (r / "manifest.json").mkdir()), None, "not a regular file"),
+    "onnx_dir_symlink_out": (lambda r: (shutil.move(r / "onnx", r.parent / "onnx_outside"), os.symlink(r.parent / "onnx_outside", r / "onnx")), None,
+                             "outside the bundle"),
     "tokenizer_malformed": (lambda r: (r / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 5}}'), None, "tokenizer"),
 }
 
@@ -352,7 +364,12 @@ INTEGRITY_CASES: dict[str, tuple[Callable[[Path], None] | None, Callable[[dict[s
 @pytest.mark.parametrize("case", sorted(INTEGRITY_CASES))
 def test_integrity_and_manifest_bounds(case: str, tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     files, manifest, fragment = INTEGRITY_CASES[case]
-    bad = make_bad(tiny_bundle, tmp_path, files, manifest)
+    if case == "manifest_is_directory":  # nothing to re-sign: the manifest is gone
+        bad = tmp_path / "bad"
+        shutil.copytree(tiny_bundle, bad)
+        files(bad)
+    else:
+        bad = make_bad(tiny_bundle, tmp_path, files, manifest)
     expect_usage(["run", str(bad), "-p", "hi", "--mode", "auto", "--verify", "full"], capsys, fragment)
 
 
