@@ -263,6 +263,7 @@ def _validate_graph(name: Any, graph: Any, num_layers: int) -> None:
 
 def _validate_onnx(entry: dict[str, Any]) -> None:
     _need(isinstance(entry.get("weights"), str), "backends.onnx.weights must be a path")
+    _need(_is_int(entry.get("weight_bytes", 0)) and entry.get("weight_bytes", 0) >= 0, "backends.onnx.weight_bytes must be a byte count")
     tensors = entry.get("tensors")
     _need(isinstance(tensors, dict) and len(tensors) <= limits.MAX_TENSORS, "backends.onnx.tensors must be an object")
     for name, meta in tensors.items():

@@ -8,6 +8,7 @@ Seeded: ADAPTIVE_EXPORT_FUZZ_SEED picks another sequence (failures print the see
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -21,7 +22,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from runtimes import Generator, UsageError, load_bundle
-from runtimes.inspect import describe
+from runtimes.inspect import describe, render
 from tests.test_hardening import resign
 from tests.test_soak import rss_mb
 
@@ -59,7 +60,7 @@ def mutate_manifest(rng: random.Random, manifest: dict[str, Any]) -> str:
             for key in path[:-1]:
                 parent = parent[key]
             if rng.random() < 0.7:
-                parent[path[-1]] = rng.choice(JSON_VALUES)
+                parent[path[-1]] = copy.deepcopy(rng.choice(JSON_VALUES))  # never share one object (JSON has no cycles)
                 done.append(f"set {path}")
             elif isinstance(parent, dict):
                 parent.pop(path[-1], None)
@@ -136,7 +137,7 @@ def mutate_files(rng: random.Random, root: Path, manifest: dict[str, Any]) -> st
 def exercise(root: Path) -> None:
     """What a user can do with a bundle: load it, describe it, generate from it."""
     bundle = load_bundle(root)
-    describe(str(root))
+    render(describe(str(root)))
     generator = Generator(bundle)
     generator.generate("The sea", max_new_tokens=2, mode="auto")
 
