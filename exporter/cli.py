@@ -216,8 +216,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.tolerance) and 0 < args.tolerance <= MAX_TOLERANCE):  # inf or nan would turn the gate off
         raise UsageError(f"--tolerance {args.tolerance} must be a finite factor in (0, {MAX_TOLERANCE:g}]", "pass a factor such as 1 or 2")
     prompts = read_prompts(args.prompts) if args.prompts else None
+    for option, value in (("--report", args.report), ("--junit", args.junit)):  # fail before minutes of checking
+        if value:
+            parent = Path(value).parent
+            if not parent.is_dir() or not os.access(parent, os.W_OK) or Path(value).is_dir():
+                raise UsageError(f"{option} {value!r} cannot be written (its directory does not exist or is not writable, or it is a directory)",
+                                 f"pass {option} a file path in a writable directory")
     report = run_check(args.bundle, args.model, prompts, args.new_tokens, args.tolerance)
-    write_report(report, args.report, args.junit)
+    try:
+        write_report(report, args.report, args.junit)
+    except OSError as exc:
+        raise UsageError(f"cannot write the check report: {exc.strerror or exc}", "pass --report/--junit paths you can write to") from None
     for r in report.results:
         status = "PASS" if r.passed and r.executed else "SKIP" if not r.executed else "FAIL"
         numeric = r.max_abs is not None and r.tolerance is not None and r.check == "parity"

@@ -37,7 +37,12 @@ class SamplingParams:
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The distribution that sampling draws from (after temperature, top-k and top-p), float64."""
     check_finite(logits)
-    scaled = logits.astype(np.float64) / params.temperature
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = logits.astype(np.float64) / params.temperature
+    if not np.isfinite(scaled).all():  # a temperature so small that it overflows: the limit is greedy
+        probs = np.zeros(logits.size, dtype=np.float64)
+        probs[int(np.argmax(logits))] = 1.0
+        return probs
     if params.top_k and params.top_k < scaled.size:
         kth = np.partition(scaled, -params.top_k)[-params.top_k]
         scaled = np.where(scaled < kth, -np.inf, scaled)

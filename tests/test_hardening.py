@@ -442,6 +442,8 @@ def test_kv_arena_is_checked_before_allocation() -> None:
     (["check", "{b}", "--tolerance", "-1"], "--tolerance -1"),
     (["build", "{t}/model", "-o", "{t}/o", "--max-len", "1000000000"], "--max-len"),
     (["bench", "{b}", "--threads", "100000"], "--threads"),
+    (["check", "{b}", "--report", "{t}/missing-dir/r.json"], "--report"),
+    (["bench", "{b}", "--repeat", "1000000000"], "--repeat"),
 ])
 def test_resource_arguments_are_bounded(argv: list[str], fragment: str, tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "big.txt").write_bytes(b"a" * (5 << 20))
@@ -455,7 +457,7 @@ def test_prompt_fifo_does_not_hang(tiny_bundle: Path, tmp_path: Path) -> None:
 
 
 def test_api_rejects_bytes_prompt_and_accepts_stop_none(tiny_bundle: Path) -> None:
-    from runtimes import Generator, UsageError
+    from runtimes import Generator, SamplingParams, UsageError
 
     generator = Generator(tiny_bundle)
     with pytest.raises(UsageError, match="neither text nor"):
@@ -465,6 +467,8 @@ def test_api_rejects_bytes_prompt_and_accepts_stop_none(tiny_bundle: Path) -> No
     with pytest.raises(UsageError, match="draft length"):
         generator.generate("hello", max_new_tokens=2, mode="spec", draft_len=10**6)
     assert len(generator.generate("hello", max_new_tokens=2, stop=None).tokens) <= 2
+    tiny_temperature = generator.generate("hello", max_new_tokens=2, sampling=SamplingParams(temperature=1e-320, seed=1))
+    assert tiny_temperature.tokens == generator.generate("hello", max_new_tokens=2).tokens  # the greedy limit, not NaN
 
 
 # ---- gate and data safety at build time ----------------------------------------------------------
