@@ -277,7 +277,7 @@ GRAPH_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(GRAPH_CASES))
+@pytest.mark.parametrize("case", sorted(set(GRAPH_CASES) - {"loop_1e12"}))  # the Loop runs in a child (a regression would hang)
 def test_engines_outside_the_graph_policy_are_refused(case: str, tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     mutate, fragment = GRAPH_CASES[case]
     bad = make_bad(tiny_bundle, tmp_path, mutate)
