@@ -86,12 +86,16 @@ def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
     """The HF model the bundle was built from (or `model`), plus the bundle's routers and adapters."""
     from exporter.model_loading import load_model
 
-    loaded = load_model(model or bundle.model.get("source") or "smollm2")
+    recorded = bundle.model.get("source") or "smollm2"
+    if model is None and recorded != "smollm2" and not Path(recorded).is_absolute():
+        # a bundle may come from anywhere: its recorded source is never resolved against the current directory
+        raise UsageError(f"the bundle records its model as {recorded!r}, a relative path", "pass the reference model with --model")
+    loaded = load_model(model or recorded)
     if loaded.spec.to_json() != {k: bundle.model[k] for k in loaded.spec.to_json()}:
         raise UsageError(f"model {loaded.source!r} does not match the bundle's dimensions", "pass the model the bundle was built from with --model")
     parts = ModelParts(loaded.hf_model, loaded.spec)
-    if (bundle.root / ROUTERS_FILE).is_file():
+    if ROUTERS_FILE in bundle.manifest["files"]:  # only listed (checksummed) files are opened
         parts.routers = load_routers(bundle.path(ROUTERS_FILE), loaded.spec.num_layers, loaded.spec.hidden_size)
-    if (bundle.root / ADAPTERS_FILE).is_file():
+    if ADAPTERS_FILE in bundle.manifest["files"]:
         parts.exit_adapters = load_adapters(bundle.path(ADAPTERS_FILE), loaded.spec.hidden_size, loaded.spec.rms_norm_eps, loaded.spec.num_layers)
     return loaded, parts

@@ -8,12 +8,16 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
 from runtimes.bundle import sha256_of
 from runtimes.errors import UsageError
+from runtimes.manifest import FORMAT
 
 
 def file_table(root: Path) -> dict[str, dict[str, Any]]:
@@ -26,12 +30,38 @@ def file_table(root: Path) -> dict[str, dict[str, Any]]:
     return table
 
 
-def check_output_dir(target: Path, force: bool) -> None:
-    """Refuse to overwrite unless asked, and fail before any work if the parent is unwritable."""
-    if target.exists() and not force:
+def is_previous_bundle(target: Path) -> bool:
+    """A directory holding an adaptive-export manifest (a regular file, not a symlink)."""
+    manifest = target / "manifest.json"
+    try:
+        if target.is_symlink() or not target.is_dir() or manifest.is_symlink() or not manifest.is_file() or manifest.stat().st_size > (16 << 20):
+            return False
+        return json.loads(manifest.read_bytes()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return False
+
+
+def check_output_dir(target: Path, force: bool, protect: tuple[Path, ...] = ()) -> None:
+    """Refuse to overwrite unless asked, and fail before any work if the parent is unwritable.
+
+    --force only ever replaces a previous bundle: never a directory without an
+    adaptive-export manifest, and never the working directory, the model being exported
+    (`protect`) or a directory that contains either."""
+    resolved = target.resolve()
+    if not target.name or resolved == Path(resolved.anchor):
+        raise UsageError(f"output path {str(target)!r} names no directory of its own", "choose a new directory such as -o bundles/mymodel")
+    if (target.exists() or target.is_symlink()) and not force:
         raise UsageError(f"output directory {str(target)!r} already exists", "pass --force to replace it, or choose another -o")
-    if target.exists() and not target.is_dir():
+    for kept in (Path.cwd(), *protect):
+        kept = kept.resolve()
+        if kept == resolved or kept.is_relative_to(resolved):
+            raise UsageError(f"output directory {str(target)!r} is or contains {str(kept)!r}, which a build never replaces",
+                             "choose another -o, outside the model and the working directory")
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
         raise UsageError(f"output path {str(target)!r} exists and is not a directory", "choose another -o")
+    if target.exists() and not is_previous_bundle(target):
+        raise UsageError(f"output directory {str(target)!r} is not an adaptive-export bundle, so --force will not replace it",
+                         "choose another -o, or remove that directory yourself")
     parent = target.parent if str(target.parent) else Path(".")
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -62,6 +92,39 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+class Interrupts:
+    """SIGINT/SIGTERM during a build. The CLI's handler records the request here before it
+    raises KeyboardInterrupt, so an interrupt that a library swallows (or turns into another
+    exception) still aborts the build at the commit below: the old bundle stays, exit 130."""
+
+    requested = False
+    managed = False  # True when the CLI owns the signal handlers (not for in-process callers)
+
+
+def request_interrupt() -> None:
+    Interrupts.requested = True
+
+
+def _hold_before_commit() -> None:
+    """Test seam (tests/test_atomic_build.py): ADAPTIVE_EXPORT_HOLD_BEFORE_COMMIT=FILE makes the
+    build wait, complete but uncommitted, while FILE exists, so a test can signal it at a
+    known point; a value 'swallow:FILE' also swallows KeyboardInterrupt while waiting, as a
+    library catching broad exceptions would."""
+    hold = os.environ.get("ADAPTIVE_EXPORT_HOLD_BEFORE_COMMIT")
+    if not hold:
+        return
+    swallow = hold.startswith("swallow:")
+    hold_path = Path(hold.removeprefix("swallow:"))
+    (hold_path.parent / (hold_path.name + ".reached")).touch()
+    deadline = time.monotonic() + 120
+    while hold_path.exists() and time.monotonic() < deadline:
+        try:
+            time.sleep(0.02)
+        except KeyboardInterrupt:
+            if not swallow:
+                raise
+
+
 @contextlib.contextmanager
 def staging_dir(target: Path, force: bool) -> Iterator[Path]:
     """Yield a temp dir beside target; on success it replaces target, on failure it is removed."""
@@ -76,6 +139,34 @@ def staging_dir(target: Path, force: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    try:
+        _hold_before_commit()
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _commit(staging, target)
+
+
+def _record_only(signum: int, frame: object) -> None:
+    request_interrupt()
+
+
+def _commit(staging: Path, target: Path) -> None:
+    """The point of no return. Under the CLI, SIGINT/SIGTERM only record a request while
+    the bundle is swapped in, so no KeyboardInterrupt can land between the two renames; a
+    request recorded at any time before the final check below (even one a library
+    swallowed) puts the old bundle back and ends in exit 130. After that check the build
+    is complete and later signals are ignored."""
+    managed = Interrupts.managed and threading.current_thread() is threading.main_thread()
+    try:
+        if managed:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, _record_only)
+        if Interrupts.requested:
+            raise KeyboardInterrupt
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     old = None
     if target.exists():
         old = target.parent / f".{target.name}.old-{os.getpid()}"
@@ -84,6 +175,15 @@ def staging_dir(target: Path, force: bool) -> Iterator[Path]:
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp made it private; a bundle is a normal directory
     os.rename(staging, target)
+    if managed:
+        if Interrupts.requested:  # arrived during the swap: undo it
+            os.rename(target, staging)
+            if old is not None:
+                os.rename(old, target)
+            shutil.rmtree(staging, ignore_errors=True)
+            raise KeyboardInterrupt
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

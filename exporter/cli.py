@@ -9,13 +9,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from runtimes import limits
 from runtimes.errors import UsageError
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
+MAX_TOLERANCE = 100.0  # `check --tolerance`: a larger factor would no longer gate anything
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,6 +37,28 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _bounded_int(low: int, high: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is outside {low}..{high}")
+        return value
+    return parse
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="adaptive-export", description="Export adaptive-compute LLMs (router layer skipping, early-exit self-speculation) to static edge engines, run and check them.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log each step (default: warnings and progress bars only)")
@@ -46,14 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ort (default): ONNX Runtime's fused kernels (GroupQueryAttention, SkipSimplifiedLayerNormalization, "
                         "packed QKV), KV updated in place, fastest; portable: standard ONNX ops that any runtime parses "
                         "(always used when --backend includes tensorrt)")
-    b.add_argument("--max-len", type=_positive_int, default=2048, help="KV arena length: prompt + new tokens can never exceed it (default: 2048)")
-    b.add_argument("--force", action="store_true", help="replace the output directory if it exists")
+    b.add_argument("--max-len", type=_bounded_int(1, limits.MAX_BUILD_LEN), default=2048, help=f"KV arena length: prompt + new tokens can never exceed it (default: 2048, at most {limits.MAX_BUILD_LEN})")
+    b.add_argument("--force", action="store_true", help="replace the output directory if it is a previous bundle (never the model, the working directory or a parent of either)")
     b.add_argument("--routers", default=None, help="'train' to train FiRST routers on the calibration prompts, or a routers .safetensors file; omit for no layer skipping")
     b.add_argument("--calib", default=None, help="calibration prompts, JSONL with a 'prompt' field per line (default: the built-in sample set in samples/)")
-    b.add_argument("--max-configs", type=_positive_int, default=3, help="most skip configurations to compile besides the full model (default: 3)")
-    b.add_argument("--router-lambda", type=float, default=None, help="router sparsity weight lambda for --routers train (default: 0.02, the largest lambda of the README sweep keeping held-out top-1 agreement above 0.9; 0.1 skips about 4.6 of 30 SmolLM2 layers at 0.63)")
-    b.add_argument("--min-config-agreement", type=float, default=None, help="compile a skip configuration only if decoding with it keeps this share of the full model's greedy tokens on the calibration prompts (teacher-forced; default: 0.8, i.e. at most one token in five differs; 0 keeps every chosen configuration)")
-    b.add_argument("--router-lr", type=float, default=None, help="Adam learning rate for --routers train (default: 5e-3, for about 120 steps on 40 prompts; raise it for tiny prompt sets)")
+    b.add_argument("--max-configs", type=_bounded_int(1, 64), default=3, help="most skip configurations to compile besides the full model (default: 3)")
+    b.add_argument("--router-lambda", type=_finite_float, default=None, help="router sparsity weight lambda for --routers train (default: 0.02, the largest lambda of the README sweep keeping held-out top-1 agreement above 0.9; 0.1 skips about 4.6 of 30 SmolLM2 layers at 0.63)")
+    b.add_argument("--min-config-agreement", type=_finite_float, default=None, help="compile a skip configuration only if decoding with it keeps this share of the full model's greedy tokens on the calibration prompts (teacher-forced; default: 0.8, i.e. at most one token in five differs; 0 keeps every chosen configuration)")
+    b.add_argument("--router-lr", type=_finite_float, default=None, help="Adam learning rate for --routers train (default: 5e-3, for about 120 steps on 40 prompts; raise it for tiny prompt sets)")
     b.add_argument("--speculate", default=None, help="'auto' to calibrate self-speculation (exit layer E, draft length k, exit adapter) and build draft/verify engines, or 'E:k' to force them")
     b.add_argument("--exit-adapter", default="none", metavar="none|fit|FILE",
                    help="with --speculate: 'fit' fits a low-rank exit adapter (head(adapter(h_E)) ~ full model, KL on the model's own "
@@ -66,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "none: fp32; auto (default): native for a quantized .gguf (e.g. smollm2), none otherwise")
     b.add_argument("--coreml-precision", choices=["float16", "float32"], default="float16", help="CoreML compute precision (default: float16)")
     b.add_argument("--trt-precision", choices=["fp32", "fp16", "int8"], default="fp16", help="TensorRT engine precision flag (default: fp16)")
-    b.add_argument("--quant-block", type=int, default=32, help="quantization block size along the input dimension (default: 32)")
+    b.add_argument("--quant-block", type=_bounded_int(1, 4096), default=32, help="quantization block size along the input dimension (default: 32)")
     b.add_argument("--quant-accuracy", type=int, default=4,
                    help="MatMulNBits accuracy_level: 4 = int8 activations (fastest on CPU, default; slightly lossy), "
                         "1 = fp32 activations (with --quantize native: the engines compute exactly the GGUF's model), 0 = unset")
@@ -88,10 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", default="auto", help="skip configuration: auto (routers pick, default), full, or a config id from `inspect`")
     r.add_argument("--mode", default="ar", choices=["ar", "spec", "auto"], help="ar: plain decoding (default); spec: self-speculative with --draft; auto: the draft source calibration found to pay on average, else prompt lookup gated to draft only while drafts pay for the wider verify pass (plain speed on chat, faster where the answer repeats the context)")
     r.add_argument("--draft", default=None, choices=["early_exit", "prompt_lookup"], help="draft source for --mode spec (default: the one calibration chose, else prompt_lookup)")
-    r.add_argument("--draft-len", type=_positive_int, default=None, help="draft tokens per round (default: calibrated, else 4)")
+    r.add_argument("--draft-len", type=_bounded_int(1, limits.MAX_DRAFT_LEN), default=None, help=f"draft tokens per round, 1..{limits.MAX_DRAFT_LEN} (default: calibrated, else 4)")
     r.add_argument("--backend", default="onnx", help="engine backend: onnx (default), coreml (macOS), tensorrt (NVIDIA)")
     r.add_argument("--provider", default="cpu", choices=["cpu", "cuda", "tensorrt"], help="ONNX Runtime execution provider (default: cpu)")
-    r.add_argument("--threads", type=int, default=0, help="intra-op threads (default: 0 = ONNX Runtime's choice, the physical cores)")
+    r.add_argument("--threads", type=int, default=0, help="intra-op threads, at most 4 per core (default: 0 = ONNX Runtime's choice, the physical cores)")
     r.add_argument("--verify", default="full", choices=["full", "size"], help="bundle verification: full sha256 (default) or sizes only (fast path)")
     r.add_argument("--prepack", default="auto", choices=["auto", "none", "decode", "all"],
                    help="ONNX Runtime weight prepacking for fp32 engines (quantized ones always prepack). auto (default): the fused "
@@ -104,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--report", default=None, help="write the JSON report here")
     c.add_argument("--junit", default=None, help="write JUnit XML here (one test case per engine and check)")
     c.add_argument("--prompts", default=None, help="JSONL prompts ('prompt' field) for the greedy checks (default: built-in prompts)")
-    c.add_argument("--new-tokens", type=_positive_int, default=16, help="greedy tokens compared per prompt (default: 16)")
-    c.add_argument("--tolerance", type=float, default=1.0, help="multiply the documented logit tolerances by this factor (default: 1)")
+    c.add_argument("--new-tokens", type=_bounded_int(1, limits.MAX_LEN), default=16, help="greedy tokens compared per prompt (default: 16)")
+    c.add_argument("--tolerance", type=float, default=1.0, help=f"multiply the documented logit tolerances by this factor, in (0, {MAX_TOLERANCE:g}] (default: 1)")
 
     i = sub.add_parser("inspect", help="describe a bundle: graphs, sizes, configurations, backends", description="Print what a bundle holds and can do (torch-free).")
     i.add_argument("bundle", help="bundle directory")
@@ -114,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     n = sub.add_parser("bench", help="time prefill and decoding of a bundle", description="Median prefill ms and TPOT of the bundle over repetitions (torch-free). For comparisons with HF transformers use benchmarks/decode.py.")
     n.add_argument("bundle", help="bundle directory")
     n.add_argument("-p", "--prompt", default="Write a short story about a robot who learns to paint.", help="prompt text")
-    n.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens per repetition (default: 32)")
-    n.add_argument("--repeat", type=_positive_int, default=5, help="timed repetitions after one warm-up (default: 5)")
+    n.add_argument("--max-new-tokens", type=_bounded_int(1, limits.MAX_LEN), default=32, help="tokens per repetition (default: 32)")
+    n.add_argument("--repeat", type=_bounded_int(1, 1000), default=5, help="timed repetitions after one warm-up (default: 5)")
     n.add_argument("--config", default="auto", help="skip configuration (default: auto)")
     n.add_argument("--mode", default="ar", choices=["ar", "spec", "auto"], help="decoding mode (default: ar)")
     n.add_argument("--threads", type=int, default=0, help="intra-op threads (default: ONNX Runtime's choice)")
@@ -126,11 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_prompts(path: str) -> list[str]:
     """JSONL with a 'prompt' field per non-empty line."""
-    file = Path(path)
-    if not file.is_file():
-        raise UsageError(f"prompt file {path!r} does not exist", "pass a JSONL file with one {\"prompt\": ...} object per line")
     try:
-        lines = file.read_text(encoding="utf-8").splitlines()
+        lines = limits.read_regular(Path(path), "prompt file", limits.MAX_PROMPT_FILE_BYTES).decode("utf-8").splitlines()
     except UnicodeDecodeError:
         raise UsageError(f"prompt file {path!r} is not UTF-8 text", "save it as UTF-8 JSONL") from None
     prompts = []
@@ -150,14 +173,11 @@ def read_prompts(path: str) -> list[str]:
 
 
 def _read_prompt_file(path: str) -> str:
+    """A regular UTF-8 file of at most MAX_PROMPT_FILE_BYTES (FIFOs and devices such as /dev/zero are refused)."""
     try:
-        return Path(path).read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"prompt file {path!r} does not exist", "pass an existing UTF-8 text file") from None
+        return limits.read_regular(Path(path), "prompt file", limits.MAX_PROMPT_FILE_BYTES).decode("utf-8")
     except UnicodeDecodeError:
         raise UsageError(f"prompt file {path!r} is not valid UTF-8", "save it as UTF-8") from None
-    except OSError as exc:
-        raise UsageError(f"cannot read prompt file {path!r}: {exc.strerror}", "check its permissions") from None
 
 
 def prepack_graphs(bundle_dir: str, choice: str) -> list[str] | None:
@@ -177,7 +197,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     prompt = args.prompt if args.prompt is not None else _read_prompt_file(args.prompt_file)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    options: dict[str, Any] = {"threads": args.threads}
+    options: dict[str, Any] = {"threads": limits.check_threads(args.threads)}
     if args.backend == "onnx":
         options.update(provider=args.provider, prepack=prepack_graphs(args.bundle, args.prepack))
     generator = Generator(args.bundle, backend=args.backend, verify=args.verify, **options)
@@ -207,11 +227,20 @@ def cmd_build(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from exporter.check import run_check, write_report
 
+    if not (math.isfinite(args.tolerance) and 0 < args.tolerance <= MAX_TOLERANCE):  # inf or nan would turn the gate off
+        raise UsageError(f"--tolerance {args.tolerance} must be a finite factor in (0, {MAX_TOLERANCE:g}]", "pass a factor such as 1 or 2")
     prompts = read_prompts(args.prompts) if args.prompts else None
-    if not (args.tolerance > 0):
-        raise UsageError(f"--tolerance {args.tolerance} must be positive", "pass a factor such as 1 or 2")
+    for option, value in (("--report", args.report), ("--junit", args.junit)):  # fail before minutes of checking
+        if value:
+            parent = Path(value).parent
+            if not parent.is_dir() or not os.access(parent, os.W_OK) or Path(value).is_dir():
+                raise UsageError(f"{option} {value!r} cannot be written (its directory does not exist or is not writable, or it is a directory)",
+                                 f"pass {option} a file path in a writable directory")
     report = run_check(args.bundle, args.model, prompts, args.new_tokens, args.tolerance)
-    write_report(report, args.report, args.junit)
+    try:
+        write_report(report, args.report, args.junit)
+    except OSError as exc:
+        raise UsageError(f"cannot write the check report: {exc.strerror or exc}", "pass --report/--junit paths you can write to") from None
     for r in report.results:
         status = "PASS" if r.passed and r.executed else "SKIP" if not r.executed else "FAIL"
         numeric = r.max_abs is not None and r.tolerance is not None and r.check == "parity"
@@ -234,7 +263,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from runtimes.bench import bench_bundle
 
-    rows = bench_bundle(args.bundle, args.prompt, args.max_new_tokens, args.repeat, args.config, args.mode, args.threads,
+    rows = bench_bundle(args.bundle, args.prompt, args.max_new_tokens, args.repeat, args.config, args.mode, limits.check_threads(args.threads),
                         prepack_graphs(args.bundle, args.prepack))
     if args.json:
         print(json.dumps(rows))
@@ -248,8 +277,18 @@ COMMANDS = {"build": cmd_build, "run": cmd_run, "check": cmd_check, "inspect": c
 
 
 def _terminate_as_interrupt(signum: int, frame: object) -> None:
-    """SIGTERM unwinds like Ctrl-C, so a build in progress removes its staging directory."""
+    """SIGINT and SIGTERM unwind like Ctrl-C, so a build in progress removes its staging
+    directory; the request is recorded first, so a build whose library swallows the
+    KeyboardInterrupt still stops at its commit (exporter/bundle_writer.py)."""
+    from exporter.bundle_writer import request_interrupt
+
+    request_interrupt()
     raise KeyboardInterrupt
+
+
+def _interrupted() -> bool:
+    bundle_writer = sys.modules.get("exporter.bundle_writer")
+    return bool(bundle_writer and bundle_writer.Interrupts.requested)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -257,17 +296,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     import threading
 
     if argv is None and threading.current_thread() is threading.main_thread():  # the real CLI, not in-process callers
+        from exporter.bundle_writer import Interrupts
+
+        Interrupts.managed = True
         signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+        signal.signal(signal.SIGINT, _terminate_as_interrupt)
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
         return COMMANDS[args.command](args)
     except UsageError as exc:
+        if _interrupted():
+            print("error: interrupted. Fix: run the command again (no partial bundle was left)", file=sys.stderr)
+            return 130
         print(exc.one_line(), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("error: interrupted. Fix: run the command again (no partial bundle was left)", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `inspect DIR | head`
+        return EXIT_OK
+    except (Exception, RecursionError) as exc:  # backstop: bad input the explicit checks missed is still exit 2, one line
+        if _interrupted():  # an interrupt a library turned into another exception
+            print("error: interrupted. Fix: run the command again (no partial bundle was left)", file=sys.stderr)
+            return 130
+        if os.environ.get("ADAPTIVE_EXPORT_TRACEBACK"):
+            raise
+        text = (str(exc).strip().splitlines() or [""])[0][:300]
+        print(f"error: unexpected {type(exc).__name__}{': ' + text if text else ''}. Fix: check the inputs; if they are valid, "
+              "report this with the traceback from ADAPTIVE_EXPORT_TRACEBACK=1", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -92,11 +92,26 @@ def load_model(model: str = DEFAULT_MODEL) -> LoadedModel:
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot read the model config of {model!r}: {exc}", "pass a complete model directory or .gguf file") from exc
+    except Exception as exc:  # transformers and gguf raise many types for truncated or foreign files
+        raise UsageError(f"cannot read the model config of {model!r}: {_first_line(exc)}", "pass a complete model directory or .gguf file") from None
     spec = spec_from_config(config)
     log.info("loading %s (%s, %d layers)", model, spec.model_type, spec.num_layers)
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32, **kwargs)
-    hf_model.eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
-    return LoadedModel(hf_model=hf_model, tokenizer=tokenizer, spec=spec, source=model)
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32, **kwargs)
+        hf_model.eval().requires_grad_(False)
+    except Exception as exc:  # missing or truncated weights
+        raise UsageError(f"cannot load the weights of {model!r}: {_first_line(exc)}", "pass a complete model directory (config.json, weights, tokenizer) or .gguf file") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
+    except Exception as exc:
+        raise UsageError(f"cannot load the tokenizer of {model!r}: {_first_line(exc)}", "pass a model directory with its tokenizer files") from None
+    if tokenizer is None or isinstance(tokenizer, bool):
+        raise UsageError(f"model {model!r} has no tokenizer", "pass a model directory with its tokenizer files")
+    # recorded in the manifest; absolute, so `check` never resolves it against another directory
+    source = model if model == DEFAULT_MODEL else str(Path(model).resolve())
+    return LoadedModel(hf_model=hf_model, tokenizer=tokenizer, spec=spec, source=source)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = (str(exc).strip().splitlines() or [""])[0][:300]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -86,7 +86,9 @@ def run_build(args: argparse.Namespace) -> dict[str, Any]:
     check_exit_adapter_option(args)
     register_backends(backends, args)
     output = Path(args.output)
-    check_output_dir(output, args.force)  # fail fast, before minutes of loading and export
+    protect = tuple(Path(p) for p in (args.model, getattr(args, "calib", None), getattr(args, "routers", None),
+                                       getattr(args, "exit_adapter", None)) if p and p not in ("smollm2", "train", "fit", "none"))
+    check_output_dir(output, args.force, protect)  # fail fast, before minutes of loading and export
     args.quantize, native_source = resolve_quantize(args.quantize, args.model, backends, getattr(args, "onnx_flavour", "ort"))
     if args.quantize != "none":
         from exporter.quantize import validate_options

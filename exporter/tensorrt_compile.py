@@ -41,10 +41,10 @@ def compile_tensorrt(root: Path, manifest: dict[str, Any], precision: str = "fp1
         import tensorrt  # noqa: F401
     except ImportError:
         return entry
-    from runtimes.backends.tensorrt_backend import build_engine, engine_cache_dir
+    from runtimes.backends.tensorrt_backend import build_engine, engine_cache_dir, plan_name
 
     cache = engine_cache_dir()
     for name, engine in onnx_entry["graphs"].items():
-        build_engine(root / engine["file"], cache / f"{manifest['model'].get('source', 'model')}-{name}.plan", manifest, precision)
+        build_engine(root / engine["file"], cache / plan_name(root / engine["file"], name), manifest, precision)
     entry["built_at_export"] = True
     return entry

@@ -8,12 +8,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from runtimes.errors import UsageError
-from runtimes.manifest import validate
+from runtimes import limits
+from runtimes.manifest import path_problem, validate
 
 _HASH_CHUNK = 1 << 22
 
@@ -59,10 +61,16 @@ class Bundle:
 
 
 def confined_path(root: Path, relative: str) -> Path:
-    if not isinstance(relative, str) or not relative or os.path.isabs(relative) or "\\" in relative:
-        raise UsageError(f"manifest path {relative!r} is not a relative path inside the bundle", "rebuild the bundle; never edit manifest paths by hand")
-    resolved = (root / relative).resolve()
-    if not resolved.is_relative_to(root.resolve()):
+    problem = path_problem(relative)
+    if problem is not None:
+        raise UsageError(f"manifest path {ascii(relative)[:80]} is not a relative path inside the bundle: it {problem}",
+                         "rebuild the bundle; never edit manifest paths by hand")
+    try:
+        resolved = (root / relative).resolve()
+        inside = resolved.is_relative_to(root.resolve())
+    except (OSError, RuntimeError) as exc:  # symlink loops, names too long
+        raise UsageError(f"manifest path {relative!r} cannot be resolved ({exc})", "rebuild the bundle") from None
+    if not inside:
         raise UsageError(f"manifest path {relative!r} points outside the bundle", "rebuild the bundle; a bundle may only refer to its own files")
     return resolved
 
@@ -75,45 +83,112 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _sha256_fd(fd: int, limit: int) -> tuple[str, int]:
+    digest, total = hashlib.sha256(), 0
+    while total <= limit and (chunk := os.read(fd, _HASH_CHUNK)):
+        digest.update(chunk)
+        total += len(chunk)
+    return digest.hexdigest(), total
+
+
+def parse_manifest(data: bytes, name: str = "manifest.json") -> Any:
+    """Strict JSON from a bundle: UTF-8, no duplicate keys, no NaN/Infinity, bounded nesting."""
+    fix = "rebuild the bundle with `adaptive-export build`"
+
+    def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [key for key, _ in pairs]
+        if len(set(keys)) != len(keys):
+            duplicate = next(k for k in keys if keys.count(k) > 1)
+            raise UsageError(f"{name} is invalid: key {ascii(duplicate)[:80]} appears twice in one object", fix)
+        return dict(pairs)
+
+    def no_constant(constant: str) -> Any:
+        raise UsageError(f"{name} is invalid: it holds {constant}, which is not JSON", fix)
+
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{name} is not UTF-8 text", fix) from None
+    try:
+        return json.loads(text, object_pairs_hook=no_duplicate_keys, parse_constant=no_constant)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{name} is not valid JSON (line {exc.lineno}: {exc.msg})", fix) from None
+    except (RecursionError, ValueError) as exc:  # nesting too deep, integers with too many digits
+        raise UsageError(f"{name} cannot be parsed ({type(exc).__name__})", fix) from None
+
+
+def _check_file(bundle: Bundle, relative: str, entry: dict[str, Any], verify: str, seen: dict[tuple[int, int], str]) -> None:
+    """One listed file: inside the bundle, a regular file (no symlink, FIFO or device), a
+    file no other entry names (aliases and hard links refused), with its size and sha256."""
+    path = bundle.path(relative)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise UsageError(f"bundle file {relative!r} is missing", "rebuild the bundle or copy it again completely") from None
+    except OSError as exc:
+        raise UsageError(f"bundle file {relative!r} cannot be read: {exc.strerror}", "rebuild the bundle") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise UsageError(f"bundle file {relative!r} is not a regular file", "rebuild the bundle; it may hold only regular files")
+    key = (info.st_dev, info.st_ino)
+    if key in seen:
+        raise UsageError(f"bundle files {seen[key]!r} and {relative!r} are the same file", "rebuild the bundle; every file is listed once")
+    seen[key] = relative
+    fd = limits.open_regular(path, f"bundle file {relative!r}")
+    try:
+        size = os.fstat(fd).st_size
+        if size != entry["bytes"]:
+            raise UsageError(f"bundle file {relative!r} has {size} bytes, the manifest says {entry['bytes']}", "the bundle is corrupt or truncated: copy it again or rebuild it")
+        if verify == "full" and _sha256_fd(fd, size)[0] != entry["sha256"]:
+            raise UsageError(f"checksum mismatch for bundle file {relative!r}", "the bundle is corrupt or was modified: copy it again or rebuild it")
+    finally:
+        os.close(fd)
+
+
+def read_listed(bundle: Bundle, relative: str, max_bytes: int) -> bytes:
+    """The bytes of a listed bundle file, read once and checked against its size and sha256
+    whatever the verify mode, so what is used is exactly what was checked."""
+    entry = bundle.manifest["files"].get(relative)
+    if entry is None:
+        raise UsageError(f"bundle file {relative!r} is not listed with a checksum", "rebuild the bundle; unlisted files are never opened")
+    data = limits.read_regular(bundle.path(relative), f"bundle file {relative!r}", max_bytes)
+    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise UsageError(f"checksum mismatch for bundle file {relative!r}", "the bundle is corrupt or was modified: copy it again or rebuild it")
+    return data
+
+
 def load_bundle(directory: str | os.PathLike[str], verify: str = "full") -> Bundle:
     """Read manifest.json, validate it, confine and check every listed file.
 
     verify="full" hashes every file (about 1 s per 500 MB); verify="size" checks only
-    sizes, a documented fast path for devices that verified the bundle once on install.
+    sizes, a documented fast path for devices that verified the bundle once on install
+    (engines, tokenizer and calibration are small and always hashed when read).
     """
     if verify not in ("full", "size"):
         raise UsageError(f"verify={verify!r} is not a verification mode", "use 'full' or 'size'")
+    if not isinstance(directory, (str, os.PathLike)):
+        raise UsageError(f"bundle {type(directory).__name__} is not a path", "pass the bundle directory as a string or Path")
     root = Path(directory)
-    if not root.exists():
+    try:
+        exists, is_dir = root.exists(), root.is_dir()
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"bundle directory {ascii(str(root))[:120]} cannot be used: {exc}", "pass the bundle directory written by `adaptive-export build`") from None
+    if not exists:
         raise UsageError(f"bundle directory {str(root)!r} does not exist", "build one with `adaptive-export build -o DIR`")
-    if not root.is_dir():
+    if not is_dir:
         raise UsageError(f"{str(root)!r} is not a directory", "pass the bundle directory written by `adaptive-export build`")
     manifest_path = root / "manifest.json"
-    if not manifest_path.is_file():
+    if not os.path.lexists(manifest_path):
         raise UsageError(f"{str(root)!r} has no manifest.json, so it is not a bundle", "pass a directory written by `adaptive-export build`")
-    try:
-        text = manifest_path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read {str(manifest_path)!r}: {exc}", "check the file's permissions or rebuild the bundle") from exc
-    try:
-        manifest = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"manifest.json is not valid JSON (line {exc.lineno}: {exc.msg})", "rebuild the bundle with `adaptive-export build`") from exc
+    manifest = parse_manifest(limits.read_regular(manifest_path, "manifest", limits.MAX_MANIFEST_BYTES))
     validate(manifest)
     bundle = Bundle(root=root, manifest=manifest)
+    seen: dict[tuple[int, int], str] = {}
     for relative, entry in manifest["files"].items():
-        path = bundle.path(relative)
-        if not path.is_file():
-            raise UsageError(f"bundle file {relative!r} is missing", "rebuild the bundle or copy it again completely")
-        if path.stat().st_size != entry["bytes"]:
-            raise UsageError(f"bundle file {relative!r} has {path.stat().st_size} bytes, the manifest says {entry['bytes']}", "the bundle is corrupt or truncated: copy it again or rebuild it")
-        if verify == "full" and sha256_of(path) != entry["sha256"]:
-            raise UsageError(f"checksum mismatch for bundle file {relative!r}", "the bundle is corrupt or was modified: copy it again or rebuild it")
-    for entry in manifest["backends"].values():
-        for graph_name, graph in entry["graphs"].items():
-            if graph_name not in manifest["graphs"]:
-                raise UsageError(f"manifest.json is invalid: backend engine for unknown graph {graph_name!r}", "rebuild the bundle with `adaptive-export build`")
-            for key in ("file",):
-                if key in graph and graph[key] not in manifest["files"]:
-                    raise UsageError(f"engine file {graph[key]!r} is not listed with a checksum", "rebuild the bundle with `adaptive-export build`")
+        _check_file(bundle, relative, entry, verify, seen)
+    onnx = manifest["backends"].get("onnx")
+    if onnx is not None:
+        size = manifest["files"][onnx["weights"]]["bytes"]
+        for name, meta in onnx["tensors"].items():
+            if meta["offset"] + meta["bytes"] > size:
+                raise UsageError(f"weight {name!r} lies outside the weights file", "the bundle is corrupt: rebuild it")
     return bundle

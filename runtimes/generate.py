@@ -18,6 +18,7 @@ from runtimes.backends import Backend, make_backend
 from runtimes.bundle import Bundle, load_bundle
 from runtimes.errors import UsageError
 from runtimes.kv_arena import KVArena
+from runtimes.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_draft_len
 from runtimes.sampling import SamplingParams, choose
 from runtimes.selection import choose_config
 from runtimes.text import StreamDecoder, TextCodec
@@ -65,6 +66,18 @@ class Sequence_:
     pending: int  # the newest token: emitted, not yet in the cache
 
 
+def _stop_strings(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise UsageError(f"stop must be a list of strings, got {type(stop).__name__}", "pass stop=[] or a list such as ['\\n\\n']")
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise UsageError(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters are allowed", "pass fewer or shorter stop strings")
+    return list(stop)
+
+
 class Generator:
     """Load once, generate many times. Not thread-safe: one sequence at a time (one arena)."""
 
@@ -84,13 +97,27 @@ class Generator:
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, sampling: SamplingParams | None = None,
                  stop: Sequence[str] = (), raw: bool = False, config: str = "auto", mode: str = "ar",
                  on_text: Callable[[str], None] | None = None, draft: str | None = None, draft_len: int | None = None) -> GenerationResult:
-        sampling = sampling or SamplingParams()
-        prompt_ids = self.codec.encode(prompt, raw) if isinstance(prompt, str) else [int(t) for t in prompt]
+        sampling = SamplingParams() if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise UsageError(f"sampling is {type(sampling).__name__}, not SamplingParams", "pass SamplingParams(...) or None")
+        stop = _stop_strings(stop)
+        if on_text is not None and not callable(on_text):
+            raise UsageError(f"on_text is {type(on_text).__name__}, not a callable", "pass a function taking one str, or None")
+        if not isinstance(config, str):
+            raise UsageError(f"config {config!r} is not a configuration id", "pass 'auto' or an id from `inspect`")
+        draft_len = check_draft_len(draft_len)
+        if isinstance(prompt, str):
+            prompt_ids = self.codec.encode(prompt, raw)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            prompt_ids = [int(t) for t in prompt]
+        else:
+            raise UsageError(f"the prompt is {type(prompt).__name__}, neither text nor a list of token ids",
+                             "pass a str, or a list of int token ids (decode bytes to str first)")
         self._check_lengths(prompt_ids, max_new_tokens)
-        if mode not in MODES:
+        if not isinstance(mode, str) or mode not in MODES:
             raise UsageError(f"mode {mode!r} is unknown", f"choose one of: {', '.join(MODES)}")
         rng = np.random.default_rng(sampling.seed)
-        stream = StreamDecoder(self.codec, list(stop))
+        stream = StreamDecoder(self.codec, stop)
         started = time.perf_counter()
         seq, stats = self._prefill(prompt_ids, config, mode, sampling, rng, draft)
         stats.prefill_ms = (time.perf_counter() - started) * 1e3
@@ -132,7 +159,7 @@ class Generator:
 
     # ---- steps ------------------------------------------------------------------------
     def _check_lengths(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise UsageError(f"max-new-tokens must be a positive integer, got {max_new_tokens!r}", "pass --max-new-tokens 1 or more")
         if not prompt_ids:
             raise UsageError("the prompt has no tokens", "pass a non-empty prompt")

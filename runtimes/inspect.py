@@ -4,16 +4,31 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from runtimes.bundle import load_bundle
+from runtimes.bundle import Bundle, load_bundle, parse_manifest, read_listed
+from runtimes.errors import UsageError
+from runtimes.limits import MAX_CALIBRATION_BYTES
+
+
+def calibration_shares(bundle: Bundle) -> dict[str, float | None]:
+    """Configuration id -> share of calibration prompts it served, from calibration.json
+    (optional: a malformed file is a bad bundle, exit 2)."""
+    relative = bundle.manifest.get("calibration")
+    if not relative:
+        return {}
+    data = parse_manifest(read_listed(bundle, relative, MAX_CALIBRATION_BYTES), relative)  # strict JSON, duplicate keys refused
+    chosen = data.get("configs", {}).get("chosen", []) if isinstance(data, dict) and isinstance(data.get("configs", {}), dict) else None
+    ok = isinstance(chosen, list) and all(isinstance(c, dict) and isinstance(c.get("id"), str)
+                                          and (c.get("share") is None or (isinstance(c["share"], (int, float)) and not isinstance(c["share"], bool)
+                                                                          and 0 <= c["share"] <= 1)) for c in chosen)
+    if not ok:
+        raise UsageError(f"the bundle's {relative!r} is malformed (configs.chosen must list {{id, share}})", "rebuild the bundle with `adaptive-export build`")
+    return {c["id"]: c.get("share") for c in chosen}
 
 
 def describe(directory: str) -> dict[str, Any]:
     bundle = load_bundle(directory, verify="size")
     m = bundle.manifest
-    calibration: dict[str, Any] = {}
-    if m.get("calibration"):
-        calibration = json.loads(bundle.path(m["calibration"]).read_text())
-    shares = {c["id"]: c.get("share") for c in calibration.get("configs", {}).get("chosen", [])} if calibration else {}
+    shares = calibration_shares(bundle)
     total = sum(e["bytes"] for e in m["files"].values())
     weight_bytes = m["backends"].get("onnx", {}).get("weight_bytes", 0)
     return {
@@ -25,7 +40,7 @@ def describe(directory: str) -> dict[str, Any]:
         "weight_bytes": weight_bytes,
         "size_ratio": round(total / weight_bytes, 4) if weight_bytes else None,
         "backends": {name: sorted(entry["graphs"]) for name, entry in m["backends"].items()},
-        "graphs": {name: {"kind": g["kind"], "layers": len(g["layers"]), "config": g["config"], "exit_layer": g["exit_layer"]} for name, g in m["graphs"].items()},
+        "graphs": {name: {"kind": g["kind"], "layers": len(g["layers"]), "config": g.get("config"), "exit_layer": g.get("exit_layer")} for name, g in m["graphs"].items()},
         "configs": [{"id": c["id"], "kept": c["kept"], "skipped": m["model"]["num_layers"] - len(c["kept"]),
                      "engines": c["engines"], "calibration_share": shares.get(c["id"])} for c in m["configs"]],
         "routers": bool(m["graphs"]["prefill"].get("router_scores")),
@@ -39,7 +54,7 @@ def render(info: dict[str, Any]) -> str:
     model = info["model"]
     lines = [
         f"bundle     {info['bundle']}",
-        f"model      {model.get('source')} ({model['model_type']}, {model['num_layers']} layers, hidden {model['hidden_size']}, "
+        f"model      {model.get('source')} ({model.get('model_type', '?')}, {model['num_layers']} layers, hidden {model['hidden_size']}, "
         f"heads {model['num_heads']}/{model['num_kv_heads']} kv, vocab {model['vocab_size']})",
         f"size       {info['bytes'] / 1e6:.1f} MB total, weights {info['weight_bytes'] / 1e6:.1f} MB stored once (x{info['size_ratio']})",
         f"max_len    {info['max_len']} tokens, dtype {info['dtype']}, chat template {'yes' if info['chat_template'] else 'no'}",

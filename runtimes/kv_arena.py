@@ -17,6 +17,7 @@ import mmap
 import numpy as np
 
 from runtimes.errors import UsageError
+from runtimes.limits import check_arena_bytes
 
 LAYOUTS = ("seq", "head")
 
@@ -38,6 +39,7 @@ class KVArena:
         if layout not in LAYOUTS:
             raise ValueError(f"unknown KV layout {layout!r}")
         shape = (max_len, num_kv_heads, head_dim) if layout == "seq" else (1, num_kv_heads, max_len, head_dim)
+        check_arena_bytes(int(np.prod((num_layers, 2, *shape), dtype=object)) * np.dtype(dtype).itemsize)  # before any allocation
         self.data = _zeroed_pages((num_layers, 2, *shape), np.dtype(dtype))
         self.layout = layout
         self.max_len = max_len

@@ -16,6 +16,12 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise UsageError(f"{name} {value!r} is not a number", f"pass a number for {name}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0)):
+            raise UsageError("top_k must be an integer and seed a non-negative integer or None", "pass integers")
         if not np.isfinite(self.temperature) or self.temperature < 0:
             raise UsageError(f"temperature {self.temperature} is invalid", "use 0 (greedy) or a positive number such as 0.7")
         if not (0.0 < self.top_p <= 1.0):
@@ -30,7 +36,13 @@ class SamplingParams:
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The distribution that sampling draws from (after temperature, top-k and top-p), float64."""
-    scaled = logits.astype(np.float64) / params.temperature
+    check_finite(logits)
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = logits.astype(np.float64) / params.temperature
+    if not np.isfinite(scaled).all():  # a temperature so small that it overflows: the limit is greedy
+        probs = np.zeros(logits.size, dtype=np.float64)
+        probs[int(np.argmax(logits))] = 1.0
+        return probs
     if params.top_k and params.top_k < scaled.size:
         kth = np.partition(scaled, -params.top_k)[-params.top_k]
         scaled = np.where(scaled < kth, -np.inf, scaled)
@@ -48,8 +60,14 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs
 
 
+def check_finite(logits: np.ndarray) -> None:
+    if not np.isfinite(logits).all():
+        raise UsageError("the engine produced non-finite logits (NaN or infinity)", "the bundle is broken: rebuild it, and run `adaptive-export check` on it")
+
+
 def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """One token from a logits row [V]."""
+    check_finite(logits)
     if params.greedy:
         return int(np.argmax(logits))
     probs = probabilities(logits, params)

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtimes.bundle import Bundle
+from runtimes.bundle import Bundle, read_listed
 from runtimes.errors import UsageError
+from runtimes.limits import MAX_TOKENIZER_BYTES
 
 
 class TextCodec:
@@ -14,13 +15,28 @@ class TextCodec:
         except ImportError as exc:
             raise UsageError("the runtime needs the tokenizers package", "run `pip install tokenizers`") from exc
         info: dict[str, Any] = bundle.manifest["tokenizer"]
-        self.tokenizer = Tokenizer.from_file(str(bundle.path(info["file"])))
+        data = read_listed(bundle, info["file"], MAX_TOKENIZER_BYTES)
+        try:
+            self.tokenizer = Tokenizer.from_str(data.decode("utf-8"))
+        except Exception as exc:  # tokenizers raises a plain Exception for malformed JSON or models
+            raise UsageError(f"the bundle's tokenizer {info['file']!r} cannot be loaded: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}",
+                             "rebuild the bundle with `adaptive-export build`") from None
+        vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        if vocab > bundle.model["vocab_size"]:
+            raise UsageError(f"the bundle's tokenizer has {vocab} tokens, more than the model's vocabulary of {bundle.model['vocab_size']}",
+                             "rebuild the bundle with `adaptive-export build`")
         self.chat = info.get("chat")
         self.eos_ids = set(info.get("eos_token_ids") or [])
         self.prefix_ids = list(info.get("prefix_token_ids") or [])
 
     def encode(self, prompt: str, raw: bool = False) -> list[int]:
-        if not isinstance(prompt, str) or not prompt.strip():
+        if not isinstance(prompt, str):
+            raise UsageError(f"the prompt is {type(prompt).__name__}, not text", "pass a str (decode bytes first), or a list of token ids")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("the prompt holds a lone surrogate, which is not valid Unicode text", "pass valid UTF-8 text") from None
+        if not prompt.strip():
             raise UsageError("the prompt is empty", "pass a non-empty prompt with -p TEXT or --prompt-file FILE")
         text = prompt if raw or not self.chat else self.chat["prefix"] + prompt + self.chat["suffix"]
         return self.prefix_ids + self.tokenizer.encode(text, add_special_tokens=False).ids

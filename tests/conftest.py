@@ -101,3 +101,25 @@ def smol_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("smol") / "bundle"
     assert main(["build", "smollm2", "-o", str(out), "--max-len", "512", "--speculate", "24:3", "--quantize", "none"]) == 0
     return out
+
+
+ROUTER_CALIB = ["The quick brown fox jumps over the lazy dog.", "What is the capital of France?", "Write a short poem about the sea and the sky.",
+                "Static graphs make edge compilers happy.", "the sea and the stars", "Paris is the capital of France."]
+
+
+@pytest.fixture(scope="session")
+def router_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """A routed tiny bundle (full + skip configurations) and a plain one from the same model;
+    shared by tests/test_routers.py and the soak test."""
+    import json
+
+    from exporter.cli import main
+
+    root = tmp_path_factory.mktemp("routers")
+    model = make_tiny_model(root / "model", "gqa_untied", layers=6)
+    calib = root / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ROUTER_CALIB))
+    assert main(["build", str(model), "-o", str(root / "routed"), "--max-len", "96", "--routers", "train", "--calib", str(calib),
+                 "--router-lambda", "2.0", "--router-lr", "0.02", "--max-configs", "3", "--min-config-agreement", "0"]) == 0
+    assert main(["build", str(model), "-o", str(root / "plain"), "--max-len", "96"]) == 0
+    return model, root / "routed", root / "plain"

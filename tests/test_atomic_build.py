@@ -17,12 +17,27 @@ from runtimes import load_bundle
 ROOT = Path(__file__).parents[1]
 
 
-def start_build(model: Path, out: Path, *extra: str, preexec=None) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "exporter.cli", "build", str(model), "-o", str(out), "--force", *extra],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
+def start_build(model: Path, out: Path, *extra: str, preexec=None, hold: str | None = None) -> subprocess.Popen[str]:
+    """A build into `out` with another --max-len than the old bundle (so a build that
+    completed would change its manifest). With `hold`, the build waits before its commit
+    while that file exists (exporter/bundle_writer._hold_before_commit), so a signal sent
+    while the file exists always lands before the point of no return."""
+    env = dict(os.environ, ADAPTIVE_EXPORT_HOLD_BEFORE_COMMIT=hold or "")
+    return subprocess.Popen([sys.executable, "-m", "exporter.cli", "build", str(model), "-o", str(out), "--force", "--max-len", "96", *extra],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec, env=env)
 
 
-def wait_for_export(out: Path, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+def wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists():
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"the build never reached {path.name}")
+
+
+def wait_for_export(out: Path, proc: subprocess.Popen[str], timeout: float = 180) -> None:
     """Block until the build has started writing ONNX files into its staging directory."""
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -40,26 +55,41 @@ def old_bundle(tiny_bundle: Path, tmp_path: Path) -> tuple[Path, str]:
     return target, (target / "manifest.json").read_text()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_interrupted_build_keeps_old_bundle_and_leaves_nothing(sig: int, tiny_model_dir: Path, old_bundle: tuple[Path, str]) -> None:
+@pytest.mark.parametrize("sig,when", [(signal.SIGTERM, "export"), (signal.SIGINT, "export"), (signal.SIGINT, "swallowed")])
+def test_interrupted_build_keeps_old_bundle_and_leaves_nothing(sig: int, when: str, tiny_model_dir: Path, old_bundle: tuple[Path, str],
+                                                               tmp_path: Path) -> None:
+    """export: the signal lands while ONNX files are being written; swallowed: it lands
+    when the bundle is complete, in code that swallows KeyboardInterrupt (as a library
+    catching broad exceptions would). The hold file keeps the build from committing
+    until the signal has been sent, so neither case depends on timing."""
     target, manifest = old_bundle
-    proc = start_build(tiny_model_dir, target)
-    wait_for_export(target, proc)
+    hold = tmp_path / "hold"
+    hold.touch()
+    proc = start_build(tiny_model_dir, target, hold=("swallow:" if when == "swallowed" else "") + str(hold))
+    if when == "export":
+        wait_for_export(target, proc)
+    else:
+        wait_for(tmp_path / "hold.reached", proc)
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode != 0
-    assert "Traceback" not in err
+    time.sleep(0.5)
+    hold.unlink()  # a build that swallowed the interrupt goes on to its commit, which must refuse
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: interrupted")
     assert (target / "manifest.json").read_text() == manifest
     load_bundle(target)  # still valid, checksums and all
     assert not list(target.parent.glob(f".{target.name}.*")), "a partial staging directory was left behind"
 
 
-def test_killed_build_keeps_old_bundle_and_next_build_cleans_up(tiny_model_dir: Path, old_bundle: tuple[Path, str]) -> None:
+def test_killed_build_keeps_old_bundle_and_next_build_cleans_up(tiny_model_dir: Path, old_bundle: tuple[Path, str], tmp_path: Path) -> None:
     target, manifest = old_bundle
-    proc = start_build(tiny_model_dir, target)
+    hold = tmp_path / "hold"
+    hold.touch()  # the build cannot finish before the kill
+    proc = start_build(tiny_model_dir, target, hold=str(hold))
     wait_for_export(target, proc)
     proc.kill()  # SIGKILL: no handler runs
     proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
     assert (target / "manifest.json").read_text() == manifest
     load_bundle(target)
     stale = list(target.parent.glob(f".{target.name}.partial-*"))

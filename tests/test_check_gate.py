@@ -1,6 +1,7 @@
 """`check` as a CI gate: passes on a good bundle, exits 1 naming the engine on a broken one."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -8,6 +9,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from exporter.cli import main
 
@@ -51,3 +53,35 @@ def test_broken_engine_fails_the_gate(tiny_bundle: Path, tmp_path: Path, capsys)
     assert "decode_full" in failed and "prefill" in failed
     out = capsys.readouterr().out
     assert "FAIL onnx     decode_full" in out
+
+
+def _fake_reference(margin: float, diverge_at: int = 2):
+    """reference_greedy stand-in: the runtime's own tokens, except one at `diverge_at`, where
+    the reference's top-1/top-2 logit margin is `margin`."""
+    def reference(parts, prompt_ids, new_tokens, eos_ids, kept, real=None):
+        tokens, steps = real(parts, prompt_ids, new_tokens, eos_ids, kept)
+        tokens, steps = list(tokens), list(steps)
+        at = min(diverge_at, len(tokens) - 1)
+        tokens[at] = (tokens[at] + 1) % 50
+        row = np.zeros(64, dtype=np.float32)
+        row[:2] = (1.0, 1.0 - margin)
+        steps[at] = row
+        return tokens, steps
+    return reference
+
+
+@pytest.mark.parametrize("margin,exit_code", [(0.5, 1), (1e-4, 0)])
+def test_greedy_divergence_fails_the_gate_unless_it_is_a_float_tie(margin: float, exit_code: int, tiny_bundle: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tie rule end to end: the same divergence fails `check` (exit 1, only the greedy
+    checks) when the reference's margin is real, and passes when it is below TIE_MARGIN."""
+    import exporter.check as check
+
+    monkeypatch.setattr(check, "reference_greedy", functools.partial(_fake_reference(margin), real=check.reference_greedy))
+    report = tmp_path / "r.json"
+    assert main(["check", str(tiny_bundle), "--report", str(report), "--new-tokens", "4"]) == exit_code
+    data = json.loads(report.read_text())
+    greedy = [r for r in data["results"] if r["check"].startswith("greedy")]
+    assert greedy and all(r["passed"] for r in data["results"] if r["check"] == "parity")
+    assert all(r["passed"] == (exit_code == 0) for r in greedy)
+    assert all(("a float tie" if exit_code == 0 else "a real mismatch") in r["detail"] for r in greedy)

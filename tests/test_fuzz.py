@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from runtimes import Generator, SamplingParams, UsageError
 from runtimes.manifest import validate
+from tests.test_fuzz_bundles import exercise
 
 JSON_LEAVES = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=True), st.text(max_size=8))
 JSON_VALUES = st.recursive(JSON_LEAVES, lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)), max_leaves=6)
@@ -35,9 +37,18 @@ def paths_of(node: Any, prefix: tuple = ()) -> list[tuple]:
     return out
 
 
+@pytest.fixture(scope="module")
+def fuzz_root(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("manifest-fuzz") / "bundle"
+    shutil.copytree(tiny_bundle, root)
+    return root
+
+
 @FUZZ
 @given(data=st.data())
-def test_mutated_manifests_are_valid_or_usage_errors(manifest: dict[str, Any], data: st.DataObject) -> None:
+def test_mutated_manifests_are_valid_or_usage_errors(manifest: dict[str, Any], fuzz_root: Path, data: st.DataObject) -> None:
+    """A manifest that validates is also loaded and run (a valid-looking manifest the runtime
+    then trips over, e.g. speculation {"prompt_lookup": "x"} under --mode auto, fails here)."""
     mutated = copy.deepcopy(manifest)
     targets = [p for p in paths_of(mutated) if p]
     for _ in range(data.draw(st.integers(1, 3))):
@@ -54,6 +65,12 @@ def test_mutated_manifests_are_valid_or_usage_errors(manifest: dict[str, Any], d
             continue
     try:
         validate(mutated)
+    except UsageError as exc:
+        assert "\n" not in exc.one_line()
+        return
+    (fuzz_root / "manifest.json").write_text(json.dumps(mutated))
+    try:
+        exercise(fuzz_root)
     except UsageError as exc:
         assert "\n" not in exc.one_line()
 

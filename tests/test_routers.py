@@ -16,22 +16,9 @@ from exporter.cli import main
 from runtimes import Generator, load_bundle
 from runtimes.backends import make_backend
 from runtimes.selection import choose_config
+
+from tests.conftest import ROUTER_CALIB as CALIB  # router_setup (the routed tiny bundle) is a session fixture in conftest.py
 from tests.conftest import make_tiny_model
-
-CALIB = ["The quick brown fox jumps over the lazy dog.", "What is the capital of France?", "Write a short poem about the sea and the sky.",
-         "Static graphs make edge compilers happy.", "the sea and the stars", "Paris is the capital of France."]
-
-
-@pytest.fixture(scope="module")
-def router_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    root = tmp_path_factory.mktemp("routers")
-    model = make_tiny_model(root / "model", "gqa_untied", layers=6)
-    calib = root / "calib.jsonl"
-    calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CALIB))
-    assert main(["build", str(model), "-o", str(root / "routed"), "--max-len", "96", "--routers", "train", "--calib", str(calib),
-                 "--router-lambda", "2.0", "--router-lr", "0.02", "--max-configs", "3", "--min-config-agreement", "0"]) == 0
-    assert main(["build", str(model), "-o", str(root / "plain"), "--max-len", "96"]) == 0
-    return model, root / "routed", root / "plain"
 
 
 def test_bundle_has_skip_configurations_and_calibration(router_setup: tuple[Path, Path, Path]) -> None:

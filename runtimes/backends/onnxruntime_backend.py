@@ -29,7 +29,9 @@ import numpy as np
 from runtimes.backends.base import Backend, StepOutputs
 from runtimes.bundle import Bundle
 from runtimes.errors import UsageError
+from runtimes.graph_policy import checked_engine_bytes
 from runtimes.kv_arena import KVArena
+from runtimes.limits import check_threads
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
@@ -123,7 +125,7 @@ class OnnxRuntimeBackend(Backend):
             raise UsageError(f"ONNX Runtime provider {provider!r} is not available here (have: {', '.join(available)})",
                              "install onnxruntime-gpu (`pip install adaptive-export[gpu]`) on a machine with a GPU, or use --provider cpu")
         self.provider = PROVIDERS[provider]
-        self.threads = threads
+        self.threads = check_threads(threads)
         self.profile_prefix = profile_prefix  # ORT's per-node profiler, for benchmarks/profile_decode.py
         self.flavour = self.entry.get("flavour", "portable")
         self.kv_layout = "head" if self.flavour == "ort" else "seq"
@@ -166,7 +168,7 @@ class OnnxRuntimeBackend(Backend):
             options.intra_op_num_threads = self.threads
             options.inter_op_num_threads = 1
             options.graph_optimization_level = self.ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            options.log_severity_level = 3
+            options.log_severity_level = 4  # fatal only: a failing engine is reported once, as the UsageError
             if self.profile_prefix:
                 options.enable_profiling = True
                 options.profile_file_prefix = f"{self.profile_prefix}_{graph}"
@@ -176,10 +178,12 @@ class OnnxRuntimeBackend(Backend):
                 options.add_session_config_entry("session.disable_prepacking", "1")
             for name in engine["initializers"]:
                 options.add_initializer(name, self._tensor(name))
-            path = self.bundle.path(engine["file"])
+            model_bytes = checked_engine_bytes(self.bundle, graph)  # policy-checked; ORT gets bytes, never a path
+            # every external initializer is supplied above; ORT still validates their location against this folder
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.bundle.path(engine["file"]).parent))
             try:
                 with self._releasing(engine["initializers"] if prepacked else ()):
-                    session = self.ort.InferenceSession(str(path), options, providers=[self.provider])
+                    session = self.ort.InferenceSession(model_bytes, options, providers=[self.provider])
             except Exception as exc:  # ORT raises its own exception types for invalid models
                 raise UsageError(f"ONNX Runtime cannot load engine {engine['file']!r}: {str(exc).splitlines()[0]}", "rebuild the bundle") from exc
             self._sessions[engine["file"]] = session

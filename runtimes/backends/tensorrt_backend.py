@@ -15,6 +15,7 @@ bookkeeping see the same cache. Rows the device lacks (e.g. a host arena filled 
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import numpy as np
 from runtimes.backends.base import Backend, StepOutputs
 from runtimes.bundle import Bundle
 from runtimes.errors import UsageError
+from runtimes.graph_policy import checked_engine_bytes
 from runtimes.kv_arena import KVArena
 
 OPT_DRAFT_TOKENS = 4
@@ -100,6 +102,13 @@ def build_engine(onnx_path: Path, plan_path: Path, manifest: dict[str, Any], pre
     return plan_path
 
 
+def plan_name(onnx_path: Path, graph: str) -> str:
+    """Cache file name of an engine: content-addressed, never built from manifest strings."""
+    from runtimes.bundle import sha256_of
+
+    return f"{sha256_of(onnx_path)[:24]}-{hashlib.sha256(graph.encode('utf-8', 'replace')).hexdigest()[:8]}.plan"
+
+
 class TensorRTBackend(Backend):
     name = "tensorrt"
 
@@ -119,7 +128,8 @@ class TensorRTBackend(Backend):
     def _engine(self, graph: str) -> tuple[Any, Any]:
         if graph not in self._engines:
             onnx_path = self.bundle.path(self.entry["graphs"][graph]["onnx"])
-            plan = self.cache / f"{self.bundle.model.get('source', 'model')}-{graph}.plan"
+            checked_engine_bytes(self.bundle, graph)  # the same graph policy as ONNX Runtime, before TensorRT parses the file
+            plan = self.cache / plan_name(onnx_path, graph)
             if not plan.exists():
                 build_engine(onnx_path, plan, self.bundle.manifest, self.entry.get("precision", "fp16"))
             engine = self.runtime.deserialize_cuda_engine(plan.read_bytes())

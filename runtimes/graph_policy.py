@@ -1,0 +1,230 @@
+"""What an engine graph may contain, checked before any backend sees it.
+
+Graphs are code: an ONNX file can loop (Loop, Scan, If), call functions, or read any
+file through `external_data`. A bundle may come from an untrusted source, so an engine is
+accepted only when it looks like what the exporter emits for its graph kind:
+
+- every node's (domain, op_type) is in ALLOWED_OPS (no subgraph ops: attributes of type
+  GRAPH/GRAPHS are refused whatever the op), no model-local functions, no training info,
+  no sparse initializers;
+- no tensor anywhere (initializers, Constant attributes) holds external data, except the
+  initializers the runtime supplies itself from the bundle's weights file (the engine's
+  `initializers` list in the manifest) whose `location` is that file's name; their ONNX
+  dtype and shape must equal the weight table's;
+- graph inputs and outputs are exactly the manifest graph entry's `inputs` and
+  `outputs`; element types and ranks (and the dimensions the manifest fixes: KV heads,
+  head size, hidden size, vocabulary, layer count) follow IO_RULES, keyed by name prefix.
+
+`checked_model_bytes` parses the bytes the caller read (and hashed) once, without loading
+external data, and returns them for the backend to create its session from, so there is
+no path for the backend to resolve and nothing changes between check and use.
+
+To allow a new op or a new input: add it to ALLOWED_OPS or IO_RULES (one place each).
+"""
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+from typing import Any
+
+from runtimes.errors import UsageError
+
+# domain -> op types. "" is the default ONNX domain (also spelled "ai.onnx").
+ALLOWED_OPS: dict[str, frozenset[str]] = {
+    "": frozenset({
+        # emitted by exporter/onnx_export.py (torch.export, opset 18) for every graph kind
+        "Add", "Cast", "Concat", "Cos", "Gather", "Gemm", "LessOrEqual", "MatMul", "Mul", "Neg", "Pow", "Range",
+        "Reciprocal", "ReduceMean", "Reshape", "Shape", "Sigmoid", "Sin", "Slice", "Softmax", "Sqrt", "Squeeze",
+        "Transpose", "Unsqueeze", "Where",
+        # elementwise and shape ops the same decomposition emits for other Llama-family variants
+        "Constant", "ConstantOfShape", "Div", "Equal", "Exp", "Expand", "Greater", "GreaterOrEqual", "Identity", "Less",
+        "Max", "Min", "ReduceMax", "ReduceSum", "Split", "Sub", "Tanh", "Erf", "Not", "And", "Or", "Trilu", "Log", "Abs",
+        # the ONNX Runtime flavour (ORT registers it in the default domain)
+        "SimplifiedLayerNormalization",
+    }),
+    "com.microsoft": frozenset({
+        "MatMulNBits",  # exporter/quantize.py (int8 / int4)
+        "GroupQueryAttention", "SkipSimplifiedLayerNormalization", "GatherBlockQuantized", "RotaryEmbedding",
+        "SimplifiedLayerNormalization",
+    }),
+}
+_DOMAIN_ALIASES = {"ai.onnx": ""}
+
+# ONNX TensorProto element types
+FLOAT, INT32, INT64 = 1, 6, 7
+_NAMES = {FLOAT: "float32", INT32: "int32", INT64: "int64"}
+_ONNX_OF_DTYPE = {"<f4": 1, "<f2": 10, "|u1": 2, "|i1": 3, "<i8": 7, "<i4": 6, "<u2": 4}
+
+# name prefix -> (allowed element types, allowed shapes). A shape is a tuple of: an int
+# (that static size), a key of the dims dict below (the manifest's size), or None (any
+# size, e.g. the dynamic T and P). An ONNX dim with a symbolic name matches anything; a
+# static one must match. The first matching prefix wins, so list longer prefixes first.
+IO_RULES: list[tuple[str, frozenset[int], tuple[tuple[Any, ...], ...]]] = [
+    ("input_ids", frozenset({INT64, INT32}), ((1, None),)),
+    ("exit_hidden", frozenset({FLOAT}), ((1, None, "hidden"),)),
+    ("past_key_", frozenset({FLOAT}), ((None, "kv_heads", "head_dim"), (1, "kv_heads", "max_len", "head_dim"))),
+    ("past_value_", frozenset({FLOAT}), ((None, "kv_heads", "head_dim"), (1, "kv_heads", "max_len", "head_dim"))),
+    ("new_key_", frozenset({FLOAT}), ((None, "kv_heads", "head_dim"), (1, "kv_heads", None, "head_dim"))),
+    ("new_value_", frozenset({FLOAT}), ((None, "kv_heads", "head_dim"), (1, "kv_heads", None, "head_dim"))),
+    # the fused flavour binds each layer's whole [1, kv, max_len, hd] arena block as past and present
+    ("present_key_", frozenset({FLOAT}), ((1, "kv_heads", "max_len", "head_dim"),)),
+    ("present_value_", frozenset({FLOAT}), ((1, "kv_heads", "max_len", "head_dim"),)),
+    ("logit_rows", frozenset({INT64}), ((None,),)),
+    ("logits", frozenset({FLOAT}), ((1, "logit_rows", "vocab"),)),
+    ("router_scores", frozenset({FLOAT}), (("layers",),)),
+    ("seqlens_k", frozenset({INT32, INT64}), ((1,),)),
+    ("total_sequence_length", frozenset({INT32, INT64}), ((), (1,))),
+    ("last_n", frozenset({INT32, INT64}), ((), (1,))),
+    ("attention_mask", frozenset({INT32, INT64}), ((1, None),)),
+    ("position_ids", frozenset({INT32, INT64}), ((1, None),)),
+]
+_ALLOWED_ELEM_TYPES = frozenset({FLOAT, INT64, INT32})
+# Sizes that must be static in the graph, not only compatible: a prefill engine (logits of the
+# last row only) swapped for a decode engine (every row) must be refused before it runs.
+_STATIC_KEYS = frozenset({"logit_rows"})
+
+
+def _refuse(where: str, problem: str) -> UsageError:
+    return UsageError(f"engine {where} is refused: {problem}",
+                      "rebuild the bundle with `adaptive-export build`; engines may only hold the ops and inputs the exporter emits")
+
+
+def io_rule(name: str) -> tuple[frozenset[int], tuple[tuple[Any, ...], ...]] | None:
+    """(element types, shapes) an input or output of this name may have, or None if unknown."""
+    for prefix, types, shapes in IO_RULES:
+        if name == prefix or (prefix.endswith("_") and name.startswith(prefix) and name[len(prefix):].isdigit()):
+            return types, shapes
+    return None
+
+
+def _dims_of(graph_entry: dict[str, Any], model: dict[str, Any], max_len: int | None) -> dict[str, Any]:
+    # fused ("ort") graphs choose their logit rows with the `logit_rows` input: dynamic for every kind
+    fixed_rows = graph_entry.get("logits", "all") == "last" and graph_entry.get("flavour", "portable") != "ort"
+    return {"kv_heads": model["num_kv_heads"], "head_dim": model["head_dim"], "hidden": model["hidden_size"],
+            "vocab": model["vocab_size"], "layers": len(graph_entry["layers"]), "max_len": max_len,
+            "logit_rows": 1 if fixed_rows else None}
+
+
+def _check_value(where: str, value: Any, graph_entry: dict[str, Any], dims: dict[str, Any]) -> None:
+    rule = io_rule(value.name)
+    if rule is None:
+        raise _refuse(where, f"input/output {value.name!r} is not one the runtime knows (graph_policy.IO_RULES)")
+    types, shapes = rule
+    if not value.type.HasField("tensor_type"):
+        raise _refuse(where, f"{value.name!r} is not a tensor")
+    tensor = value.type.tensor_type
+    if tensor.elem_type not in _ALLOWED_ELEM_TYPES or tensor.elem_type not in types:
+        allowed = ", ".join(sorted(_NAMES[t] for t in types))
+        raise _refuse(where, f"{value.name!r} has element type {tensor.elem_type}, expected {allowed}")
+    if not tensor.HasField("shape"):
+        raise _refuse(where, f"{value.name!r} has no shape")
+    actual = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+    for shape in shapes:
+        if len(shape) != len(actual):
+            continue
+        expected = [dims.get(s) if isinstance(s, str) else s for s in shape]
+        strict = [isinstance(s, str) and s in _STATIC_KEYS and e is not None for s, e in zip(shape, expected)]
+        if any(st and a is None for st, a in zip(strict, actual)):
+            continue
+        if all(a is None or (e is not None and a == e) or (e is None and s is None) for a, e, s in zip(actual, expected, shape)):
+            # a static size where the runtime varies it (T, P, logits of every row) is refused too
+            if all(not (e is None and a is not None) for a, e in zip(actual, expected)):
+                return
+    want = " or ".join(str([dims.get(s, s) if isinstance(s, str) else ("dynamic" if s is None else s) for s in shape]) for shape in shapes)
+    shown = ["dynamic" if a is None else a for a in actual]
+    raise _refuse(where, f"{value.name!r} has shape {shown}, the manifest implies {want}")
+
+
+def _tensors_in_attributes(node: Any) -> list[Any]:
+    import onnx
+
+    found = []
+    for attribute in node.attribute:
+        if attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) or attribute.HasField("g") or len(attribute.graphs):
+            raise ValueError(f"node {node.op_type!r} carries a subgraph (attribute {attribute.name!r})")
+        if attribute.HasField("t"):
+            found.append(attribute.t)
+        found.extend(attribute.tensors)
+        if attribute.HasField("sparse_tensor") or len(attribute.sparse_tensors):
+            raise ValueError(f"node {node.op_type!r} carries a sparse tensor")
+    return found
+
+
+def checked_model_bytes(data: bytes, where: str, graph_entry: dict[str, Any], engine_entry: dict[str, Any],
+                        onnx_entry: dict[str, Any], model: dict[str, Any], max_len: int | None = None) -> bytes:
+    """Parse one engine's bytes (external data is never loaded), refuse anything outside the
+    policy above, and return the bytes to create the session from."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise _refuse(where, f"it is not an ONNX model ({type(exc).__name__})") from None
+    graph = proto.graph
+    if not graph.node or not graph.output:
+        raise _refuse(where, "it has no nodes or no outputs")
+    if len(proto.functions):
+        raise _refuse(where, "it defines model-local functions")
+    if len(proto.training_info):
+        raise _refuse(where, "it carries training graphs")
+    for opset in proto.opset_import:
+        if _DOMAIN_ALIASES.get(opset.domain, opset.domain) not in ALLOWED_OPS:
+            raise _refuse(where, f"it imports operator domain {opset.domain!r}")
+    constants: list[Any] = []
+    for node in graph.node:
+        domain = _DOMAIN_ALIASES.get(node.domain, node.domain)
+        if node.op_type not in ALLOWED_OPS.get(domain, frozenset()):
+            raise _refuse(where, f"op {node.op_type!r} of domain {node.domain or 'ai.onnx'!r} is not allowed")
+        try:
+            constants += _tensors_in_attributes(node)
+        except ValueError as exc:
+            raise _refuse(where, str(exc)) from None
+    if len(graph.sparse_initializer):
+        raise _refuse(where, "it has sparse initializers")
+    for tensor in constants:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.external_data):
+            raise _refuse(where, "a constant refers to external data")
+    supplied = set(engine_entry.get("initializers", []))
+    weights_name = PurePosixPath(onnx_entry["weights"]).name
+    tensors = onnx_entry["tensors"]
+    external = set()
+    for init in graph.initializer:
+        if init.data_location != onnx.TensorProto.EXTERNAL and not len(init.external_data):
+            continue
+        if init.name not in supplied:
+            raise _refuse(where, f"initializer {init.name!r} refers to external data the runtime does not supply")
+        info = {entry.key: entry.value for entry in init.external_data}
+        if info.get("location") != weights_name:
+            raise _refuse(where, f"initializer {init.name!r} refers to {info.get('location')!r}, not the bundle's weights file")
+        meta = tensors[init.name]
+        if _ONNX_OF_DTYPE[meta["dtype"]] != init.data_type or list(init.dims) != list(meta["shape"]):
+            raise _refuse(where, f"initializer {init.name!r} is type {init.data_type} of shape {list(init.dims)}, "
+                                 f"the weight table says {meta['dtype']} of shape {meta['shape']}")
+        external.add(init.name)
+    missing = supplied - external
+    if missing:
+        raise _refuse(where, f"the manifest supplies weight {sorted(missing)[0]!r}, which the graph does not take from the weights file")
+    initializer_names = {init.name for init in graph.initializer}
+    inputs = [value for value in graph.input if value.name not in initializer_names]
+    if [v.name for v in inputs] != list(graph_entry["inputs"]):
+        raise _refuse(where, f"its inputs {[v.name for v in inputs][:6]} differ from the manifest's {list(graph_entry['inputs'])[:6]}")
+    if [v.name for v in graph.output] != list(graph_entry["outputs"]):
+        raise _refuse(where, f"its outputs {[v.name for v in graph.output][:6]} differ from the manifest's {list(graph_entry['outputs'])[:6]}")
+    dims = _dims_of(graph_entry, model, max_len)
+    for value in [*inputs, *graph.output]:
+        _check_value(where, value, graph_entry, dims)
+    return data
+
+
+def checked_engine_bytes(bundle: Any, graph: str, backend: str = "onnx") -> bytes:
+    """The policy-checked bytes of `graph`'s engine in `bundle` (read once, hashed, checked)."""
+    from runtimes import limits
+    from runtimes.bundle import read_listed
+
+    entry = bundle.backend_entry(backend)
+    engine = entry["graphs"].get(graph)
+    if engine is None:
+        raise UsageError(f"the {backend} backend has no engine for graph {graph!r}", "rebuild the bundle")
+    data = read_listed(bundle, engine["file"], limits.MAX_ENGINE_BYTES)
+    return checked_model_bytes(data, repr(engine["file"]), bundle.graph(graph), engine, entry, bundle.model, bundle.max_len)

@@ -1,0 +1,134 @@
+"""Every resource bound the runtime and the CLI enforce, in one place (README "CI gate and hardening").
+
+A bundle may come from an untrusted source, so nothing it says is allowed to size an
+allocation, a loop or a read before it has been checked against these bounds. Each bound
+is far above what a real model needs (SmolLM2: 30 layers, hidden 576, vocab 49152,
+max_len 2048; Llama-3-70B: 80 layers, hidden 8192, vocab 128256) and far below what would
+exhaust a device.
+"""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from runtimes.errors import UsageError
+
+# ---- model dimensions (manifest "model" and "max_len") ------------------------------
+MAX_LEN = 1 << 16  # KV arena length; the exporter traces T and P up to 2**16 (exporter/onnx_export.MAX_DIM)
+MAX_LAYERS = 1024
+MAX_HIDDEN = 1 << 16
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024
+MAX_INTERMEDIATE = 1 << 18
+MAX_VOCAB = 1 << 21  # 2M tokens; the largest released vocabularies are ~260k
+
+# ---- memory ---------------------------------------------------------------------------
+ARENA_MAX_BYTES = 64 << 30  # the KV arena, whatever the machine
+ARENA_MAX_SHARE_OF_AVAILABLE = 0.8  # ... and at most this share of MemAvailable at load time
+
+# ---- manifest and bundle structure ----------------------------------------------------
+MAX_MANIFEST_BYTES = 16 << 20
+MAX_FILES = 4096  # entries in manifest "files"
+MAX_GRAPHS = 1024
+MAX_CONFIGS = 256
+MAX_TENSORS = 1 << 16
+MAX_PATH_CHARS = 1024
+MAX_CHAT_AFFIX_CHARS = 64 << 10  # tokenizer.chat prefix / suffix (the template is pre-rendered, never executed)
+MAX_ENGINE_BYTES = 1 << 30  # one .onnx engine (weights live in weights.bin; protobuf cannot exceed 2 GB anyway)
+MAX_TOKENIZER_BYTES = 256 << 20
+MAX_CALIBRATION_BYTES = 64 << 20
+
+# ---- run-time arguments -----------------------------------------------------------------
+MAX_THREADS_PER_CORE = 4
+MAX_THREADS_CAP = 256
+MAX_DRAFT_LEN = 64
+MAX_PROMPT_FILE_BYTES = 4 << 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+
+# ---- build ------------------------------------------------------------------------------
+MAX_BUILD_LEN = MAX_LEN
+
+
+def max_threads() -> int:
+    return max(1, min(MAX_THREADS_CAP, MAX_THREADS_PER_CORE * (os.cpu_count() or 1)))
+
+
+def check_threads(threads: object) -> int:
+    """0 means the backend's default; otherwise 1..4x the cores (64 threads took 22 s to start on 2 cores)."""
+    if not isinstance(threads, int) or isinstance(threads, bool) or not 0 <= threads <= max_threads():
+        raise UsageError(f"--threads {threads!r} is outside 0..{max_threads()} (4 per core on this machine)",
+                         "pass 0 for the default (one per physical core) or a count up to 4 per core")
+    return threads
+
+
+def check_draft_len(draft_len: object) -> int | None:
+    if draft_len is None:
+        return None
+    if not isinstance(draft_len, int) or isinstance(draft_len, bool) or not 1 <= draft_len <= MAX_DRAFT_LEN:
+        raise UsageError(f"draft length {draft_len!r} is outside 1..{MAX_DRAFT_LEN}", "use a draft length such as 4")
+    return draft_len
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def check_arena_bytes(nbytes: int) -> None:
+    """Refuse a KV arena the machine cannot hold, before allocating it."""
+    limit = ARENA_MAX_BYTES
+    available = available_memory()
+    if available is not None:
+        limit = min(limit, int(available * ARENA_MAX_SHARE_OF_AVAILABLE))
+    if nbytes > limit:
+        raise UsageError(f"the bundle's KV arena needs {nbytes / 2**30:.2f} GiB, more than the {limit / 2**30:.2f} GiB allowed here",
+                         "rebuild the bundle with a smaller --max-len, or run it on a machine with more memory")
+
+
+def open_regular(path: Path, what: str) -> int:
+    """Open a file for reading without following a final symlink or blocking on a FIFO/device;
+    refuse anything that is not a regular file. Returns the file descriptor."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise UsageError(f"{what} {str(path)!r} does not exist", "pass an existing regular file") from None
+    except OSError as exc:
+        raise UsageError(f"cannot open {what} {str(path)!r}: {exc.strerror or exc} (symlinks, FIFOs and devices are refused)",
+                         "pass a regular file") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UsageError(f"{what} {str(path)!r} is not a regular file", "pass a regular file (not a directory, FIFO, device or socket)")
+    return fd
+
+
+def read_regular(path: Path, what: str, max_bytes: int) -> bytes:
+    """Read a whole regular file of at most max_bytes (a larger one is refused, never read)."""
+    fd = open_regular(path, what)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise UsageError(f"{what} {str(path)!r} has {size} bytes, more than the {max_bytes} allowed",
+                             "pass a smaller file")
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, min(1 << 22, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:  # grew while reading
+                raise UsageError(f"{what} {str(path)!r} is larger than the {max_bytes} bytes allowed", "pass a smaller file")
+        return b"".join(chunks)
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}", "check the file") from None
+    finally:
+        os.close(fd)

@@ -1,0 +1,498 @@
+"""Hostile bundles and arguments (issue #16): every case exits 2 with one `error: ... Fix: ...`
+line, no traceback, within 10 s and 1 GB RSS, and never reads a sentinel file outside the
+bundle. Each malicious bundle is built here from the tiny bundle with its checksums
+recomputed, so only the check under test can refuse it.
+
+Cases run in a child process (`run_isolated`) when time, memory, a hang or a file read
+is what is checked: the child installs a Python audit hook that reports any open of the
+sentinel, and its peak RSS comes from wait4. The rest run in-process through main().
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from exporter.cli import main
+
+ROOT = Path(__file__).parents[1]
+LIMIT_S, LIMIT_RSS_MB = 10.0, 1024
+SENTINEL_TEXT = b"SENTINEL-7f3a9c-do-not-read"
+
+_RUNNER = r"""
+import atexit, os, resource, sys
+sentinel = sys.argv[1]
+atexit.register(lambda: open(os.environ["RSS_FILE"], "w").write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)))
+def hook(event, args):
+    if event == "open" and args and isinstance(args[0], (str, bytes)) and sentinel in str(args[0]):
+        sys.stderr.write("AUDIT: the sentinel outside the bundle was opened\n")
+sys.addaudithook(hook)
+from exporter.cli import main
+sys.argv = ["adaptive-export", *sys.argv[2:]]
+sys.exit(main())
+"""
+
+
+# ---- helpers -----------------------------------------------------------------------------
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def resign(root: Path, manifest: dict[str, Any] | None = None) -> None:
+    """Recompute size and sha256 of every listed regular file, as an attacker would."""
+    manifest = manifest if manifest is not None else json.loads((root / "manifest.json").read_text())
+    for relative, entry in manifest["files"].items():
+        path = root / relative
+        if isinstance(entry, dict) and path.is_file() and not path.is_symlink():
+            entry.update(sha256=sha256(path), bytes=path.stat().st_size)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+def make_bad(bundle: Path, tmp_path: Path, files: Callable[[Path], None] | None = None,
+             manifest: Callable[[dict[str, Any]], None] | None = None, sign: bool = True) -> Path:
+    copy = tmp_path / "bad"
+    shutil.copytree(bundle, copy)
+    if files:
+        files(copy)
+    data = json.loads((copy / "manifest.json").read_text())
+    if manifest:
+        manifest(data)
+    if sign:
+        resign(copy, data)
+    else:
+        (copy / "manifest.json").write_text(json.dumps(data))
+    return copy
+
+
+def sentinel(tmp_path: Path, size: int = 0) -> Path:
+    path = tmp_path / "SENTINEL_outside.bin"
+    data = (SENTINEL_TEXT * (size // len(SENTINEL_TEXT) + 1))[: max(size, len(SENTINEL_TEXT))]
+    path.write_bytes(data)
+    return path
+
+
+def run_isolated(argv: list[str], sentinel_path: Path | None = None, timeout: float = LIMIT_S) -> tuple[int, str, str]:
+    """Run the CLI in a child: returns (exit code, stdout, stderr) after checking the
+    time, memory, one-line and no-read rules."""
+    marker = sentinel_path.name if sentinel_path else "no-sentinel-marker"
+    rss_file = sentinel_path.parent / "rss.txt" if sentinel_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"rss-{os.getpid()}.txt"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), ADAPTIVE_EXPORT_TRACEBACK="", RSS_FILE=str(rss_file))
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", _RUNNER, marker, *argv], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=timeout + 20)  # imports of a cold start are not the case's time
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError(f"{argv[:1]} did not finish: a hang") from None
+    elapsed = time.monotonic() - started
+    text_out, text_err = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+    assert elapsed < timeout + 8, f"took {elapsed:.1f} s"  # + start-up of a fresh interpreter on a loaded 2-core machine
+    peak_mb = int(rss_file.read_text()) / 1024
+    rss_file.unlink()
+    assert peak_mb < LIMIT_RSS_MB, f"peak RSS {peak_mb:.0f} MB"
+    assert "AUDIT" not in text_err, text_err
+    if sentinel_path is not None:
+        assert SENTINEL_TEXT.decode() not in text_out + text_err, "sentinel bytes leaked"
+    return proc.returncode, text_out, text_err
+
+
+def assert_one_line(rc: int, err: str, *fragments: str, progress: bool = False) -> None:
+    """Exit 2 and exactly one line on stderr (`check` may also draw its documented progress bars)."""
+    assert rc == 2, err
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
+    if progress:
+        lines = [line for line in lines if "%|" not in line]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Fix:" in lines[0], err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def expect_usage(argv: list[str], capsys: pytest.CaptureFixture[str], *fragments: str) -> str:
+    started = time.monotonic()
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert_one_line(rc, err, *fragments, progress=argv[0] == "check")
+    assert time.monotonic() - started < LIMIT_S
+    return err
+
+
+def edit_engine(root: Path, graph: str, edit: Callable[[onnx.ModelProto], None]) -> None:
+    path = root / "onnx" / f"{graph}.onnx"
+    model = onnx.load(str(path), load_external_data=False)
+    edit(model)
+    path.write_bytes(model.SerializeToString())
+
+
+def external_tensor(name: str, dims: list[int]) -> TensorProto:
+    tensor = TensorProto()
+    tensor.name, tensor.data_type = name, TensorProto.FLOAT
+    tensor.dims.extend(dims)
+    return tensor
+
+
+def leak_into_logits(model: onnx.ModelProto, location: str, vocab: int, name: str = "leak") -> None:
+    """Add a [1, 1, V] float tensor read from `location` to the logits: if the engine ran,
+    the file's bytes would steer the output tokens."""
+    tensor = external_tensor(name, [1, 1, vocab])
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", "0"), ("length", str(vocab * 4))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    model.graph.initializer.append(tensor)
+    for node in model.graph.node:
+        for index, output in enumerate(node.output):
+            if output == "logits":
+                node.output[index] = "logits_raw"
+    model.graph.node.append(helper.make_node("Add", ["logits_raw", name], ["logits"]))
+
+
+def vocab_of(bundle: Path) -> int:
+    return json.loads((bundle / "manifest.json").read_text())["model"]["vocab_size"]
+
+
+# ---- reads outside the bundle --------------------------------------------------------------
+@pytest.mark.parametrize("where", ["dotdot", "absolute", "symlink_in_bundle", "unlisted_name_of_weights"])
+def test_external_data_outside_the_bundle_is_refused_before_loading(where: str, tiny_bundle: Path, tmp_path: Path) -> None:
+    vocab = vocab_of(tiny_bundle)
+    secret = sentinel(tmp_path, vocab * 4)
+
+    def files(root: Path) -> None:
+        location = {"dotdot": "../../SENTINEL_outside.bin", "absolute": str(secret), "symlink_in_bundle": "cache.bin",
+                    "unlisted_name_of_weights": "weights.bin"}[where]
+        if where == "symlink_in_bundle":
+            os.symlink(secret, root / "onnx" / "cache.bin")
+        edit_engine(root, "decode_full", lambda m: leak_into_logits(m, location, vocab))
+
+    bad = make_bad(tiny_bundle, tmp_path, files)
+    rc, _, err = run_isolated(["run", str(bad), "-p", "The sea", "--max-new-tokens", "4"], secret)
+    assert_one_line(rc, err, "onnx/decode_full.onnx", "is refused")
+
+
+@pytest.mark.parametrize("where", ["dotdot", "absolute", "symlink_in_bundle"])
+def test_pinned_onnxruntime_refuses_external_data_outside_the_engine_folder(where: str, tiny_bundle: Path, tmp_path: Path) -> None:
+    """Defence in depth: with the runtime's own policy bypassed, ONNX Runtime (pinned in
+    pyproject.toml) still refuses, given the session setup of the onnx backend."""
+    import onnxruntime as ort
+
+    from runtimes import load_bundle
+
+    vocab = vocab_of(tiny_bundle)
+    secret = sentinel(tmp_path, vocab * 4)
+    bundle = load_bundle(make_bad(tiny_bundle, tmp_path), verify="size")
+    if where == "symlink_in_bundle":
+        os.symlink(secret, bundle.root / "onnx" / "cache.bin")
+    location = {"dotdot": "../../SENTINEL_outside.bin", "absolute": str(secret), "symlink_in_bundle": "cache.bin"}[where]
+    model = onnx.load(str(bundle.root / "onnx" / "decode_full.onnx"), load_external_data=False)
+    leak_into_logits(model, location, vocab)
+    entry = bundle.backend_entry("onnx")
+    weights = np.fromfile(bundle.root / entry["weights"], dtype=np.uint8)
+    options, values = ort.SessionOptions(), []
+    options.log_severity_level = 4
+    for name in entry["graphs"]["decode_full"]["initializers"]:
+        meta = entry["tensors"][name]
+        values.append(ort.OrtValue.ortvalue_from_numpy(weights[meta["offset"]: meta["offset"] + meta["bytes"]].view(meta["dtype"]).reshape(meta["shape"])))
+        options.add_initializer(name, values[-1])
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(bundle.root / "onnx"))
+    with pytest.raises(Exception, match="External data path"):
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def test_constant_with_external_data_is_refused(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    secret = sentinel(tmp_path, 64)
+
+    def edit(model: onnx.ModelProto) -> None:
+        tensor = external_tensor("c", [16])
+        tensor.data_location = TensorProto.EXTERNAL
+        entry = tensor.external_data.add()
+        entry.key, entry.value = "location", str(secret)
+        model.graph.node.insert(0, helper.make_node("Constant", [], ["unused_c"], value=tensor))
+
+    bad = make_bad(tiny_bundle, tmp_path, lambda r: edit_engine(r, "prefill", edit))
+    expect_usage(["run", str(bad), "-p", "hi"], capsys, "constant refers to external data")
+
+
+def test_manifest_symlink_to_outside_is_refused(tiny_bundle: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "SENTINEL_outside.bin"
+
+    def files(root: Path) -> None:
+        shutil.move(root / "manifest.json", outside)
+        os.symlink(outside, root / "manifest.json")
+
+    copy = tmp_path / "bad"
+    shutil.copytree(tiny_bundle, copy)
+    files(copy)
+    rc, _, err = run_isolated(["run", str(copy), "-p", "hi"], outside)
+    assert_one_line(rc, err, "manifest", "symlinks")
+
+
+def test_check_never_resolves_a_relative_model_source(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = make_bad(tiny_bundle, tmp_path, manifest=lambda m: m["model"].update(source="../../some/model"))
+    expect_usage(["check", str(bad)], capsys, "relative path", "--model")
+
+
+# ---- executable graphs ------------------------------------------------------------------------
+def _loop_engine(model: onnx.ModelProto) -> None:
+    """A Loop of 10^12 iterations in front of the logits."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Identity", ["x_in"], ["x_out"])], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x_in", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_tensor_value_info("x_out", TensorProto.FLOAT, None)])
+    model.graph.initializer.extend([helper.make_tensor("trip", TensorProto.INT64, [], [10**12]), helper.make_tensor("go", TensorProto.BOOL, [], [True])])
+    for node in model.graph.node:
+        for index, output in enumerate(node.output):
+            if output == "logits":
+                node.output[index] = "logits_raw"
+    model.graph.node.append(helper.make_node("Loop", ["trip", "go", "logits_raw"], ["logits"], body=body))
+
+
+GRAPH_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
+    "loop_1e12": (lambda r: edit_engine(r, "decode_full", _loop_engine), "is refused"),
+    "custom_domain": (lambda r: edit_engine(r, "prefill", lambda m: (m.opset_import.append(helper.make_opsetid("evil.ops", 1)),
+                                                                     m.graph.node.insert(0, helper.make_node("Spin", [], ["s"], domain="evil.ops")))),
+                      "domain"),
+    "function": (lambda r: edit_engine(r, "prefill", lambda m: m.functions.append(helper.make_function("local", "f", ["a"], ["b"], [helper.make_node("Identity", ["a"], ["b"])], [helper.make_opsetid("", 18)]))),
+                 "functions"),
+    "renamed_input": (lambda r: edit_engine(r, "decode_full", lambda m: setattr(m.graph.input[0], "name", "tokens")), "inputs"),
+    "swapped_graphs": (lambda r: (shutil.move(r / "onnx" / "prefill.onnx", r / "tmp.onnx"), shutil.move(r / "onnx" / "decode_full.onnx", r / "onnx" / "prefill.onnx"),
+                                  shutil.move(r / "tmp.onnx", r / "onnx" / "decode_full.onnx")), "logits"),
+    "sliced_logits": (lambda r: edit_engine(r, "decode_full", lambda m: setattr(next(o for o in m.graph.output if o.name == "logits").type.tensor_type.shape.dim[2], "dim_value", 7)),
+                      "logits"),
+    "float16_kv": (lambda r: edit_engine(r, "decode_full", lambda m: setattr(next(i for i in m.graph.input if i.name == "past_key_0").type.tensor_type, "elem_type", TensorProto.FLOAT16)),
+                   "past_key_0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(set(GRAPH_CASES) - {"loop_1e12"}))  # the Loop runs in a child (a regression would hang)
+def test_engines_outside_the_graph_policy_are_refused(case: str, tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    mutate, fragment = GRAPH_CASES[case]
+    bad = make_bad(tiny_bundle, tmp_path, mutate)
+    expect_usage(["run", str(bad), "-p", "The sea", "--max-new-tokens", "2"], capsys, "is refused", fragment)
+
+
+def test_loop_engine_is_refused_in_a_child_within_bounds(tiny_bundle: Path, tmp_path: Path) -> None:
+    bad = make_bad(tiny_bundle, tmp_path, GRAPH_CASES["loop_1e12"][0])
+    rc, _, err = run_isolated(["run", str(bad), "-p", "The sea", "--max-new-tokens", "2"])
+    assert_one_line(rc, err, "Loop")
+
+
+def test_wrong_kv_heads_in_the_manifest_are_refused(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = make_bad(tiny_bundle, tmp_path, manifest=lambda m: m["model"].update(num_kv_heads=1))
+    expect_usage(["run", str(bad), "-p", "hi"], capsys, "past_key_0", "shape")
+
+
+def test_check_exits_2_not_1_on_a_refused_engine(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = make_bad(tiny_bundle, tmp_path, GRAPH_CASES["swapped_graphs"][0])
+    expect_usage(["check", str(bad), "--new-tokens", "2"], capsys, "is refused")
+
+
+# ---- weights and tensors ----------------------------------------------------------------------
+def _weights_meta(m: dict[str, Any], name: str) -> dict[str, Any]:
+    return m["backends"]["onnx"]["tensors"][name]
+
+
+def test_float16_weight_table_entry_is_refused(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def manifest(m: dict[str, Any]) -> None:
+        meta = _weights_meta(m, "lm_head.weight")
+        meta.update(dtype="<f2", bytes=meta["bytes"] // 2)
+
+    bad = make_bad(tiny_bundle, tmp_path, manifest=manifest)
+    expect_usage(["run", str(bad), "-p", "hi"], capsys, "lm_head.weight")
+
+
+def test_shape_that_does_not_match_its_bytes_is_refused(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = make_bad(tiny_bundle, tmp_path, manifest=lambda m: _weights_meta(m, "lm_head.weight").update(shape=[7, 3]))
+    expect_usage(["run", str(bad), "-p", "hi"], capsys, "is not", "bytes")
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_nan_logits_are_a_usage_error(temperature: str, tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def files(root: Path) -> None:
+        m = json.loads((root / "manifest.json").read_text())
+        meta = _weights_meta(m, "lm_head.weight")
+        weights = root / "onnx" / "weights.bin"
+        data = bytearray(weights.read_bytes())
+        data[meta["offset"]: meta["offset"] + meta["bytes"]] = np.full(meta["bytes"] // 4, np.nan, dtype=np.float32).tobytes()
+        weights.write_bytes(bytes(data))
+
+    bad = make_bad(tiny_bundle, tmp_path, files)
+    expect_usage(["run", str(bad), "-p", "hi", "--temperature", temperature, "--seed", "1"], capsys, "non-finite logits")
+
+
+# ---- integrity: every opened file listed once ---------------------------------------------
+INTEGRITY_CASES: dict[str, tuple[Callable[[Path], None] | None, Callable[[dict[str, Any]], None] | None, str]] = {
+    "weights_unlisted": (None, lambda m: m["files"].pop("onnx/weights.bin"), "not listed"),
+    "weights_alias": (None, lambda m: m["files"].update({"onnx/./weights.bin": dict(m["files"]["onnx/weights.bin"])}), "canonical"),
+    "weights_hardlink": (lambda r: os.link(r / "onnx" / "weights.bin", r / "onnx" / "w2.bin"),
+                         lambda m: m["files"].update({"onnx/w2.bin": dict(m["files"]["onnx/weights.bin"])}), "same file"),
+    "tokenizer_unlisted": (None, lambda m: m["files"].pop("tokenizer.json"), "not listed"),
+    "path_control_char": (lambda r: shutil.move(r / "tokenizer.json", r / "tok\u0085.json"),
+                          lambda m: (m["files"].update({"tok\u0085.json": m["files"].pop("tokenizer.json")}), m["tokenizer"].update(file="tok\u0085.json")), "control"),
+    "path_lone_surrogate": (None, lambda m: m["tokenizer"].update(file="tok\udc80.json"), "surrogate"),
+    "graph_name_path": (None, lambda m: m["graphs"].update({"../x": m["graphs"]["decode_full"]}), "graph name"),
+    "speculation_malformed": (None, lambda m: m.update(speculation={"prompt_lookup": "x"}), "speculation.prompt_lookup"),
+    "draft_len_huge": (None, lambda m: m.update(speculation={"source": "prompt_lookup", "prompt_lookup": {"draft_len": 10**9}}), "draft_len"),
+    "max_len_1e12": (None, lambda m: m.update(max_len=10**12), "max_len"),
+    "num_layers_1e9": (None, lambda m: m["model"].update(num_layers=10**9), "num_layers"),
+    "vocab_1e12": (None, lambda m: m["model"].update(vocab_size=10**12), "vocab_size"),
+    "chat_prefix_huge": (None, lambda m: m["tokenizer"].update(chat={"prefix": "x" * 200_000, "suffix": ""}), "chat"),
+    "decode_logits_last": (None, lambda m: m["graphs"]["decode_full"].update(logits="last"), "every row"),
+    "kept_twice": (None, lambda m: m["configs"][0].update(kept=[0, 0, 1, 2, 3]), "kept layer list"),
+    "decode_from_hidden": (None, lambda m: m["graphs"]["decode_full"].update(source="hidden"), "source"),
+    "weights_beyond_file": (None, lambda m: m["backends"]["onnx"]["tensors"]["lm_head.weight"].update(offset=10**9), "outside the weights file"),
+    "manifest_is_directory": (lambda r: ((r / "manifest.json").unlink(), (r / "manifest.json").mkdir()), None, "not a regular file"),
+    "onnx_dir_symlink_out": (lambda r: (shutil.move(r / "onnx", r.parent / "onnx_outside"), os.symlink(r.parent / "onnx_outside", r / "onnx")), None,
+                             "outside the bundle"),
+    "tokenizer_malformed": (lambda r: (r / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 5}}'), None, "tokenizer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INTEGRITY_CASES))
+def test_integrity_and_manifest_bounds(case: str, tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    files, manifest, fragment = INTEGRITY_CASES[case]
+    if case == "manifest_is_directory":  # nothing to re-sign: the manifest is gone
+        bad = tmp_path / "bad"
+        shutil.copytree(tiny_bundle, bad)
+        files(bad)
+    else:
+        bad = make_bad(tiny_bundle, tmp_path, files, manifest)
+    expect_usage(["run", str(bad), "-p", "hi", "--mode", "auto", "--verify", "full"], capsys, fragment)
+
+
+def test_unlisted_weights_are_never_used_even_when_corrupt(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's case: weights.bin left out of 'files' and corrupted still loaded under --verify full."""
+    def files(root: Path) -> None:
+        weights = root / "onnx" / "weights.bin"
+        weights.write_bytes(b"\xff" * weights.stat().st_size)
+
+    bad = make_bad(tiny_bundle, tmp_path, files, lambda m: m["files"].pop("onnx/weights.bin"))
+    expect_usage(["run", str(bad), "-p", "hi", "--verify", "full"], capsys, "weights.bin", "not listed")
+
+
+def test_duplicate_json_key_is_refused(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    copy = make_bad(tiny_bundle, tmp_path)
+    text = (copy / "manifest.json").read_text()
+    entry = json.dumps(json.loads(text)["files"]["onnx/weights.bin"])
+    (copy / "manifest.json").write_text(text.replace('"files": {', '"files": {"onnx/weights.bin": ' + entry + ", ", 1))
+    expect_usage(["run", str(copy), "-p", "hi"], capsys, "appears twice")
+
+
+def test_directory_in_place_of_the_tokenizer(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def files(root: Path) -> None:
+        (root / "tokenizer.json").unlink()
+        (root / "tokenizer.json").mkdir()
+
+    bad = make_bad(tiny_bundle, tmp_path, files)
+    expect_usage(["run", str(bad), "-p", "hi"], capsys, "tokenizer.json", "not a regular file")
+
+
+def test_malformed_calibration_in_inspect(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def files(root: Path) -> None:
+        (root / "calibration.json").write_text('{"configs": {"chosen": "x"}}')
+
+    def manifest(m: dict[str, Any]) -> None:
+        m["calibration"] = "calibration.json"
+        m["files"]["calibration.json"] = {"sha256": "0" * 64, "bytes": 0}
+
+    bad = make_bad(tiny_bundle, tmp_path, files, manifest)
+    expect_usage(["inspect", str(bad)], capsys, "calibration.json", "malformed")
+
+
+def test_weights_fifo_does_not_hang(tiny_bundle: Path, tmp_path: Path) -> None:
+    def files(root: Path) -> None:
+        (root / "onnx" / "weights.bin").unlink()
+        os.mkfifo(root / "onnx" / "weights.bin")
+
+    bad = make_bad(tiny_bundle, tmp_path, files, sign=False)
+    rc, _, err = run_isolated(["run", str(bad), "-p", "hi", "--verify", "size"])
+    assert_one_line(rc, err, "weights.bin", "not a regular file")
+
+
+def test_kv_arena_is_checked_before_allocation() -> None:
+    from runtimes import UsageError
+    from runtimes.kv_arena import KVArena
+
+    with pytest.raises(UsageError, match="KV arena needs"):
+        KVArena(1024, 1 << 16, 64, 256)  # 128 GiB: refused without allocating
+
+
+# ---- resources and arguments -------------------------------------------------------------------
+@pytest.mark.parametrize("argv,fragment", [
+    (["run", "{b}", "-p", "hi", "--threads", "100000"], "--threads 100000"),
+    (["run", "{b}", "-p", "hi", "--threads", "-1"], "--threads -1"),
+    (["run", "{b}", "-p", "hi", "--mode", "spec", "--draft-len", "1000000"], "--draft-len"),
+    (["run", "{b}", "--prompt-file", "/dev/zero"], "not a regular file"),
+    (["run", "{b}", "--prompt-file", "{t}/big.txt"], "more than the"),
+    (["check", "{b}", "--tolerance", "inf"], "--tolerance inf"),
+    (["check", "{b}", "--tolerance", "nan"], "--tolerance nan"),
+    (["check", "{b}", "--tolerance", "-1"], "--tolerance -1"),
+    (["build", "{t}/model", "-o", "{t}/o", "--max-len", "1000000000"], "--max-len"),
+    (["bench", "{b}", "--threads", "100000"], "--threads"),
+    (["check", "{b}", "--report", "{t}/missing-dir/r.json"], "--report"),
+    (["bench", "{b}", "--repeat", "1000000000"], "--repeat"),
+])
+def test_resource_arguments_are_bounded(argv: list[str], fragment: str, tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "big.txt").write_bytes(b"a" * (5 << 20))
+    expect_usage([a.format(b=tiny_bundle, t=tmp_path) for a in argv], capsys, fragment)
+
+
+def test_prompt_fifo_does_not_hang(tiny_bundle: Path, tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "prompt")
+    rc, _, err = run_isolated(["run", str(tiny_bundle), "--prompt-file", str(tmp_path / "prompt")])
+    assert_one_line(rc, err, "not a regular file")
+
+
+def test_api_rejects_bytes_prompt_and_accepts_stop_none(tiny_bundle: Path) -> None:
+    from runtimes import Generator, SamplingParams, UsageError
+
+    generator = Generator(tiny_bundle)
+    with pytest.raises(UsageError, match="neither text nor"):
+        generator.generate(b"hello", max_new_tokens=2)
+    with pytest.raises(UsageError, match="stop must be"):
+        generator.generate("hello", max_new_tokens=2, stop=[1, 2])
+    with pytest.raises(UsageError, match="draft length"):
+        generator.generate("hello", max_new_tokens=2, mode="spec", draft_len=10**6)
+    assert len(generator.generate("hello", max_new_tokens=2, stop=None).tokens) <= 2
+    tiny_temperature = generator.generate("hello", max_new_tokens=2, sampling=SamplingParams(temperature=1e-320, seed=1))
+    assert tiny_temperature.tokens == generator.generate("hello", max_new_tokens=2).tokens  # the greedy limit, not NaN
+
+
+# ---- gate and data safety at build time ----------------------------------------------------------
+def test_force_never_replaces_the_model_or_the_working_directory(tiny_model_dir: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    before = sorted(p.name for p in tiny_model_dir.iterdir())
+    expect_usage(["build", str(tiny_model_dir), "-o", str(tiny_model_dir), "--force"], capsys, "never replaces")
+    expect_usage(["build", str(tiny_model_dir), "-o", str(tiny_model_dir.parent), "--force"], capsys, "never replaces")
+    assert sorted(p.name for p in tiny_model_dir.iterdir()) == before
+    work = tmp_path / "work"
+    (work / "keep").mkdir(parents=True)
+    monkeypatch.chdir(work)
+    expect_usage(["build", str(tiny_model_dir), "-o", ".", "--force"], capsys, "names no directory")
+    expect_usage(["build", str(tiny_model_dir), "-o", str(tmp_path), "--force"], capsys, "never replaces")
+    expect_usage(["build", str(tiny_model_dir), "-o", "keep", "--force"], capsys, "not an adaptive-export bundle")
+    assert (work / "keep").is_dir() and not list(work.glob(".*partial*")) and not list(tmp_path.glob(".*partial*"))
+
+
+def test_config_only_model_and_truncated_gguf_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "cfg"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
+                                                   "intermediate_size": 64, "vocab_size": 100, "rms_norm_eps": 1e-6}))
+    expect_usage(["build", str(model), "-o", str(tmp_path / "o1")], capsys, "cannot load")
+    gguf = tmp_path / "cut.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 11)
+    expect_usage(["build", str(gguf), "-o", str(tmp_path / "o2")], capsys, "cut.gguf")
