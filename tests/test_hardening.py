@@ -33,7 +33,10 @@ SENTINEL_TEXT = b"SENTINEL-7f3a9c-do-not-read"
 _RUNNER = r"""
 import atexit, os, resource, sys
 sentinel = sys.argv[1]
-atexit.register(lambda: open(os.environ["RSS_FILE"], "w").write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)))
+# VmHWM, not ru_maxrss: Linux carries the forking parent's high-water mark into ru_maxrss
+# across exec, so a child of a large pytest process would report the parent's size
+atexit.register(lambda: open(os.environ["RSS_FILE"], "w").write(
+    next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:"))))
 def hook(event, args):
     if event == "open" and args and isinstance(args[0], (str, bytes)) and sentinel in str(args[0]):
         sys.stderr.write("AUDIT: the sentinel outside the bundle was opened\n")

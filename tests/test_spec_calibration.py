@@ -96,7 +96,9 @@ def test_gated_lookup_stops_drafting_when_drafts_do_not_pay(auto_bundle: Path) -
     plain = generator.generate(ids, max_new_tokens=48).tokens
     runs = {}
     for cost in (100.0, 1.0):
-        spec["prompt_lookup"]["verify_cost"] = {str(k): cost for k in range(1, 10)}
+        # the runtime reads the cost measured the way its decode engine runs (prepacked by default)
+        for key in ("verify_cost", "verify_cost_prepacked"):
+            spec["prompt_lookup"][key] = {str(k): cost for k in range(1, 10)}
         result = generator.generate(ids, max_new_tokens=48, mode="auto")
         assert result.tokens == plain
         runs[cost] = result.stats.speculation
