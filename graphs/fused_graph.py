@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from graphs import ort_ops
-from graphs.span_graph import GraphSpec, ModelParts
+from graphs.span_graph import GraphSpec, ModelParts, trainable_additions
 
 
 @dataclass
@@ -138,12 +138,7 @@ class FusedSpanGraph(nn.Module):
         self.register_buffer("sin_cache", packed.sin_cache, persistent=False)
         self.norm, self.lm_head = hf.model.norm, hf.lm_head
         self.eps = parts.spec.rms_norm_eps
-        self.routers = parts.routers if graph.router_scores else None
-        if graph.router_scores and parts.routers is None:
-            raise ValueError("router_scores requested but the model has no routers")
-        self.adapter = parts.exit_adapters.get(graph.exit_layer) if graph.exit_adapter else None
-        if graph.exit_adapter and self.adapter is None:
-            raise ValueError(f"no exit adapter fitted for exit layer {graph.exit_layer}")
+        self.routers, self.adapter = trainable_additions(parts, graph)
 
     def forward(self, first: Tensor, logit_rows: Tensor, seqlens_k: Tensor, total_length: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         n = len(self.layers)

@@ -62,6 +62,17 @@ class ModelParts:
     exit_adapters: dict[int, ExitAdapter] = field(default_factory=dict)
 
 
+def trainable_additions(parts: ModelParts, graph: GraphSpec) -> tuple[Routers | None, ExitAdapter | None]:
+    """The routers and exit adapter a graph uses (both flavours), or a clear error if missing."""
+    routers = parts.routers if graph.router_scores else None
+    if graph.router_scores and parts.routers is None:
+        raise ValueError("router_scores requested but the model has no routers")
+    adapter = parts.exit_adapters.get(graph.exit_layer) if graph.exit_adapter else None
+    if graph.exit_adapter and adapter is None:
+        raise ValueError(f"no exit adapter fitted for exit layer {graph.exit_layer}")
+    return routers, adapter
+
+
 class SpanGraph(nn.Module):
     """Static graph for one GraphSpec; traced once with T and P as dynamic axes."""
 
@@ -76,12 +87,7 @@ class SpanGraph(nn.Module):
         self.rotary = Rotary(hf.model.rotary_emb)
         self.layers = nn.ModuleList(StaticDecoderLayer(hf.model.layers[i], parts.spec) for i in graph.layers)
         self.head = Head(hf, parts.spec)
-        self.routers = parts.routers if graph.router_scores else None
-        if graph.router_scores and parts.routers is None:
-            raise ValueError("router_scores requested but the model has no routers")
-        self.adapter = parts.exit_adapters.get(graph.exit_layer) if graph.exit_adapter else None
-        if graph.exit_adapter and self.adapter is None:
-            raise ValueError(f"no exit adapter fitted for exit layer {graph.exit_layer}")
+        self.routers, self.adapter = trainable_additions(parts, graph)
 
     def forward(self, first: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         n = len(self.layers)
