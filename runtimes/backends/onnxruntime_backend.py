@@ -1,4 +1,4 @@
-"""ONNX Runtime backend: one session per graph, all sharing one in-memory copy of the weights.
+"""ONNX Runtime backend: one session per engine file, all sharing one in-memory copy of the weights.
 
 Weights: the bundle's weights file is mapped once; every session receives the same memory
 through `SessionOptions.add_initializer`, which ORT uses in place. (Measured on SmolLM2:
@@ -70,7 +70,7 @@ class FusedBinding:
         self.total = np.zeros((), dtype=np.int32)
         self.binding.bind_cpu_input("seqlens_k", self.seqlens)
         self.binding.bind_cpu_input("total_sequence_length", self.total)
-        self.arena_address: int | None = None
+        self.arena: KVArena | None = None
         self.count: int | None = None  # T of the bound per-step buffers
         self.logits = self.scores = self.hidden_out = np.empty(0, dtype=np.float32)
         if self.router_scores:
@@ -83,7 +83,7 @@ class FusedBinding:
                 block = arena.block(layer, kv)
                 self.binding.bind_cpu_input(f"past_{kind}_{layer}", block)
                 self.binding.bind_output(f"present_{kind}_{layer}", "cpu", 0, np.float32, block.shape, block.ctypes.data)
-        self.arena_address = arena.data.ctypes.data
+        self.arena = arena  # keep the bound memory alive: ORT holds only its address
 
     def bind_count(self, count: int) -> None:
         """Buffers whose shape depends on T: the rows to score, logits, exit hidden states."""
@@ -100,7 +100,7 @@ class FusedBinding:
     def run(self, first: np.ndarray, arena: KVArena, start: int) -> StepOutputs:
         count = first.shape[1]
         arena.check_room(start, count)
-        if arena.data.ctypes.data != self.arena_address:
+        if arena is not self.arena:
             self.bind_arena(arena)
         if count != self.count:
             self.bind_count(count)
