@@ -53,13 +53,17 @@ def _fmt(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def hf_generate_timer(model: Any, new_tokens: int) -> Callable[[list[int]], tuple[float, float]]:
-    """run(ids) -> (prefill_s, generate_s) for HF-style `generate` of exactly new_tokens greedy tokens."""
+def hf_generate_timer(model: Any, new_tokens: int) -> Callable[[list[int]], tuple[float, float, list[int]]]:
+    """run(ids) -> (prefill_s, generate_s, tokens) for HF-style `generate` of exactly new_tokens
+    greedy tokens (EOS disabled): prefill = one forward over the prompt; generate covers the
+    prefill again plus new_tokens - 1 decode steps."""
     import time
 
     import torch
 
-    def run(prompt_ids: list[int]) -> tuple[float, float]:
+    model.generation_config.eos_token_id = None
+
+    def run(prompt_ids: list[int]) -> tuple[float, float, list[int]]:
         x = torch.tensor([prompt_ids])
         mask = torch.ones_like(x)
         with torch.no_grad():
@@ -67,8 +71,8 @@ def hf_generate_timer(model: Any, new_tokens: int) -> Callable[[list[int]], tupl
             model(input_ids=x, attention_mask=mask)
             prefill = time.perf_counter() - started
             started = time.perf_counter()
-            model.generate(input_ids=x, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False, pad_token_id=0)
-            return prefill, time.perf_counter() - started
+            out = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)
+            return prefill, time.perf_counter() - started, out[0, len(prompt_ids):].tolist()
 
     return run

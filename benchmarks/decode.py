@@ -19,7 +19,7 @@ def bench_hf(model, prompt_ids: list[int], new_tokens: int, repeat: int) -> dict
     run = hf_generate_timer(model, new_tokens)
 
     def once() -> dict[str, float]:
-        prefill, total = run(prompt_ids)  # generate = prefill + (new_tokens - 1) decode steps
+        prefill, total, _ = run(prompt_ids)  # generate = prefill + (new_tokens - 1) decode steps
         return {"prefill_ms": prefill * 1e3, "tpot_ms": max(total - prefill, 0.0) * 1e3 / (new_tokens - 1)}
 
     return timed_runs(once, repeat)

@@ -58,7 +58,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import load_prompts, median_of, pin_threads  # noqa: E402
+from benchmarks.common import hf_generate_timer, load_prompts, median_of, pin_threads  # noqa: E402
 
 FIXED = ("hf-eager", "optimum-ort", "llama.cpp-q4_1", "genai-fp32", "genai-int8", "genai-int4")
 PRECISION = {"hf-eager": "fp32", "optimum-ort": "fp32", "llama.cpp-q4_1": "int4",
@@ -95,23 +95,10 @@ def _measure(run: Runner, forced: Forced, ref: dict[str, Any], repeat: int, new_
 
 
 def _hf_runner(model: Any, new_tokens: int) -> tuple[Runner, Forced]:
-    """HF-style `generate`: prefill = one forward over the prompt; generate covers the prefill
-    again plus new_tokens - 1 decode steps. EOS is disabled so every run makes new_tokens."""
+    """HF-style `generate` (benchmarks.common.hf_generate_timer) plus teacher forcing."""
     import torch
 
-    model.generation_config.eos_token_id = None
-
-    def run(ids: list[int]) -> tuple[float, float, list[int]]:
-        x = torch.tensor([ids])
-        mask = torch.ones_like(x)
-        with torch.no_grad():
-            started = time.perf_counter()
-            model(input_ids=x, attention_mask=mask)
-            prefill = time.perf_counter() - started
-            started = time.perf_counter()
-            out = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                                 pad_token_id=0, eos_token_id=None)
-            return prefill, time.perf_counter() - started, out[0, len(ids):].tolist()
+    run = hf_generate_timer(model, new_tokens)
 
     def forced(ids: list[int], cont: list[int]) -> list[int]:
         x = torch.tensor([ids + cont[:-1]])

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from runtimes import Generator, SamplingParams, UsageError
 from runtimes.manifest import validate
-from tests.test_fuzz_bundles import exercise
+from tests.test_fuzz_bundles import exercise, paths_of
 
 JSON_LEAVES = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=True), st.text(max_size=8))
 JSON_VALUES = st.recursive(JSON_LEAVES, lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)), max_leaves=6)
@@ -24,17 +24,6 @@ FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCh
 @pytest.fixture(scope="module")
 def manifest(tiny_bundle: Path) -> dict[str, Any]:
     return json.loads((tiny_bundle / "manifest.json").read_text())
-
-
-def paths_of(node: Any, prefix: tuple = ()) -> list[tuple]:
-    out = [prefix]
-    if isinstance(node, dict):
-        for key, value in node.items():
-            out += paths_of(value, prefix + (key,))
-    elif isinstance(node, list):
-        for index, value in enumerate(node[:3]):
-            out += paths_of(value, prefix + (index,))
-    return out
 
 
 @pytest.fixture(scope="module")
