@@ -61,14 +61,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per prompt set")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF assistant_early_exit baseline")
-    parser.add_argument("--prepack", action="store_true", help="prepack the decode and verify engines (ORT; +1 copy of the weights each)")
+    parser.add_argument("--prepack", action="store_true", help="prepack the decode and verify engines (ORT; +1 copy of the weights each); default: the runtime's own choice")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     pin_threads(args.threads)
     from runtimes import Generator
 
     full = Generator(Path(args.bundle), verify="size").bundle.config("full")["engines"]
-    prepack = [full["decode"], full.get("verify", "")] if args.prepack else []
+    prepack = [full["decode"], full.get("verify", "")] if args.prepack else None
     gen = Generator(Path(args.bundle), threads=args.threads, prepack=prepack)
     gen.codec.eos_ids = set()
     spec = gen.bundle.manifest.get("speculation") or {}
@@ -91,6 +91,11 @@ def main() -> None:
             for k in (2, 4):  # k=1 yields one token a round by construction (no bonus token)
                 r = bench_runtime(gen, ids, args.repeat, mode="spec", draft="early_exit", draft_len=k)
                 rows.append({"prompts": set_name, "mode": f"spec early_exit E={exit_layer} k={k}", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
+        if "precision_draft" in full:
+            precision = gen.bundle.manifest["graphs"][full["precision_draft"]]["precision"]
+            for k in sorted({2, 4, int((spec.get("precision") or {}).get("draft_len", 4))}):
+                r = bench_runtime(gen, ids, args.repeat, mode="spec", draft="precision", draft_len=k)
+                rows.append({"prompts": set_name, "mode": f"spec precision ({precision} draft) k={k}", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
         auto = bench_runtime(gen, ids, args.repeat, mode="auto")
         rows.append({"prompts": set_name, "mode": f"auto ({spec.get('source') if spec.get('auto_enabled') else 'gated prompt_lookup'})", **auto,
                      "speedup_vs_ar": ar / auto["tpot_ms"]})
@@ -98,7 +103,7 @@ def main() -> None:
             hf = bench_hf_early_exit(hf_model, ids, exit_layer, 1)
             rows.append({"prompts": set_name, "mode": f"HF assistant_early_exit={exit_layer}", "tpot_ms": hf, "speedup_vs_ar": ar / hf})
     print(f"SmolLM2-135M-Instruct fp32, {args.threads} threads, {NEW_TOKENS} new tokens, {args.prompts} prompts x {args.repeat} (medians), "
-          f"prepack {'decode+verify' if args.prepack else 'off'}; exit adapter at E={exit_layer}: {bool(spec.get('adapter'))}")
+          f"prepack {'decode+verify' if args.prepack else 'runtime default'}; exit adapter at E={exit_layer}: {bool(spec.get('adapter'))}")
     print_table(rows, ["prompts", "mode", "acceptance", "tokens_per_round", "tpot_ms", "speedup_vs_ar"])
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

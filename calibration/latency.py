@@ -6,7 +6,9 @@ the ONNX engines are exported (still in the staging directory), the build times 
 the runtime's own backend on an arena holding a realistic prefix:
 - decode (full configuration) at T = 1 .. max_k + 1: plain decoding, and prompt-lookup
   verification of k drafts plus the bonus position;
-- draft at T = 1 and verify at T = 1 .. max_k, when early-exit engines were built.
+- draft at T = 1 and verify at T = 1 .. max_k, when early-exit engines were built;
+- the precision draft at T = 1, when one was built (its acceptance is measured by running
+  the staged engines themselves, `measure_precision_acceptance`).
 `choose_measured` then turns the simulated acceptance (calibration/measure.py) into
 expected time per token for each source and k, and picks the fastest, or plain decoding.
 """
@@ -34,18 +36,21 @@ def _median_ms(call: Callable[[], Any], repeats: int = REPEATS) -> float:
     return round(statistics.median(samples), 3)
 
 
-def measure_engine_latencies(bundle_dir: Path, max_k: int, threads: int = 0, prepack: bool = False) -> dict[str, Any]:
-    """Median ms per engine call on the full configuration: decode[T], draft (T=1), verify[T].
+def measure_engine_latencies(bundle_dir: Path, max_k: int, threads: int = 0, prepack: bool | None = False) -> dict[str, Any]:
+    """Median ms per engine call on the full configuration: decode[T], draft (T=1), verify[T],
+    precision draft (T=1).
 
-    `prepack`: with ONNX Runtime's weight prepacking on the decode and verify engines
-    (`run --prepack decode`), which makes T > 1 passes much cheaper on CPU.
+    `prepack`: True: with ONNX Runtime's weight prepacking on the decode and verify engines
+    (`run --prepack decode`), which makes T > 1 passes much cheaper on CPU; False: none;
+    None: the runtime's default (what `run` does).
     """
     from runtimes import Generator
     from runtimes.bundle import load_bundle
 
     bundle = load_bundle(bundle_dir, verify="size")
     engines = bundle.config("full")["engines"]
-    gen = Generator(bundle, threads=threads, prepack=[engines["decode"], engines.get("verify", engines["decode"])] if prepack else [])
+    choice = None if prepack is None else [engines["decode"], engines.get("verify", engines["decode"])] if prepack else []
+    gen = Generator(bundle, threads=threads, prepack=choice)
     backend, arena = gen.backend, gen.arena
     prefix = min(PREFIX_TOKENS, gen.bundle.max_len - 2 * (max_k + 1))
     backend.run("prefill", np.ones((1, prefix), dtype=np.int64), arena, 0)
@@ -57,7 +62,32 @@ def measure_engine_latencies(bundle_dir: Path, max_k: int, threads: int = 0, pre
         result["draft_ms"] = _median_ms(lambda: backend.run(engines["draft"], np.ones((1, 1), dtype=np.int64), arena, prefix))
         result["verify_ms"] = {t: _median_ms(lambda t=t: backend.run(engines["verify"], hidden[:, :t], arena, prefix))
                                for t in range(1, max_k + 1)}
+    if "precision_draft" in engines:
+        result["precision_draft_ms"] = _median_ms(lambda: backend.run(engines["precision_draft"], np.ones((1, 1), dtype=np.int64), arena, prefix))
     return result
+
+
+PRECISION_PROMPTS = 8
+PRECISION_TOKENS = 32
+
+
+def measure_precision_acceptance(bundle_dir: Path, prompts: list[str], max_k: int, threads: int = 0) -> dict[str, Any]:
+    """Acceptance of the precision draft as built: real greedy speculative runs of the staged
+    engines on the calibration prompts, per draft length k. (Simulating it on the PyTorch
+    model would miss exactly what differs: the engines' quantized weights and activations.)"""
+    from runtimes import Generator
+    from runtimes.bundle import load_bundle
+
+    gen = Generator(load_bundle(bundle_dir, verify="size"), threads=threads)
+    per_k: dict[str, Any] = {}
+    for k in range(1, max_k + 1):
+        drafted = accepted = rounds = 0
+        for prompt in prompts[:PRECISION_PROMPTS]:
+            stats = gen.generate(prompt, max_new_tokens=PRECISION_TOKENS, mode="spec", draft="precision", draft_len=k).stats.speculation
+            drafted, accepted, rounds = drafted + stats["drafted"], accepted + stats["accepted"], rounds + stats["rounds"]
+        per_k[str(k)] = {"acceptance": round(accepted / max(drafted, 1), 4),
+                         "tokens_per_round": round((accepted + rounds) / max(rounds, 1), 4)}  # a round emits accepted + 1
+    return {"prompts": min(len(prompts), PRECISION_PROMPTS), "new_tokens": PRECISION_TOKENS, "per_k": per_k}
 
 
 def choose_measured(measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None) -> dict[str, Any]:
@@ -65,7 +95,7 @@ def choose_measured(measured: dict[str, Any], latencies: dict[str, Any], exit_la
 
     Prompt lookup: a round with drafts costs one decode pass at T = k + 1 (drafts plus the
     bonus position), a round without costs a T = 1 pass. Early exit: k draft calls plus one
-    verify pass at T = k. Speed-up = tokens per round x (T=1 decode ms) / round ms.
+    verify pass at T = k. Precision: k precision-draft calls plus one decode pass at T = k + 1. Speed-up = tokens per round x (T=1 decode ms) / round ms.
     """
     step = latencies["decode_ms"][1]
     candidates = []
@@ -85,6 +115,14 @@ def choose_measured(measured: dict[str, Any], latencies: dict[str, Any], exit_la
             round_ms = k * latencies["draft_ms"] + latencies["verify_ms"][k]
             candidates.append({"source": "early_exit", "exit_layer": e, "draft_len": k, "tokens_per_round": tokens,
                                "round_ms": round(round_ms, 3), "expected_speedup": round(tokens * step / round_ms, 3)})
+    for k_text, measured_k in (measured.get("precision") or {}).get("per_k", {}).items():
+        k = int(k_text)
+        if "precision_draft_ms" not in latencies or k + 1 not in latencies["decode_ms"]:
+            continue
+        round_ms = k * latencies["precision_draft_ms"] + latencies["decode_ms"][k + 1]
+        tokens = measured_k["tokens_per_round"]
+        candidates.append({"source": "precision", "draft_len": k, "tokens_per_round": tokens, "acceptance": measured_k["acceptance"],
+                           "round_ms": round(round_ms, 3), "expected_speedup": round(tokens * step / round_ms, 3)})
     best = max(candidates, key=lambda c: c["expected_speedup"])
     by_source = {source: max((c for c in candidates if c["source"] == source), key=lambda c: c["expected_speedup"])
                  for source in {c["source"] for c in candidates}}

@@ -24,7 +24,7 @@ import numpy as np
 
 from calibration.artifacts import ADAPTERS_FILE, adapters_bytes
 from calibration.exit_adapters import ExitAdapterFit, candidate_exits, greedy_runs, resolve_exit_adapters
-from calibration.latency import MIN_SPEEDUP, choose_measured, measure_engine_latencies, verify_costs
+from calibration.latency import MIN_SPEEDUP, choose_measured, measure_engine_latencies, measure_precision_acceptance, verify_costs
 from calibration.measure import MAX_DRAFT, calibration_prompts, measure_speculation
 from graphs.plan import ExitPlan
 from runtimes.errors import UsageError
@@ -134,12 +134,18 @@ def choose(measured: dict[str, Any], spec: Any) -> dict[str, Any]:
             "best_prompt_lookup": by_source["prompt_lookup"], "candidates": len(candidates)}
 
 
-def finalize_with_latencies(root: Path, manifest: dict[str, Any], calibration: dict[str, Any]) -> None:
-    """Time the staged engines; choose source, k and auto from acceptance x measured latency."""
+def finalize_with_latencies(root: Path, manifest: dict[str, Any], calibration: dict[str, Any], prompts: list[str] | None = None) -> None:
+    """Time the staged engines; choose source, k and auto from acceptance x measured latency.
+
+    Candidates are costed with the latencies of the runtime's own defaults (`as_run`); a
+    precision draft's acceptance is measured by running its staged engines on `prompts`."""
     spec = manifest["speculation"]
     latencies = measure_engine_latencies(root, MAX_DRAFT)
     prepacked = measure_engine_latencies(root, MAX_DRAFT, prepack=True)
-    choice = choose_measured(calibration["speculation"], latencies, spec.get("exit_layer"))
+    as_run = measure_engine_latencies(root, MAX_DRAFT, prepack=None)
+    if "precision_draft_ms" in as_run and prompts:
+        calibration["speculation"]["precision"] = measure_precision_acceptance(root, prompts, MAX_DRAFT)
+    choice = choose_measured(calibration["speculation"], as_run, spec.get("exit_layer"))
     best = choice["best"]
     spec.update(source=best["source"], auto_enabled=choice["auto_enabled"], expected_speedup=best["expected_speedup"],
                 chosen_by="calibration (--speculate auto): simulated acceptance x measured engine latencies")
@@ -149,5 +155,10 @@ def finalize_with_latencies(root: Path, manifest: dict[str, Any], calibration: d
     lookup = spec.setdefault("prompt_lookup", {})
     lookup["verify_cost"] = verify_costs(latencies["decode_ms"])
     lookup["verify_cost_prepacked"] = verify_costs(prepacked["decode_ms"])
-    calibration["speculation"].update(latencies=latencies, latencies_prepacked=prepacked, measured_choice=choice)
+    if "precision" in choice["by_source"]:
+        step = as_run["decode_ms"][1]
+        spec["precision"].update(draft_cost=round(as_run["precision_draft_ms"] / step, 3),
+                                 acceptance=choice["by_source"]["precision"]["acceptance"],
+                                 verify_cost=verify_costs(latencies["decode_ms"]), verify_cost_prepacked=verify_costs(prepacked["decode_ms"]))
+    calibration["speculation"].update(latencies=latencies, latencies_prepacked=prepacked, latencies_as_run=as_run, measured_choice=choice)
     (root / "calibration.json").write_text(json.dumps(calibration, indent=2) + "\n")

@@ -66,6 +66,7 @@ def graph_entry(graph: GraphSpec) -> dict[str, Any]:
         "config": graph.config,
         "exit_layer": graph.exit_layer,
         "flavour": graph.flavour,
+        "precision": graph.precision,
         "inputs": graph.input_names(),
         "outputs": graph.output_names(),
     }
@@ -83,7 +84,7 @@ def flavoured(graphs: list[GraphSpec], flavour: str) -> list[GraphSpec]:
     out = []
     for graph in graphs:
         graph = replace(graph, flavour="ort")
-        if graph.kind == "decode" and graph.config == FULL_CONFIG:
+        if graph.kind == "decode" and graph.config == FULL_CONFIG and graph.precision is None:
             graph = replace(graph, router_scores=routers)
         out.append(graph)
     return out
@@ -92,7 +93,8 @@ def flavoured(graphs: list[GraphSpec], flavour: str) -> list[GraphSpec]:
 def _engine_key(graph: GraphSpec) -> tuple[Any, ...]:
     """Graphs with equal keys are the same ONNX model; their engine file is written once."""
     return (graph.flavour, graph.layers, graph.source, graph.router_scores, graph.exit_hidden,
-            graph.exit_layer if graph.exit_adapter else None, graph.logits if graph.flavour == "portable" else None)
+            graph.exit_layer if graph.exit_adapter else None, graph.logits if graph.flavour == "portable" else None,
+            graph.precision)
 
 
 def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress: bool, quantize: str = "none",
@@ -128,14 +130,7 @@ def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress
                 continue
             model = export_graph(parts, graph, packed)
             canonicalize_names(model, store)
-            if native is not None:
-                from exporter.native_quant import apply_native
-
-                apply_native(model, native, (quant_options or {}).get("accuracy_level", 4))
-            elif quantize != "none":
-                from exporter.quantize import quantize as quantize_model
-
-                model = quantize_model(model, quantize, **(quant_options or {}))
+            model = _apply_precision(model, graph, quantize, quant_options or {}, native)
             externalize(model, store, WEIGHTS_FILE)
             onnx.save(model, str(folder / f"{graph.name}.onnx"))
             entries[graph.name] = {"file": f"onnx/{graph.name}.onnx"}
@@ -148,6 +143,35 @@ def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress
     return {"weights": f"onnx/{WEIGHTS_FILE}", "weight_bytes": weight_bytes, "opset": OPSET, "flavour": flavour,
             "quantize": quantize, "quant_options": quant_options or {}, "quant_bits": native.dtype if native else quantize,
             "tensors": tensors, "graphs": entries}
+
+
+def _apply_precision(model: onnx.ModelProto, graph: GraphSpec, quantize: str, quant_options: dict[str, int],
+                     native: Any) -> onnx.ModelProto:
+    """The bundle's weight precision, or a precision draft's: int8/int4 re-quantize the float
+    weights (accuracy 4: int8 activations, ORT's fast CPU kernels); native4 is the GGUF's own
+    blocks at accuracy 4, sharing every block initializer with the bundle's engines."""
+    if graph.precision == "native4":
+        if native is None:
+            raise UsageError("--draft-precision native4 needs a GGUF-exact bundle (--quantize native)",
+                             "build from a quantized .gguf with --quantize native, or use --draft-precision int8|int4")
+        from exporter.native_quant import apply_native
+
+        apply_native(model, native, 4)
+        return model
+    if graph.precision is not None:
+        from exporter.quantize import quantize as quantize_model
+
+        return quantize_model(model, graph.precision, block_size=quant_options.get("block_size", 32), accuracy_level=4)
+    if native is not None:
+        from exporter.native_quant import apply_native
+
+        apply_native(model, native, quant_options.get("accuracy_level", 4))
+        return model
+    if quantize != "none":
+        from exporter.quantize import quantize as quantize_model
+
+        return quantize_model(model, quantize, **quant_options)
+    return model
 
 
 def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: BuildOptions, parts: ModelParts | None = None) -> dict[str, Any]:
@@ -198,8 +222,11 @@ def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: BuildOptions, pa
 
 
 def _exit_engines(graphs: list[GraphSpec], config_id: str) -> dict[str, str]:
+    """A configuration's draft engines: early exit's draft/verify pair, a precision draft."""
     engines: dict[str, str] = {}
     for graph in graphs:
         if graph.config == config_id and graph.kind in ("draft", "verify"):
             engines[graph.kind] = graph.name
+        elif graph.config == config_id and graph.precision is not None:
+            engines["precision_draft"] = graph.name
     return engines

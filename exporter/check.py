@@ -165,7 +165,7 @@ def engine_parity(bundle: Bundle, backend: Any, parts: Any, graph_name: str, see
             expected = expected[:, :, : past_len + count]
         else:
             actual = actual_by_name[name]
-        if quantized:  # informational: the quality check gates quantized bundles
+        if quantized or info.get("precision"):  # informational: the quality checks gate quantized engines
             _, max_abs, max_rel, bound = compare(np.asarray(actual), expected, "float32", scale_tol)
             ok = bool(np.isfinite(actual).all())
         else:
@@ -174,7 +174,9 @@ def engine_parity(bundle: Bundle, backend: Any, parts: Any, graph_name: str, see
             failures.append(f"{name}: max |diff| {max_abs:.3g} > {bound:.3g}")
         if max_abs > worst[1] or not ok:
             worst = (ok and worst[0], max_abs, max_rel, bound)
-    detail = "; ".join(failures) or (f"{bundle.manifest['dtype']} weights: difference to fp32 is informational, the quality checks gate"
+    quantized = quantized or bool(info.get("precision"))
+    dtype = info.get("precision") or bundle.manifest["dtype"]
+    detail = "; ".join(failures) or (f"{dtype} weights: difference to fp32 is informational, the quality checks gate"
                                      if quantized else f"{len(names)} outputs within tolerance")
     return CheckResult(backend.name, graph_name, "parity", not failures, max_abs=worst[1], max_rel=worst[2],
                        tolerance=None if quantized else worst[3], seconds=time.perf_counter() - started, detail=detail)
@@ -203,11 +205,12 @@ def greedy_verdict(actual: list[int], expected: list[int], margins: list[float])
     return at, margin, margin < TIE_MARGIN
 
 
-def teacher_forced_logits(generator: Any, prompt_ids: list[int], continuation: list[int], config: str = "full") -> np.ndarray:
+def teacher_forced_logits(generator: Any, prompt_ids: list[int], continuation: list[int], config: str = "full",
+                          engine: str | None = None) -> np.ndarray:
     """Logits of a bundle at each position of `continuation` (row i predicts continuation[i])
     when fed prompt + continuation[:-1]: the prefill engine over the prompt, then one pass of
-    the configuration's decode engine over the forced tokens, on the generator's arena."""
-    decode = generator.bundle.config(config)["engines"]["decode"]
+    the configuration's decode engine (or `engine`) over the forced tokens, on the generator's arena."""
+    decode = engine or generator.bundle.config(config)["engines"]["decode"]
     arena = generator.arena
     arena.reset()
     out = generator.backend.run("prefill", np.asarray([prompt_ids]), arena, 0)
@@ -276,16 +279,18 @@ def greedy_check(generator: Any, parts: Any, config: dict[str, Any], prompt: str
                        seconds=time.perf_counter() - started, detail=detail)
 
 
-def quality_check(generator: Any, parts: Any, prompt: str, new_tokens: int) -> CheckResult:
-    """Teacher-forced top-1 agreement and perplexity of the bundle on the fp32 reference's own
-    greedy continuation, plus where free-running greedy decoding first diverges."""
+def quality_check(generator: Any, parts: Any, prompt: str, new_tokens: int, engine: str | None = None) -> CheckResult:
+    """Teacher-forced top-1 agreement and perplexity of the bundle (or of a precision-draft
+    `engine`) on the fp32 reference's own greedy continuation, plus where free-running greedy
+    decoding first diverges."""
     started = time.perf_counter()
-    dtype = generator.bundle.manifest["dtype"]
     prompt_ids = generator.codec.encode(prompt)
     full = generator.bundle.config("full")
     reference, steps = reference_greedy(parts, prompt_ids, new_tokens, set(), full["kept"])
-    logits = teacher_forced_logits(generator, prompt_ids, reference)
-    agreement = float(np.mean(logits.argmax(-1) == np.asarray(reference)))
+    logits = teacher_forced_logits(generator, prompt_ids, reference, engine=engine)
+    # a draft engine never predicts the first token (prefill does): its rows start at 1
+    first = 1 if engine is not None else 0
+    agreement = float(np.mean(logits[first:].argmax(-1) == np.asarray(reference[first:])))
 
     def nll(matrix: np.ndarray) -> float:
         shifted = matrix.astype(np.float64) - matrix.max(-1, keepdims=True)
@@ -298,16 +303,23 @@ def quality_check(generator: Any, parts: Any, prompt: str, new_tokens: int) -> C
               f"{np.exp(nll(np.stack(steps))):.3f}, greedy diverges at {'never' if at is None else at}")
     # Per prompt (32 tokens) agreement is noisy, so each prompt is informational and the mean
     # over all prompts gates (see quality_gate).
-    return CheckResult(generator.backend.name, "quality", f"quality[{prompt[:32]}]", True,
+    if engine is not None:
+        detail = f"top-1 agreement {agreement:.3f} of the draft's forced rows with the fp32 greedy tokens"
+    return CheckResult(generator.backend.name, engine or "quality", f"quality[{prompt[:32]}]", True,
                        max_abs=1.0 - agreement, seconds=time.perf_counter() - started, detail=detail)
 
 
-def quality_gate(backend: str, dtype: str, rows: list[CheckResult]) -> CheckResult:
+def quality_gate(backend: str, dtype: str, rows: list[CheckResult], engine: str = "quality") -> CheckResult:
     """Mean teacher-forced top-1 agreement over the prompts against the documented bar."""
     mean = 1.0 - float(np.mean([r.max_abs for r in rows]))
     threshold = QUANT_MIN_AGREEMENT[dtype]
-    return CheckResult(backend, "quality", "quality[mean]", mean >= threshold, max_abs=1.0 - mean, tolerance=1.0 - threshold,
+    return CheckResult(backend, engine, "quality[mean]", mean >= threshold, max_abs=1.0 - mean, tolerance=1.0 - threshold,
                        detail=f"{dtype}: mean top-1 agreement with fp32 {mean:.3f} over {len(rows)} prompts (min {threshold})")
+
+
+def precision_bits(precision: str) -> str:
+    """A precision draft's weight grid, as QUANT_MIN_AGREEMENT names it."""
+    return "int8" if precision == "int8" else "int4"
 
 
 def run_check(bundle_dir: str, model: str | None, prompts: list[str] | None, new_tokens: int = 16, scale_tol: float = 1.0, progress: bool = True) -> CheckReport:
@@ -332,6 +344,12 @@ def run_check(bundle_dir: str, model: str | None, prompts: list[str] | None, new
         for graph in tqdm(graphs, desc=f"check {backend_name} engines", unit="engine", disable=not progress):
             report.results.append(engine_parity(bundle, backend, parts, graph, scale_tol=scale_tol))
         generator = Generator(bundle, backend=backend_name)
+        draft_engine = bundle.config("full")["engines"].get("precision_draft")
+        if draft_engine is not None:  # the draft's own quality: drafts that rarely agree cost time, not correctness
+            rows = [quality_check(generator, parts, prompt, new_tokens, engine=draft_engine)
+                    for prompt in tqdm(prompts, desc=f"check {backend_name} precision draft", unit="prompt", disable=not progress)]
+            bits = precision_bits(bundle.graph(draft_engine)["precision"])
+            report.results += rows + [quality_gate(backend_name, bits, rows, engine=draft_engine)]
         if gated_on_quality(bundle):
             rows = [quality_check(generator, parts, prompt, new_tokens)
                     for prompt in tqdm(prompts, desc=f"check {backend_name} quality", unit="prompt", disable=not progress)]
@@ -341,6 +359,7 @@ def run_check(bundle_dir: str, model: str | None, prompts: list[str] | None, new
         cases = [(c, p, None) for c in bundle.manifest["configs"] for p in prompts]
         cases += [(c, p, "early_exit") for c in bundle.manifest["configs"] if "draft" in c["engines"] for p in prompts]
         cases += [(bundle.config("full"), p, "prompt_lookup") for p in prompts]
+        cases += [(bundle.config("full"), p, "precision") for p in prompts if draft_engine is not None]
         for config, prompt, draft in tqdm(cases, desc=f"check {backend_name} greedy", unit="prompt", disable=not progress):
             report.results.append(greedy_check(generator, parts, config, prompt, new_tokens, draft))
     return report

@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight precision of the ONNX engines. native: keep a quantized GGUF's own blocks (Q4_0/Q4_1/Q4_K/Q5_0/Q5_K/Q6_K/Q8_0) "
                         "bit for bit as MatMulNBits, no re-quantization; int8/int4: round-to-nearest re-quantization of float weights; "
                         "none: fp32; auto (default): native for a quantized .gguf (e.g. smollm2), none otherwise")
+    b.add_argument("--draft-precision", choices=["none", "int8", "int4", "native4"], default="none",
+                   help="also build a precision draft (run --draft precision): the full model at a cheaper weight precision drafts tokens "
+                        "that the bundle's own engines verify, losslessly, on the same KV arena. int8/int4: a round-to-nearest copy of "
+                        "float weights (adds about 1/4 / 1/7 of the fp32 weight bytes); native4: a GGUF-exact bundle's own blocks at "
+                        "accuracy 4 (shares its blocks; for --quant-accuracy 1 bundles). With --speculate auto, calibration measures it "
+                        "on the built engines. ONNX Runtime (ort flavour) only. Default: none")
     b.add_argument("--coreml-precision", choices=["float16", "float32"], default="float16", help="CoreML compute precision (default: float16)")
     b.add_argument("--trt-precision", choices=["fp32", "fp16", "int8"], default="fp16", help="TensorRT engine precision flag (default: fp16)")
     b.add_argument("--quant-block", type=_bounded_int(1, 4096), default=32, help="quantization block size along the input dimension (default: 32)")
@@ -113,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, prompt_tokens, stats) instead of streaming")
     r.add_argument("--config", default="auto", help="skip configuration: auto (routers pick, default), full, or a config id from `inspect`")
     r.add_argument("--mode", default="ar", choices=["ar", "spec", "auto"], help="ar: plain decoding (default); spec: self-speculative with --draft; auto: the draft source calibration found to pay on average, else prompt lookup gated to draft only while drafts pay for the wider verify pass (plain speed on chat, faster where the answer repeats the context)")
-    r.add_argument("--draft", default=None, choices=["early_exit", "prompt_lookup"], help="draft source for --mode spec (default: the one calibration chose, else prompt_lookup)")
+    r.add_argument("--draft", default=None, choices=["early_exit", "prompt_lookup", "precision"], help="draft source for --mode spec (default: the one calibration chose, else prompt_lookup). precision: the bundle's --draft-precision engine")
     r.add_argument("--draft-len", type=_bounded_int(1, limits.MAX_DRAFT_LEN), default=None, help=f"draft tokens per round, 1..{limits.MAX_DRAFT_LEN} (default: calibrated, else 4)")
     r.add_argument("--backend", default="onnx", help="engine backend: onnx (default), coreml (macOS), tensorrt (NVIDIA)")
     r.add_argument("--provider", default="cpu", choices=["cpu", "cuda", "tensorrt"], help="ONNX Runtime execution provider (default: cpu)")

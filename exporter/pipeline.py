@@ -81,6 +81,24 @@ def resolve_quantize(choice: str, model: str, backends: tuple[str, ...], flavour
     return "native", source
 
 
+def check_draft_precision(args: argparse.Namespace, backends: tuple[str, ...]) -> str | None:
+    """`--draft-precision` needs ONNX Runtime's fused engines (MatMulNBits) and a cheaper grid."""
+    choice = getattr(args, "draft_precision", "none") or "none"
+    if choice == "none":
+        return None
+    if getattr(args, "onnx_flavour", "ort") != "ort" or set(backends) != {"onnx"}:
+        raise UsageError(f"--draft-precision {choice} builds an ONNX Runtime engine (MatMulNBits), not a {'/'.join(backends)} one",
+                         "build it with --backend onnx and the default --onnx-flavour ort")
+    cheaper = {"none": ("int8", "int4"), "int8": ("int4",), "native": ("native4",)}
+    if choice not in cheaper.get(args.quantize, ()):
+        raise UsageError(f"--draft-precision {choice} is not a cheaper precision of this --quantize {args.quantize} bundle",
+                         "use int8 or int4 on a float bundle, int4 on an int8 one, native4 on a GGUF-exact (--quantize native) one")
+    if choice == "native4" and args.quant_accuracy == 4:
+        raise UsageError("--draft-precision native4 would draft at the precision the bundle already runs (accuracy 4)",
+                         "build with --quant-accuracy 1 (the exact engines) to draft at accuracy 4")
+    return choice
+
+
 def run_build(args: argparse.Namespace) -> dict[str, Any]:
     backends = parse_backends(args.backend)
     check_exit_adapter_option(args)
@@ -98,15 +116,16 @@ def run_build(args: argparse.Namespace) -> dict[str, Any]:
         from exporter.cli import read_prompts
 
         read_prompts(args.calib)  # a bad calibration file fails before minutes of loading
+    draft_precision = check_draft_precision(args, backends)
     loaded = load_model(args.model)
     parts = ModelParts(loaded.hf_model, loaded.spec)
-    plan = BuildPlan(num_layers=loaded.spec.num_layers)
+    plan = BuildPlan(num_layers=loaded.spec.num_layers, precision_draft=draft_precision)
     speculation, calibration, extra_files = None, {}, {}
     if args.routers:
         from calibration.router_pipeline import plan_routers
 
         parts.routers, configs, calibration["routers"], extra_files = plan_routers(args, loaded)
-        plan = BuildPlan(num_layers=loaded.spec.num_layers, configs=configs, routers=True)
+        plan = BuildPlan(num_layers=loaded.spec.num_layers, configs=configs, routers=True, precision_draft=draft_precision)
         calibration["configs"] = calibration["routers"].pop("configs")
     if args.speculate:
         from calibration.speculation import plan_speculation
@@ -118,8 +137,12 @@ def run_build(args: argparse.Namespace) -> dict[str, Any]:
     if args.speculate == "auto":
         from calibration.speculation import finalize_with_latencies
 
+        from calibration.measure import calibration_prompts
+
+        prompts = calibration_prompts(getattr(args, "calib", None)) if draft_precision else None
+
         def after_export(root: Path, manifest: dict[str, Any]) -> None:
-            finalize_with_latencies(root, manifest, calibration)
+            finalize_with_latencies(root, manifest, calibration, prompts)
     options = BuildOptions(speculation=speculation, calibration=calibration or None, extra_files=extra_files,
                            router_threshold=THRESHOLD if args.routers else 0.5, output=output, backends=backends, max_len=args.max_len,
                            force=args.force, quantize=args.quantize, onnx_flavour=getattr(args, "onnx_flavour", "ort"), native_source=native_source, after_export=after_export,

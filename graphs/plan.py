@@ -34,6 +34,9 @@ class BuildPlan:
     configs: list[SkipConfig] = field(default_factory=list)
     routers: bool = False
     exit: ExitPlan | None = None
+    # A draft engine over the same layers and arena at a cheaper weight precision
+    # (runtimes/speculative.py, source "precision"); built for the full configuration only.
+    precision_draft: str | None = None
 
     def __post_init__(self) -> None:
         if not any(c.id == FULL_CONFIG for c in self.configs):
@@ -47,7 +50,21 @@ class BuildPlan:
         if self.exit is not None:
             for config in self.configs:
                 out.extend(exit_graphs(config, self.exit))
+        if self.precision_draft is not None:
+            out.append(precision_draft_graph(self.num_layers, self.precision_draft))
         return out
+
+
+PRECISION_DRAFTS = ("int8", "int4", "native4")
+
+
+def precision_draft_graph(num_layers: int, precision: str) -> GraphSpec:
+    """The full model's decode graph with its weights at `precision`: drafts token ids T=1,
+    writing every layer's KV rows, which the verifier's pass then overwrites."""
+    if precision not in PRECISION_DRAFTS:
+        raise ValueError(f"draft precision {precision!r} is not one of {PRECISION_DRAFTS}")
+    return GraphSpec(f"pdraft_{FULL_CONFIG}_{precision}", "decode", tuple(range(num_layers)), config=FULL_CONFIG,
+                     precision=precision)
 
 
 def exit_graphs(config: SkipConfig, plan: ExitPlan) -> list[GraphSpec]:

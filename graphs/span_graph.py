@@ -36,6 +36,10 @@ class GraphSpec:
     # "portable": KV prefix in, new rows out, standard ops (CoreML, TensorRT, any runtime);
     # "ort": ONNX Runtime's fused ops, KV blocks updated in place (graphs/fused_graph.py).
     flavour: Literal["portable", "ort"] = "portable"
+    # A precision draft (kind "decode"): the same graph with its weights at this precision
+    # ("int8"/"int4": RTN of the float weights; "native4": the GGUF's blocks at accuracy 4),
+    # drafting for the bundle's own precision on the same arena. None: the bundle's precision.
+    precision: str | None = None
 
     def input_names(self) -> list[str]:
         first = "input_ids" if self.source == "ids" else "exit_hidden"

@@ -211,14 +211,16 @@ class Generator:
     def _speculative_runner(self, seq: Sequence_, stats: GenerationStats, draft: str | None, draft_len: int | None,
                             auto: bool = False) -> Any:
         """auto: the calibrated source where it pays on average (and has engines for this
-        configuration), else gated prompt lookup, which decodes plainly where drafts do not pay."""
+        configuration), else prompt lookup; lookup and precision drafts are gated, so a prompt
+        whose drafts do not pay decodes plainly."""
         from runtimes.speculative import SpeculativeRunner, speculation_available
 
         if auto:
             spec = self.bundle.manifest.get("speculation") or {}
             if not (spec.get("auto_enabled", False) and speculation_available(self.bundle, seq.config)):
                 return SpeculativeRunner(self.bundle, self.backend, seq.config, stats, "prompt_lookup", draft_len, gated=True)
-            draft = None
+            # the calibrated source, still gated: a prompt whose drafts stop paying decodes plainly
+            return SpeculativeRunner(self.bundle, self.backend, seq.config, stats, None, draft_len, gated=True)
         return SpeculativeRunner(self.bundle, self.backend, seq.config, stats, draft, draft_len)
 
     def _decode_ar(self, seq: Sequence_, emit: Callable[[int], bool], sampling: SamplingParams, rng: np.random.Generator) -> None:

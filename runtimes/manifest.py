@@ -21,9 +21,10 @@ _MODEL_INTS = {"num_layers": limits.MAX_LAYERS, "hidden_size": limits.MAX_HIDDEN
                "num_kv_heads": limits.MAX_HEADS, "head_dim": limits.MAX_HEAD_DIM, "vocab_size": limits.MAX_VOCAB}
 _GRAPH_KINDS = ("prefill", "decode", "draft", "verify")
 _KIND_SOURCE = {"prefill": "ids", "decode": "ids", "draft": "ids", "verify": "hidden"}
-_ROLE_KINDS = {"decode": "decode", "draft": "draft", "verify": "verify"}
+_ROLE_KINDS = {"decode": "decode", "draft": "draft", "verify": "verify", "precision_draft": "decode"}
+PRECISIONS = ("int8", "int4", "native4")  # a precision draft's weights (graphs/plan.py PRECISION_DRAFTS)
 DTYPE_SIZES = {"<f4": 4, "<f2": 2, "|u1": 1, "|i1": 1, "<i8": 8, "<i4": 4, "<u2": 2}
-_DRAFT_SOURCES = ("early_exit", "prompt_lookup")
+_DRAFT_SOURCES = ("early_exit", "prompt_lookup", "precision")
 DTYPES = ("float32", "float16", "int8", "int4")
 
 
@@ -139,6 +140,10 @@ def validate(manifest: Any) -> dict[str, Any]:
                   f"config {config['id']!r} uses graph {engine!r} of kind {graphs[engine]['kind']!r} as its {role} engine")
         _need(sorted(graphs[engines["decode"]]["layers"]) == sorted(set(kept)), f"config {config['id']!r} keeps other layers than its decode graph runs")
         _need(("draft" in engines) == ("verify" in engines), f"config {config['id']!r} needs both or neither of draft and verify engines")
+        if "precision_draft" in engines:
+            draft = graphs[engines["precision_draft"]]
+            _need(draft.get("precision") in PRECISIONS and sorted(draft["layers"]) == sorted(set(kept)),
+                  f"config {config['id']!r} has a precision draft that is no draft precision of its decode graph")
     _need("full" in ids, "no 'full' configuration")
     full = next(c for c in manifest["configs"] if c["id"] == "full")
     _need(sorted(set(full["kept"])) == list(range(num_layers)), "configuration 'full' must keep every layer")
@@ -195,6 +200,8 @@ def _validate_speculation(speculation: Any, graphs: dict[str, Any]) -> None:
         draft_len = section.get("draft_len")
         _need(draft_len is None or (_is_int(draft_len) and 1 <= draft_len <= limits.MAX_DRAFT_LEN),
               f"speculation.{source}.draft_len must be an integer in 1..{limits.MAX_DRAFT_LEN}")
+        draft_cost = section.get("draft_cost")
+        _need(draft_cost is None or (_is_number(draft_cost) and 0 < draft_cost < 1e6), f"speculation.{source}.draft_cost must be a positive number")
         for key in ("verify_cost", "verify_cost_prepacked"):
             costs = section.get(key)
             _need(costs is None or (isinstance(costs, dict) and all(isinstance(k, str) and _is_number(v) and 0 < v < 1e6 for k, v in costs.items())),
@@ -248,6 +255,8 @@ def _validate_graph(name: Any, graph: Any, num_layers: int) -> None:
     _need(_is_str_list(graph.get("outputs")) and graph["outputs"], f"graph {name!r} lacks its output names")
     _need(graph.get("exit_layer") is None or _is_int(graph["exit_layer"]), f"graph {name!r} has a bad exit_layer")
     _need(graph.get("config") is None or isinstance(graph["config"], str), f"graph {name!r} has a bad config")
+    _need(graph.get("precision") is None or (kind == "decode" and graph["precision"] in PRECISIONS),
+          f"graph {name!r} has a bad precision (a decode graph may have one of {', '.join(PRECISIONS)})")
     inputs, outputs = graph["inputs"], graph["outputs"]
     _need(len(set(inputs)) == len(inputs) and len(set(outputs)) == len(outputs), f"graph {name!r} names an input or output twice")
     first = "input_ids" if graph.get("source", "ids") == "ids" else "exit_hidden"

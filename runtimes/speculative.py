@@ -17,14 +17,20 @@ Draft sources:
   verifies [pending, d1, .., dk] with T=k+1 over token ids and writes all layers' rows; its
   last row gives the bonus token when every draft is accepted, so a round always emits
   accepted + 1 tokens.
+- precision (QSpec / ML-SpecQD): the same model with its weights at a cheaper precision
+  (an int8/int4 copy of a float bundle, or a GGUF-exact bundle's own blocks at accuracy 4)
+  drafts T=1 per token over ids, writing every layer's rows at L..L+k-1; the decode engine
+  verifies as for prompt lookup and overwrites those rows with its own, so the arena again
+  holds only the verifier's KV. Draft logits are kept, so sampling stays lossless.
 Early exit draws no bonus token when all k drafts are accepted (it would cost one more
 draft-head call); the last accepted draft becomes `pending` and the next round starts
 from it.
 
-Gated prompt lookup (`--mode auto` when calibration found no source that pays on average):
-a round with drafts costs one T=k+1 pass, measured at build time as `verify_cost` times a
-T=1 pass, and yields 1 + accepted tokens; so drafting pays only while the running mean of
-accepted drafts is at least verify_cost - 1. Below that, rounds are plain T=1 steps (the
+Gated drafting (`--mode auto` with prompt lookup or precision drafts): a round with drafts
+costs k draft steps (`draft_cost` T=1 passes each; 0 for lookup) plus one T=k+1 pass
+(`verify_cost` T=1 passes), both measured at build time, and yields 1 + accepted tokens;
+so drafting pays only while the running mean of accepted drafts is at least
+k * draft_cost + verify_cost - 1. Below that, rounds are plain T=1 steps (the
 cost of plain decoding) with a probe draft every PROBE_EVERY rounds, so a prompt whose
 answer repeats its context (rewrite, summarise, edit) still gets the speed-up while a
 chat answer decodes at plain speed.
@@ -42,7 +48,8 @@ from runtimes.bundle import Bundle
 from runtimes.errors import UsageError
 from runtimes.sampling import SamplingParams, choose, probabilities
 
-SOURCES = ("early_exit", "prompt_lookup")
+SOURCES = ("early_exit", "prompt_lookup", "precision")
+BONUS_SOURCES = ("prompt_lookup", "precision")  # verified by the decode engine at T=k+1: a bonus row
 DEFAULT_LOOKUP_K = 4
 MAX_NGRAM = 3
 DEFAULT_VERIFY_COST = 1.3  # T=k+1 pass / T=1 pass when the bundle carries no measurement
@@ -51,11 +58,13 @@ EMA_WEIGHT = 0.3  # weight of the newest round in the running mean of accepted d
 
 
 def speculation_available(bundle: Bundle, config: dict[str, Any], source: str | None = None) -> bool:
-    """Prompt lookup always works (it needs only the decode engine); early exit needs engines."""
+    """Prompt lookup always works (it needs only the decode engine); the others need engines."""
     source = source or default_source(bundle, config)
+    engines = config.get("engines", {})
     if source == "early_exit":
-        engines = config.get("engines", {})
         return "draft" in engines and "verify" in engines
+    if source == "precision":
+        return "precision_draft" in engines
     return source == "prompt_lookup"
 
 
@@ -102,10 +111,12 @@ class SpeculativeRunner:
             raise UsageError(f"draft length {self.k} is not positive", "use a draft length of 1 or more")
         self.hidden = np.zeros((1, self.k, bundle.model["hidden_size"]), dtype=np.float32)
         self.drafted = self.accepted = self.rounds = 0
-        self.gated = gated and self.source == "prompt_lookup"
+        self.gated = gated and self.source in BONUS_SOURCES
         prepacked = config["engines"]["decode"] in getattr(backend, "prepack", ())  # ORT: T > 1 passes much cheaper
         costs = calibrated.get("verify_cost_prepacked" if prepacked else "verify_cost") or {}
-        self.break_even = float(costs.get(str(self.k), DEFAULT_VERIFY_COST)) - 1.0  # accepted drafts a round must average
+        draft_cost = float(calibrated.get("draft_cost", 0.0)) if self.source == "precision" else 0.0
+        # accepted drafts a round must average to beat plain T=1 steps
+        self.break_even = self.k * draft_cost + float(costs.get(str(self.k), DEFAULT_VERIFY_COST)) - 1.0
         self.mean_accepted: float | None = None
         self.since_probe = self.skipped = 0
         self.draft_s = self.verify_s = 0.0
@@ -115,8 +126,8 @@ class SpeculativeRunner:
         try:
             while True:
                 budget = max_new_tokens - len(seq.tokens)
-                # prompt lookup emits up to k + 1 tokens a round (the bonus), early exit up to k
-                k = min(self.k, budget - 1 if self.source == "prompt_lookup" else budget)
+                # lookup and precision drafts emit up to k + 1 tokens a round (the bonus), early exit up to k
+                k = min(self.k, budget - 1 if self.source in BONUS_SOURCES else budget)
                 if self._round(seq, emit, k, sampling, rng, context):
                     return
         finally:
@@ -140,7 +151,10 @@ class SpeculativeRunner:
         arena, start = seq.arena, seq.arena.length
         started = time.perf_counter()
         if self.source == "early_exit":
-            drafts, draft_logits = self._draft_early_exit(seq.pending, k, start, arena, sampling, rng)
+            drafts, draft_logits = self._draft_steps(self.config["engines"]["draft"], seq.pending, k, start, arena, sampling, rng)
+        elif self.source == "precision":
+            drafts, draft_logits = ([], None) if k < 1 or not self._worth_drafting() else self._draft_steps(
+                self.config["engines"]["precision_draft"], seq.pending, k, start, arena, sampling, rng)
         else:
             drafts, draft_logits = (lookup_ngram(context, k) if self._worth_drafting() else []), None
         self.draft_s += time.perf_counter() - started
@@ -179,16 +193,17 @@ class SpeculativeRunner:
         self.skipped += 1
         return False
 
-    def _draft_early_exit(self, pending: int, k: int, start: int, arena: Any, sampling: SamplingParams,
-                          rng: np.random.Generator) -> tuple[list[int], list[np.ndarray]]:
-        graph = self.config["engines"]["draft"]
+    def _draft_steps(self, graph: str, pending: int, k: int, start: int, arena: Any, sampling: SamplingParams,
+                     rng: np.random.Generator) -> tuple[list[int], list[np.ndarray]]:
+        """k T=1 steps of a draft engine over token ids (early exit: also its exit hidden states)."""
         token = np.empty((1, 1), dtype=np.int64)
         token[0, 0] = pending
         drafts: list[int] = []
         rows: list[np.ndarray] = []
         for j in range(k):
             out = self.backend.run(graph, token, arena, start + j)
-            self.hidden[0, j] = out.exit_hidden[0, -1]
+            if out.exit_hidden is not None:
+                self.hidden[0, j] = out.exit_hidden[0, -1]
             logits = out.logits[0, -1].copy()
             rows.append(logits)
             drafts.append(int(np.argmax(logits)) if sampling.greedy else int(rng.choice(logits.size, p=probabilities(logits, sampling))))

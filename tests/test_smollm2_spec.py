@@ -1,4 +1,6 @@
-"""SmolLM2 self-speculation is lossless on 50 prompts, for early exit and prompt lookup."""
+"""SmolLM2 self-speculation is lossless on 50 prompts, for early exit, prompt lookup and an
+int8 precision draft, and its drafts are accepted as often as they were when measured: a
+speculation that silently stopped paying fails here even though it would stay lossless."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,13 +15,14 @@ from tests.test_speculative import assert_same_or_tie
 pytestmark = [needs_smollm2, pytest.mark.slow]
 ROOT = Path(__file__).parents[1]
 NEW_TOKENS = 24
+ACCEPTANCE_FLOOR = {"precision": 0.85, "early_exit": 0.3, "prompt_lookup": 0.1}
 
 
 def test_speculation_is_lossless_on_50_prompts(smol_bundle: Path) -> None:
     prompts = read_prompts(str(ROOT / "samples" / "spec_prompts.jsonl"))
     assert len(prompts) >= 50
     generator = Generator(smol_bundle)
-    stats = {"early_exit": [0, 0], "prompt_lookup": [0, 0]}
+    stats = {"early_exit": [0, 0], "prompt_lookup": [0, 0], "precision": [0, 0]}
     identical = 0
     for prompt in prompts:
         ids = generator.codec.encode(prompt)
@@ -30,5 +33,10 @@ def test_speculation_is_lossless_on_50_prompts(smol_bundle: Path) -> None:
             identical += result.tokens == ar
             stats[draft][0] += result.stats.speculation["accepted"]
             stats[draft][1] += result.stats.speculation["drafted"]
-    assert identical >= 2 * len(prompts) - 3  # ties are rare; more would hide a bug
-    assert stats["early_exit"][1] > 0 and stats["prompt_lookup"][1] > 0
+    assert identical >= 3 * len(prompts) - 3  # ties are rare; more would hide a bug
+    acceptance = {draft: accepted / drafted for draft, (accepted, drafted) in stats.items()}
+    print("acceptance on the 50 spec prompts:", acceptance)
+    # measured (AMD EPYC, onnxruntime 1.32): floors well below, far above "never accepts"
+    assert acceptance["precision"] >= ACCEPTANCE_FLOOR["precision"], acceptance
+    assert acceptance["early_exit"] >= ACCEPTANCE_FLOOR["early_exit"], acceptance
+    assert acceptance["prompt_lookup"] >= ACCEPTANCE_FLOOR["prompt_lookup"], acceptance

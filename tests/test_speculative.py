@@ -24,7 +24,7 @@ PROMPTS = ["The quick brown fox", "What is the capital of France?", "Write a sho
 def spec_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("spec")
     model = make_tiny_model(root / "model", "gqa_untied", layers=6, seed=3)
-    assert main(["build", str(model), "-o", str(root / "bundle"), "--max-len", "128", "--speculate", "3:3"]) == 0
+    assert main(["build", str(model), "-o", str(root / "bundle"), "--max-len", "128", "--speculate", "3:3", "--draft-precision", "int8"]) == 0
     return root / "bundle"
 
 
@@ -43,13 +43,17 @@ def assert_same_or_tie(generator: Generator, prompt_ids: list[int], ar: list[int
 def test_manifest_has_draft_and_verify_engines(spec_bundle: Path) -> None:
     manifest = json.loads((spec_bundle / "manifest.json").read_text())
     full = next(c for c in manifest["configs"] if c["id"] == "full")
-    assert full["engines"] == {"decode": "decode_full", "draft": "draft_full_e3", "verify": "verify_full_e3"}
+    assert full["engines"] == {"decode": "decode_full", "draft": "draft_full_e3", "verify": "verify_full_e3",
+                               "precision_draft": "pdraft_full_int8"}
+    assert manifest["graphs"]["pdraft_full_int8"]["precision"] == "int8"
+    assert manifest["graphs"]["pdraft_full_int8"]["layers"] == list(range(6))
     assert manifest["graphs"]["draft_full_e3"]["layers"] == [0, 1, 2]
     assert manifest["graphs"]["verify_full_e3"]["layers"] == [3, 4, 5]
     assert manifest["speculation"]["source"] == "early_exit" and manifest["speculation"]["exit_layer"] == 3
 
 
-@pytest.mark.parametrize("draft,k", [("early_exit", 1), ("early_exit", 3), ("early_exit", 5), ("prompt_lookup", 2), ("prompt_lookup", 4)])
+@pytest.mark.parametrize("draft,k", [("early_exit", 1), ("early_exit", 3), ("early_exit", 5), ("prompt_lookup", 2), ("prompt_lookup", 4),
+                                     ("precision", 1), ("precision", 4)])
 def test_greedy_speculation_equals_plain_decoding(spec_bundle: Path, draft: str, k: int) -> None:
     generator = Generator(spec_bundle)
     rounds = 0
@@ -61,10 +65,26 @@ def test_greedy_speculation_equals_plain_decoding(spec_bundle: Path, draft: str,
         spec = result.stats.speculation
         rounds += spec["rounds"]
         assert_same_or_tie(generator, ids, ar, result.tokens)
-        if draft == "prompt_lookup" and result.stats.stop_reason == "length":
+        if draft in ("prompt_lookup", "precision") and result.stats.stop_reason == "length":
             # every round emits its accepted drafts plus one verifier token (correction or bonus)
             assert spec["accepted"] + spec["rounds"] == result.stats.new_tokens - 1
     assert rounds > 0
+
+
+def test_precision_draft_is_accepted_and_its_kv_is_overwritten(spec_bundle: Path) -> None:
+    """An int8 copy of the same weights agrees with fp32 almost always (a runtime that
+    rejected every draft would still be lossless: this catches it), and after the verifier's
+    passes the arena holds the verifier's KV, as plain decoding leaves it."""
+    generator = Generator(spec_bundle)
+    ids = generator.codec.encode("Write a short poem about the sea", raw=True)
+    result = generator.generate(ids, max_new_tokens=30, mode="spec", draft="precision", draft_len=4)
+    stats = result.stats.speculation
+    assert stats["acceptance"] >= 0.8, stats
+    length = generator.arena.length
+    after = generator.arena.valid_rows(length)
+    generator.arena.reset()
+    generator.backend.run("prefill", np.asarray([(ids + result.tokens)[:length]]), generator.arena, 0)
+    np.testing.assert_allclose(after, generator.arena.valid_rows(length), atol=2e-5)
 
 
 def test_arena_after_rejections_equals_plain_decoding(spec_bundle: Path) -> None:
@@ -110,8 +130,9 @@ def test_rejection_rule_keeps_the_target_distribution(one_hot_draft: bool) -> No
     assert _chi_square_pvalue(counts, p) > 1e-3
 
 
-def test_spec_sampling_matches_plain_sampling_end_to_end(spec_bundle: Path) -> None:
-    """Distribution of the 2nd and 3rd generated tokens, AR vs early-exit speculation, over seeds."""
+@pytest.mark.parametrize("draft", ["early_exit", "precision"])
+def test_spec_sampling_matches_plain_sampling_end_to_end(spec_bundle: Path, draft: str) -> None:
+    """Distribution of the 2nd and 3rd generated tokens, AR vs speculation, over seeds."""
     from scipy.stats import chi2_contingency
 
     generator = Generator(spec_bundle)
@@ -119,7 +140,7 @@ def test_spec_sampling_matches_plain_sampling_end_to_end(spec_bundle: Path) -> N
     params = lambda seed: SamplingParams(temperature=1.0, top_k=4, seed=seed)  # noqa: E731
     runs = 700
     ar = [tuple(generator.generate(ids, max_new_tokens=3, sampling=params(s)).tokens[1:3]) for s in range(runs)]
-    spec = [tuple(generator.generate(ids, max_new_tokens=3, sampling=params(10_000 + s), mode="spec", draft="early_exit", draft_len=2).tokens[1:3])
+    spec = [tuple(generator.generate(ids, max_new_tokens=3, sampling=params(10_000 + s), mode="spec", draft=draft, draft_len=2).tokens[1:3])
             for s in range(runs)]
     for position in (0, 1):
         categories = sorted({t[position] for t in ar + spec})
