@@ -39,6 +39,10 @@ def bench_runtime(gen, prompts: list[list[int]], repeat: int, **kwargs) -> dict[
             "tokens_per_round": median_of(per_round) if per_round else None}
 
 
+def full_kept(gen) -> list[int]:
+    return list(gen.bundle.config("full")["kept"])
+
+
 def bench_hf_early_exit(model, prompts: list[list[int]], exit_layer: int, repeat: int) -> float:
     import torch
 
@@ -93,6 +97,13 @@ def main() -> None:
                 rows.append({"prompts": set_name, "mode": f"spec early_exit E={exit_layer} k={k}", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
         if "precision_draft" in full:
             precision = gen.bundle.manifest["graphs"][full["precision_draft"]]["precision"]
+            # plain decoding at the draft's precision (the fast, lossy setting): the draft engine
+            # as the decode engine of an extra in-memory configuration (prefill stays the bundle's)
+            configs = gen.bundle.manifest["configs"]
+            if not any(c["id"] == "draft_precision" for c in configs):
+                configs.append({"id": "draft_precision", "kept": list(full_kept(gen)), "engines": {"decode": full["precision_draft"]}})
+            r = bench_runtime(gen, ids, args.repeat, config="draft_precision")
+            rows.append({"prompts": set_name, "mode": f"ar at the draft's precision ({precision}, lossy)", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
             for k in sorted({2, 4, int((spec.get("precision") or {}).get("draft_len", 4))}):
                 r = bench_runtime(gen, ids, args.repeat, mode="spec", draft="precision", draft_len=k)
                 rows.append({"prompts": set_name, "mode": f"spec precision ({precision} draft) k={k}", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
