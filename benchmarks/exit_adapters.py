@@ -54,8 +54,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from calibration.exit_adapters import fit_exit_adapters, greedy_runs, is_held_out
     from calibration.measure import measure_speculation
-    from exporter.cli import read_prompts
-    from exporter.model_loading import load_model
+    from loading.prompts import read_prompts
+    from loading.model import load_model
 
     loaded = load_model(args.model)
     layers = loaded.spec.num_layers

@@ -224,7 +224,7 @@ def resolve_exit_adapters(option: str, loaded: Any, exit_layers: Sequence[int], 
     """`--exit-adapter fit|FILE`: fit adapters for `exit_layers`, or load them from a safetensors file."""
     if option == "fit":
         return fit_exit_adapters(loaded, prompts, exit_layers, seed=seed, progress=progress, runs=runs)
-    from calibration.artifacts import load_adapters
+    from loading.artifacts import load_adapters
 
     spec = loaded.spec
     adapters = load_adapters(Path(option), spec.hidden_size, spec.rms_norm_eps, spec.num_layers)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from loading.prompts import read_prompts
 from runtimes.errors import UsageError
 from runtimes.speculative import lookup_ngram
 
@@ -21,8 +22,6 @@ MAX_DRAFT = 8
 
 
 def calibration_prompts(path: str | None) -> list[str]:
-    from exporter.cli import read_prompts
-
     if path is None:
         if not BUILTIN_CALIB.is_file():
             raise UsageError("the built-in calibration prompts are missing", "pass --calib FILE.jsonl")

@@ -15,14 +15,14 @@ milliseconds (calibration/latency.py); everything measured goes to calibration.j
 """
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from calibration.artifacts import ADAPTERS_FILE, adapters_bytes
+from loading.artifacts import ADAPTERS_FILE, adapters_bytes
 from calibration.exit_adapters import ExitAdapterFit, candidate_exits, greedy_runs, resolve_exit_adapters
 from calibration.latency import MIN_SPEEDUP, choose_measured, measure_engine_latencies, verify_costs
 from calibration.measure import MAX_DRAFT, calibration_prompts, measure_speculation
@@ -45,21 +45,30 @@ def parse_forced(text: str, num_layers: int) -> tuple[int, int]:
     return exit_layer, k
 
 
-def plan_speculation(option: str, loaded: Any, parts: Any, args: argparse.Namespace
-                     ) -> tuple[ExitPlan, dict[str, Any], dict[str, Any], dict[str, bytes]]:
+@dataclass(frozen=True)
+class SpeculationOptions:
+    """What `build --speculate ...` asks of speculation calibration."""
+
+    speculate: str  # "auto", or "E:k"
+    exit_adapter: str = "none"  # none | fit | an exit_adapters.safetensors file
+    calib: str | None = None  # calibration prompts (JSONL); None: the built-in set
+    seed: int = 0
+
+
+def plan_speculation(options: SpeculationOptions, loaded: Any, parts: Any) -> tuple[ExitPlan, dict[str, Any], dict[str, Any], dict[str, bytes]]:
     """ExitPlan, manifest `speculation`, calibration.json entries and extra bundle files.
 
     With `--exit-adapter fit|FILE` the early-exit candidates are the adapters' exits, their
     drafts are simulated through the adapter, and the chosen exit's adapter is shipped.
     """
     spec = loaded.spec
-    adapter_option = getattr(args, "exit_adapter", None) or "none"
+    option, adapter_option = options.speculate, options.exit_adapter or "none"
     if option != "auto":
         exit_layer, k = parse_forced(option, spec.num_layers)
         fit = None
         if adapter_option != "none":
-            prompts = calibration_prompts(getattr(args, "calib", None)) if adapter_option == "fit" else []
-            fit = resolve_exit_adapters(adapter_option, loaded, [exit_layer], prompts, None, args.seed)
+            prompts = calibration_prompts(options.calib) if adapter_option == "fit" else []
+            fit = resolve_exit_adapters(adapter_option, loaded, [exit_layer], prompts, None, options.seed)
             require_adapter(fit, exit_layer, adapter_option)
         adapter, files = ship_adapter(fit, exit_layer, parts)
         manifest = {"source": "early_exit", "exit_layer": exit_layer, "early_exit": {"draft_len": k}, "adapter": adapter,
@@ -68,11 +77,11 @@ def plan_speculation(option: str, loaded: Any, parts: Any, args: argparse.Namesp
         if fit is not None:
             calibration["exit_adapters"] = {**fit.report, "shipped": exit_layer}
         return ExitPlan(exit_layer, k, adapter=adapter), manifest, {"speculation": calibration}, files
-    prompts = calibration_prompts(getattr(args, "calib", None))
+    prompts = calibration_prompts(options.calib)
     fit, runs = None, None
     if adapter_option != "none":
         runs = greedy_runs(loaded, prompts, DEFAULT_CALIB_TOKENS)
-        fit = resolve_exit_adapters(adapter_option, loaded, candidate_exits(spec.num_layers), prompts, runs, args.seed)
+        fit = resolve_exit_adapters(adapter_option, loaded, candidate_exits(spec.num_layers), prompts, runs, options.seed)
     measured = measure_speculation(loaded, parts, prompts, DEFAULT_CALIB_TOKENS, adapters=fit.adapters if fit else None, runs=runs)
     choice = choose(measured, spec)
     early = choice["best_early_exit"]  # draft/verify engines are built for the best early exit either way

@@ -313,7 +313,7 @@ def quality_gate(backend: str, dtype: str, rows: list[CheckResult]) -> CheckResu
 def run_check(bundle_dir: str, model: str | None, prompts: list[str] | None, new_tokens: int = 16, scale_tol: float = 1.0, progress: bool = True) -> CheckReport:
     from tqdm import tqdm
 
-    from calibration.artifacts import load_parts
+    from loading.artifacts import load_parts
     from runtimes.backends import make_backend
     from runtimes.bundle import load_bundle
     from runtimes.generate import Generator

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from calibration.artifacts import load_parts
+from loading.artifacts import load_parts
 from exporter.check import engine_parity, greedy_check
 from runtimes import Generator, SamplingParams, load_bundle
 from runtimes.backends import make_backend
@@ -19,7 +19,7 @@ PROMPTS = ["What is the capital of France?", "Write a short poem about the sea."
 @pytest.fixture(scope="module", params=[(v, f) for v in sorted(TINY_VARIANTS) for f in ("ort", "portable")], ids=lambda p: f"{p[0]}-{p[1]}")
 def variant_bundle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every tiny architecture variant in both ONNX flavours: fused ONNX Runtime ops and portable."""
-    from exporter.cli import main
+    from commands.cli import main
 
     variant, flavour = request.param
     root = tmp_path_factory.mktemp(variant)

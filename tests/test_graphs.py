@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from exporter.model_loading import load_model
+from loading.model import load_model
 from graphs.span_graph import GraphSpec, ModelParts, SpanGraph
 from tests.conftest import TINY_VARIANTS, make_tiny_model
 
@@ -32,7 +32,7 @@ def test_prefill_then_decode_equals_hf(tmp_path: Path, variant: str) -> None:
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     from transformers import GPT2Config
 
-    from exporter.model_loading import spec_from_config
+    from loading.model import spec_from_config
     from runtimes.errors import UsageError
 
     with pytest.raises(UsageError, match="model type 'gpt2' is not supported.*llama"):

@@ -9,7 +9,7 @@ import pytest
 
 from calibration.latency import MIN_SPEEDUP, choose_measured
 from calibration.measure import simulate_rounds
-from exporter.cli import main
+from commands.cli import main
 from runtimes import Generator
 from tests.conftest import make_tiny_model
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exporter.cli import main
+from commands.cli import main
 from runtimes import Generator, SamplingParams
 from runtimes.speculative import SpeculativeRunner, lookup_ngram
 from tests.conftest import make_tiny_model

@@ -1,0 +1,124 @@
+"""`build`: load, calibrate what was asked, plan, export, write.
+
+The one place that joins calibration (routers, speculation) and the exporter: each gets its
+own typed options from the command's BuildOptions.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from calibration.router_pipeline import THRESHOLD, RouterOptions
+from calibration.speculation import SpeculationOptions
+from commands.options import BuildOptions
+from exporter.backends import preflight
+from exporter.build import ExportOptions, build_bundle
+from exporter.bundle_writer import check_output_dir
+from graphs.plan import BuildPlan
+from graphs.span_graph import ModelParts
+from loading.model import load_model, resolve_model_path
+from loading.prompts import read_prompts
+from runtimes.errors import UsageError
+
+
+def check_exit_adapter_option(options: BuildOptions) -> None:
+    """`--exit-adapter none|fit|FILE` needs --speculate; a missing FILE fails before minutes of loading."""
+    option = options.exit_adapter or "none"
+    if option == "none":
+        return
+    if not options.speculate:
+        raise UsageError(f"--exit-adapter {option} needs --speculate (the adapter belongs to the early-exit draft)",
+                         "add --speculate auto, or --speculate E:k")
+    if option != "fit" and not Path(option).is_file():
+        raise UsageError(f"exit adapter file {option!r} does not exist",
+                         "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build")
+
+
+def quantized_gguf(model: str) -> Path | None:
+    """The model's .gguf file when it holds quantized tensors (its own grid to keep), else None."""
+    directory, gguf_file = resolve_model_path(model)
+    if gguf_file is None:
+        return None
+    import gguf
+
+    path = directory / gguf_file
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read GGUF file {str(path)!r}: {exc}", "pass a complete .gguf file") from exc
+    floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    return path if any(t.tensor_type not in floats for t in reader.tensors) else None
+
+
+def resolve_quantize(choice: str, model: str, backends: tuple[str, ...], flavour: str) -> tuple[str, Path | None]:
+    """`auto` keeps a quantized GGUF's own grid (native) where the fused engines run, else fp32."""
+    portable = flavour == "portable" or "tensorrt" in backends
+    if choice not in ("auto", "native"):
+        return choice, None
+    source = quantized_gguf(model)
+    if choice == "auto":
+        return ("native", source) if source is not None and not portable else ("none", None)
+    if source is None:
+        raise UsageError(f"--quantize native needs a quantized .gguf model, and {model!r} is not one",
+                         "use --quantize int8 or int4 to quantize float weights, or none")
+    if portable:
+        raise UsageError("--quantize native needs the fused ONNX Runtime engines (--onnx-flavour ort, no tensorrt backend)",
+                         "drop --onnx-flavour portable / --backend tensorrt, or use --quantize none")
+    return "native", source
+
+
+def run_build(options: BuildOptions) -> dict[str, Any]:
+    check_exit_adapter_option(options)
+    preflight(options.backends)  # a backend whose tools are missing fails before any work
+    output = Path(options.output)
+    protect = tuple(Path(p) for p in (options.model, options.calib, options.routers, options.exit_adapter)
+                    if p and p not in ("smollm2", "train", "fit", "none"))
+    check_output_dir(output, options.force, protect)  # fail fast, before minutes of loading and export
+    quantize, native_source = resolve_quantize(options.quantize, options.model, options.backends, options.onnx_flavour)
+    if quantize != "none":
+        from exporter.quantize import validate_options
+
+        validate_options(options.quant_block, options.quant_accuracy)  # before minutes of loading and export
+    if options.calib and (options.routers or options.speculate):
+        read_prompts(options.calib)  # a bad calibration file fails before minutes of loading
+    loaded = load_model(options.model)
+    parts = ModelParts(loaded.hf_model, loaded.spec)
+    plan = BuildPlan(num_layers=loaded.spec.num_layers)
+    speculation, calibration, extra_files = None, {}, {}
+    if options.routers:
+        from calibration.router_pipeline import plan_routers
+
+        router_options = RouterOptions(routers=options.routers, calib=options.calib, max_configs=options.max_configs,
+                                       router_lambda=options.router_lambda, router_lr=options.router_lr,
+                                       min_config_agreement=options.min_config_agreement, seed=options.seed)
+        parts.routers, configs, calibration["routers"], extra_files = plan_routers(router_options, loaded)
+        plan = BuildPlan(num_layers=loaded.spec.num_layers, configs=configs, routers=True)
+        calibration["configs"] = calibration["routers"].pop("configs")
+    if options.speculate:
+        from calibration.speculation import plan_speculation
+
+        speculation_options = SpeculationOptions(options.speculate, exit_adapter=options.exit_adapter, calib=options.calib, seed=options.seed)
+        plan.exit, speculation, measured, adapter_files = plan_speculation(speculation_options, loaded, parts)
+        calibration.update(measured)
+        extra_files = {**extra_files, **adapter_files}
+    after_export = None
+    if options.speculate == "auto":
+        from calibration.speculation import finalize_with_latencies
+
+        def after_export(root: Path, manifest: dict[str, Any]) -> None:
+            finalize_with_latencies(root, manifest, calibration)
+    export = ExportOptions(speculation=speculation, calibration=calibration or None, extra_files=extra_files,
+                           router_threshold=THRESHOLD if options.routers else 0.5, output=output, backends=options.backends,
+                           max_len=options.max_len, force=options.force, quantize=quantize, onnx_flavour=options.onnx_flavour,
+                           native_source=native_source, after_export=after_export, coreml_precision=options.coreml_precision,
+                           trt_precision=options.trt_precision,
+                           quant_options={"block_size": options.quant_block, "accuracy_level": options.quant_accuracy} if quantize != "none" else {})
+    return build_bundle(loaded, plan, export, parts)
+
+
+def cmd_build(options: BuildOptions) -> int:
+    manifest = run_build(options)
+    onnx_entry = manifest["backends"]["onnx"]
+    print(f"wrote {options.output}: {len(manifest['graphs'])} graphs, {len(manifest['configs'])} configurations, "
+          f"weights {onnx_entry['weight_bytes'] / 1e6:.1f} MB stored once")
+    return 0
