@@ -8,12 +8,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from loading.artifacts import load_routers, routers_bytes, ROUTERS_FILE
 from calibration.configs import choose_configs, layers_saved, served_share
 from calibration.measure import calibration_prompts, greedy_sequence
 from calibration.routers import (DEFAULT_LAMBDA, LEARNING_RATE, THRESHOLD, GatedModel, TrainingSequence, continuation_agreement,
                                  kept_by_routers, train_routers)
 from graphs.plan import SkipConfig
+from loading.artifacts import ROUTERS_FILE, load_routers, routers_bytes
 from runtimes.errors import UsageError
 
 CONTINUATION_TOKENS = 24

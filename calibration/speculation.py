@@ -20,13 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from loading.artifacts import ADAPTERS_FILE, adapters_bytes
+from calibration.draft_sources import MAX_DRAFT, MEASURES
 from calibration.exit_adapters import ExitAdapterFit, candidate_exits, greedy_runs, resolve_exit_adapters
 from calibration.latency import MIN_SPEEDUP, choose_measured, measure_engine_latencies, verify_costs
-from calibration.measure import MAX_DRAFT, calibration_prompts, measure_speculation
+from calibration.measure import calibration_prompts, measure_speculation
 from graphs.plan import ExitPlan
+from loading.artifacts import ADAPTERS_FILE, adapters_bytes
 from runtimes.errors import UsageError
 
 DEFAULT_CALIB_TOKENS = 32
@@ -85,12 +84,11 @@ def plan_speculation(options: SpeculationOptions, loaded: Any, parts: Any) -> tu
     measured = measure_speculation(loaded, parts, prompts, DEFAULT_CALIB_TOKENS, adapters=fit.adapters if fit else None, runs=runs)
     choice = choose(measured, spec)
     early = choice["best_early_exit"]  # draft/verify engines are built for the best early exit either way
-    lookup = choice["best_prompt_lookup"]
     adapter, files = ship_adapter(fit, early["exit_layer"], parts)
     manifest = {"source": choice["source"], "auto_enabled": choice["auto_enabled"], "expected_speedup": choice["expected_speedup"],
                 "exit_layer": early["exit_layer"], "adapter": adapter, "chosen_by": "calibration (--speculate auto)",
-                "early_exit": {"draft_len": early["draft_len"], "expected_speedup": early["expected_speedup"]},
-                "prompt_lookup": {"draft_len": lookup["draft_len"], "expected_speedup": lookup["expected_speedup"]}}
+                **{source: {"draft_len": choice[f"best_{source}"]["draft_len"], "expected_speedup": choice[f"best_{source}"]["expected_speedup"]}
+                   for source in MEASURES}}
     calibration = {**measured, "choice": choice}
     if fit is not None:
         calibration["exit_adapters"] = {**fit.report, "shipped": early["exit_layer"]}
@@ -112,13 +110,6 @@ def ship_adapter(fit: ExitAdapterFit | None, exit_layer: int, parts: Any) -> tup
     return True, {ADAPTERS_FILE: adapters_bytes({exit_layer: adapter})}
 
 
-def early_exit_speedup(tokens_per_round: float, exit_layer: int, k: int, layers: int, head: float, adapter: float = 0.0) -> float:
-    """Tokens per round over the round's cost, k draft steps (E layers + adapter + head) and one
-    verify pass (L - E layers + head), against a full step (L layers + head)."""
-    cost = k * (exit_layer + head + adapter) + (layers - exit_layer + head)
-    return round(tokens_per_round * (layers + head) / cost, 3)
-
-
 def choose(measured: dict[str, Any], spec: Any) -> dict[str, Any]:
     """Best expected speed-up over plain decoding among early exit (E, k) and prompt lookup (k).
 
@@ -128,19 +119,12 @@ def choose(measured: dict[str, Any], spec: Any) -> dict[str, Any]:
     """
     layers, head = spec.num_layers, measured["head_cost_layers"]
     adapter = measured.get("adapter_cost_layers", 0.0)  # a draft step through the exit adapter
-    candidates = []
-    for key, tokens in measured["early_exit_tokens_per_round"].items():
-        e, k = (int(x) for x in key.split(":"))
-        candidates.append({"source": "early_exit", "exit_layer": e, "draft_len": k, "tokens_per_round": tokens,
-                           "expected_speedup": early_exit_speedup(tokens, e, k, layers, head, adapter)})
-    for k_text, tokens in measured["prompt_lookup_tokens_per_round"].items():
-        candidates.append({"source": "prompt_lookup", "exit_layer": None, "draft_len": int(k_text), "tokens_per_round": tokens,
-                           "expected_speedup": round(tokens, 3)})
+    candidates = [c for measure in MEASURES.values() for c in measure.cost_candidates(measured, layers, head, adapter)]
     best = max(candidates, key=lambda c: c["expected_speedup"])
     by_source = {source: max((c for c in candidates if c["source"] == source), key=lambda c: c["expected_speedup"])
-                 for source in ("early_exit", "prompt_lookup")}
-    return {**best, "auto_enabled": best["expected_speedup"] > MIN_SPEEDUP, "best_early_exit": by_source["early_exit"],
-            "best_prompt_lookup": by_source["prompt_lookup"], "candidates": len(candidates)}
+                 for source in MEASURES}
+    return {**best, "auto_enabled": best["expected_speedup"] > MIN_SPEEDUP, **{f"best_{s}": c for s, c in by_source.items()},
+            "candidates": len(candidates)}
 
 
 def finalize_with_latencies(root: Path, manifest: dict[str, Any], calibration: dict[str, Any]) -> None:

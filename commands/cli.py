@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from commands.check import MAX_TOLERANCE
 from runtimes import limits
 from runtimes.backends import BACKEND_NAMES
+from runtimes.drafting import SOURCE_NAMES
 from runtimes.errors import UsageError
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
@@ -114,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, prompt_tokens, stats) instead of streaming")
     r.add_argument("--config", default="auto", help="skip configuration: auto (routers pick, default), full, or a config id from `inspect`")
     r.add_argument("--mode", default="ar", choices=["ar", "spec", "auto"], help="ar: plain decoding (default); spec: self-speculative with --draft; auto: the draft source calibration found to pay on average, else prompt lookup gated to draft only while drafts pay for the wider verify pass (plain speed on chat, faster where the answer repeats the context)")
-    r.add_argument("--draft", default=None, choices=["early_exit", "prompt_lookup"], help="draft source for --mode spec (default: the one calibration chose, else prompt_lookup)")
+    r.add_argument("--draft", default=None, choices=list(SOURCE_NAMES), help="draft source for --mode spec (default: the one calibration chose, else prompt_lookup)")
     r.add_argument("--draft-len", type=_bounded_int(1, limits.MAX_DRAFT_LEN), default=None, help=f"draft tokens per round, 1..{limits.MAX_DRAFT_LEN} (default: calibrated, else 4)")
     r.add_argument("--backend", default="onnx", help=f"engine backend: {', '.join(BACKEND_NAMES)} (default: onnx)")
     r.add_argument("--provider", default="cpu", choices=["cpu", "cuda", "tensorrt"], help="ONNX Runtime execution provider (default: cpu)")

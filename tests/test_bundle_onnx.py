@@ -89,6 +89,27 @@ def test_streaming_equals_text_and_stop_strings(tiny_bundle: Path) -> None:
         assert cut.stats.stop_reason == "stop"
 
 
+@pytest.mark.parametrize("mode", ["ar", "spec"])
+def test_stream_is_incremental(tiny_bundle: Path, mode: str) -> None:
+    """stream() yields text while decoding: the first piece arrives after a few engine calls,
+    not after all of them, and the pieces are generate()'s text (one loop serves both)."""
+    generator = Generator(tiny_bundle)
+    kwargs = dict(max_new_tokens=24, raw=True, mode=mode, draft="prompt_lookup" if mode == "spec" else None,
+                  sampling=SamplingParams(temperature=1.0, seed=3))  # sampled: the random tiny model rarely stops early
+    full = generator.generate("The quick brown fox", **kwargs)
+    calls = []
+    run = generator.backend.run
+    generator.backend.run = lambda *args: (calls.append(args[0]), run(*args))[1]  # count engine calls
+    pieces = generator.stream("The quick brown fox", **kwargs)
+    assert calls == []  # nothing runs before the caller iterates
+    first = next(pieces)
+    at_first = len(calls)
+    rest = list(pieces)
+    assert first + "".join(rest) == full.text and generator.last_result.tokens == full.tokens
+    assert len(full.tokens) > 8, "the test needs a longer generation"
+    assert at_first < len(calls) and at_first <= len(full.tokens) // 2, (at_first, len(calls))
+
+
 def test_sampling_is_seeded_and_valid(tiny_bundle: Path) -> None:
     generator = Generator(tiny_bundle)
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=20, seed=7)

@@ -1,0 +1,41 @@
+"""Early-exit drafts (LayerSkip): the draft engine runs the kept layers below E plus the exit
+head, T=1 per token, writing those layers' KV rows and saving each exit hidden state (the
+exit query cache); the verify engine runs the layers from E on over the saved hidden states,
+writing the remaining rows of the same positions. Every row is written once. No bonus token
+when all k drafts are accepted (it would cost one more draft call)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from runtimes.drafting.base import DraftSource
+from runtimes.sampling import SamplingParams, probabilities
+
+
+class EarlyExit(DraftSource):
+    name = "early_exit"
+    engines = ("draft", "verify")
+
+    def __init__(self, backend: Any, config: dict[str, Any], model: dict[str, Any], k: int) -> None:
+        super().__init__(backend, config, model, k)
+        self.hidden = np.zeros((1, k, model["hidden_size"]), dtype=np.float32)
+
+    def propose(self, pending: int, context: list[int], k: int, start: int, arena: Any, sampling: SamplingParams,
+                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray]]:
+        graph = self.config["engines"]["draft"]
+        token = np.empty((1, 1), dtype=np.int64)
+        token[0, 0] = pending
+        drafts: list[int] = []
+        rows: list[np.ndarray] = []
+        for j in range(k):
+            out = self.backend.run(graph, token, arena, start + j)
+            self.hidden[0, j] = out.exit_hidden[0, -1]
+            logits = out.logits[0, -1].copy()
+            rows.append(logits)
+            drafts.append(int(np.argmax(logits)) if sampling.greedy else int(rng.choice(logits.size, p=probabilities(logits, sampling))))
+            token[0, 0] = drafts[-1]
+        return drafts, rows
+
+    def verify(self, pending: int, drafts: list[int], start: int, arena: Any) -> Any:
+        return self.backend.run(self.config["engines"]["verify"], self.hidden[:, : len(drafts)], arena, start)
