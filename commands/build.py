@@ -11,7 +11,7 @@ from typing import Any
 from calibration.router_pipeline import THRESHOLD, RouterOptions
 from calibration.speculation import SpeculationOptions
 from commands.options import BuildOptions
-from exporter.backends import preflight
+from exporter.backends import needs_portable_onnx, preflight
 from exporter.build import ExportOptions, build_bundle
 from exporter.bundle_writer import check_output_dir
 from graphs.plan import BuildPlan
@@ -52,7 +52,7 @@ def quantized_gguf(model: str) -> Path | None:
 
 def resolve_quantize(choice: str, model: str, backends: tuple[str, ...], flavour: str) -> tuple[str, Path | None]:
     """`auto` keeps a quantized GGUF's own grid (native) where the fused engines run, else fp32."""
-    portable = flavour == "portable" or "tensorrt" in backends
+    portable = flavour == "portable" or needs_portable_onnx(backends)
     if choice not in ("auto", "native"):
         return choice, None
     source = quantized_gguf(model)

@@ -8,17 +8,21 @@ from typing import Any, TypeVar
 
 from exporter.backends import parse_backends
 
-T = TypeVar("T")
+T = TypeVar("T", bound="Options")
 
 
-def from_namespace(cls: type[T], args: argparse.Namespace, **converted: Any) -> T:
-    """cls(...) from the namespace's attributes of the same names (plus already converted ones)."""
-    values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in converted}  # type: ignore[arg-type]
-    return cls(**values, **converted)
+class Options:
+    """Built from the parsed namespace's attributes of the same names; a subclass converts the
+    ones whose type differs in `from_args`."""
+
+    @classmethod
+    def from_args(cls: type[T], args: argparse.Namespace, **converted: Any) -> T:
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in converted}  # type: ignore[arg-type]
+        return cls(**values, **converted)
 
 
 @dataclass(frozen=True)
-class BuildOptions:
+class BuildOptions(Options):
     model: str
     output: str
     backends: tuple[str, ...] = ("onnx",)
@@ -41,12 +45,12 @@ class BuildOptions:
     seed: int = 0
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "BuildOptions":
-        return from_namespace(cls, args, backends=parse_backends(args.backend))
+    def from_args(cls, args: argparse.Namespace, **converted: Any) -> "BuildOptions":
+        return super().from_args(args, backends=parse_backends(args.backend))
 
 
 @dataclass(frozen=True)
-class RunOptions:
+class RunOptions(Options):
     bundle: str
     prompt: str | None = None
     prompt_file: str | None = None
@@ -69,12 +73,12 @@ class RunOptions:
     prepack: str = "auto"
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "RunOptions":
-        return from_namespace(cls, args, stop=tuple(args.stop))
+    def from_args(cls, args: argparse.Namespace, **converted: Any) -> "RunOptions":
+        return super().from_args(args, stop=tuple(args.stop))
 
 
 @dataclass(frozen=True)
-class CheckOptions:
+class CheckOptions(Options):
     bundle: str
     model: str | None = None
     report: str | None = None
@@ -83,23 +87,15 @@ class CheckOptions:
     new_tokens: int = 16
     tolerance: float = 1.0
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "CheckOptions":
-        return from_namespace(cls, args)
-
 
 @dataclass(frozen=True)
-class InspectOptions:
+class InspectOptions(Options):
     bundle: str
     json: bool = False
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "InspectOptions":
-        return from_namespace(cls, args)
-
 
 @dataclass(frozen=True)
-class BenchOptions:
+class BenchOptions(Options):
     bundle: str
     prompt: str
     max_new_tokens: int = 32
@@ -109,7 +105,3 @@ class BenchOptions:
     threads: int = 0
     prepack: str = "auto"
     json: bool = False
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "BenchOptions":
-        return from_namespace(cls, args)

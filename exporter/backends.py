@@ -28,6 +28,7 @@ class BackendCompiler:
     name: str
     compile: Compile | None  # None: the ONNX export every bundle has
     preflight: Callable[[], None] = lambda: None  # fails fast (before minutes of export) if its tools are missing
+    portable_onnx: bool = False  # builds from the ONNX graphs and parses standard ops only: the bundle's ONNX is portable
 
 
 def _compile_coreml(root: Path, manifest: dict[str, Any], parts: "ModelParts", plan: "BuildPlan", options: "ExportOptions") -> dict[str, Any]:
@@ -51,7 +52,7 @@ def _compile_tensorrt(root: Path, manifest: dict[str, Any], parts: "ModelParts",
 COMPILERS: dict[str, BackendCompiler] = {c.name: c for c in (
     BackendCompiler("onnx", None),
     BackendCompiler("coreml", _compile_coreml, _preflight_coreml),
-    BackendCompiler("tensorrt", _compile_tensorrt),
+    BackendCompiler("tensorrt", _compile_tensorrt, portable_onnx=True),
 )}
 if set(COMPILERS) != set(BACKEND_NAMES):  # pragma: no cover - a registration mistake, caught by any import
     raise RuntimeError(f"exporter backends {sorted(COMPILERS)} differ from the runtime's {sorted(BACKEND_NAMES)}")
@@ -64,6 +65,11 @@ def parse_backends(text: str) -> tuple[str, ...]:
     if not names or unknown:
         raise UsageError(f"unknown backend {unknown[0] if unknown else text!r}", f"use a comma-separated list of: {', '.join(COMPILERS)}")
     return names
+
+
+def needs_portable_onnx(backends: tuple[str, ...]) -> bool:
+    """Whether a backend of the build forces the portable ONNX flavour."""
+    return any(COMPILERS[name].portable_onnx for name in backends)
 
 
 def preflight(backends: tuple[str, ...]) -> None:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import onnx
 from tqdm import tqdm
 
-from exporter.backends import COMPILERS
+from exporter.backends import COMPILERS, needs_portable_onnx
 from exporter.onnx_export import OPSET, export_graph
 from exporter.tokenizer_export import chat_format, save_tokenizer, special_tokens
 from exporter.weights import WeightStore, canonicalize_names, externalize
@@ -160,7 +160,7 @@ def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: ExportOptions, p
     if "onnx" not in options.backends:
         raise UsageError("every bundle needs the onnx backend (the reference the others are checked and built from)", "add onnx to --backend, e.g. --backend onnx,coreml")
     parts = parts or ModelParts(loaded.hf_model, loaded.spec)
-    flavour = "portable" if "tensorrt" in options.backends else options.onnx_flavour
+    flavour = "portable" if needs_portable_onnx(options.backends) else options.onnx_flavour
     graphs = flavoured(plan.graphs(), flavour)
     with staging_dir(options.output, options.force) as root:
         backends = {"onnx": export_onnx(root, parts, graphs, options.progress, options.quantize, options.quant_options, options.max_len,
