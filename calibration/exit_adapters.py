@@ -1,4 +1,5 @@
-"""Fit exit adapters so that head(adapter(h_E)) imitates the full model (DESIGN.md section 5).
+"""Fit exit adapters so that head(adapter(h_E)) imitates the full model (docs/architecture.md
+sections 2 "Exit adapters" and 5).
 
 Why: on a model not trained for early exit, the shared head on layer E's hidden state
 rarely agrees with the last layer, so early-exit drafts are mostly rejected. A small

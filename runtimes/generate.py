@@ -4,6 +4,9 @@ Prefill always runs every layer and (when the bundle has routers) returns each r
 sequence-mean score; the configuration is then fixed for the whole sequence, so every
 kept layer has KV for every earlier position. Decoding is autoregressive here; the
 self-speculative loop lives in runtimes/speculative.py and shares this state.
+
+The loop is one generator (`_loop`): `stream()` hands it to the caller, who gets each piece
+of text as its token is decoded, and `generate()` consumes it (docs/architecture.md section 6).
 """
 from __future__ import annotations
 

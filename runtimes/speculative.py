@@ -1,4 +1,4 @@
-"""Self-speculative decoding on the shared KV arena (docs/architecture.md, "KV arena" and "Seams").
+"""Self-speculative decoding on the shared KV arena (docs/architecture.md sections 4 and 5).
 
 One round, with L = arena.length and `pending` the newest token (emitted, not cached):
 1. a draft source proposes up to k tokens d1..dk after `pending`;

@@ -1,4 +1,4 @@
-"""The draft-source protocol of self-speculative decoding (docs/architecture.md, "Seams").
+"""The draft-source protocol of self-speculative decoding (docs/architecture.md section 7).
 
 A draft source proposes up to k tokens after `pending` and runs the verify pass that scores
 them; the speculative loop (runtimes/speculative.py) owns everything else: acceptance
