@@ -1,10 +1,8 @@
-"""The packages import only downwards (docs/architecture.md, "Layers"):
-
-    commands  ->  exporter, calibration  ->  loading  ->  graphs
-                         \\____________________\\__________->  runtimes (imports nothing of the project but itself)
-
-exporter and calibration never import each other; only commands joins them. Checked on the
-source with `ast`, so lazy imports inside functions count too.
+"""The packages import only downwards (docs/architecture.md section 1): commands may import
+everything; exporter and calibration import graphs, loading and runtimes but never each
+other (only commands joins them); loading imports graphs and runtimes; graphs nothing of
+the project; runtimes only itself. Checked on the source with `ast`, so lazy imports inside
+functions count too.
 """
 from __future__ import annotations
 
