@@ -5,3 +5,6 @@ the layers below it: `exporter` (graphs -> engines -> bundle), `calibration` (wh
 an engine) and `runtimes` (running a bundle). It is the only package that may import all of
 them; `run`, `inspect` and `bench` import only the runtime, so they work without torch.
 """
+
+# exit codes: success; `check` found a mismatch; bad usage or input (one `error: ... Fix: ...` line)
+EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2

@@ -10,6 +10,7 @@ from typing import Any
 
 from calibration.router_pipeline import THRESHOLD, RouterOptions
 from calibration.speculation import SpeculationOptions
+from commands import EXIT_OK
 from commands.options import BuildOptions
 from exporter.backends import needs_portable_onnx, preflight
 from exporter.build import ExportOptions, build_bundle
@@ -121,4 +122,4 @@ def cmd_build(options: BuildOptions) -> int:
     onnx_entry = manifest["backends"]["onnx"]
     print(f"wrote {options.output}: {len(manifest['graphs'])} graphs, {len(manifest['configs'])} configurations, "
           f"weights {onnx_entry['weight_bytes'] / 1e6:.1f} MB stored once")
-    return 0
+    return EXIT_OK

@@ -5,11 +5,11 @@ import math
 import os
 from pathlib import Path
 
+from commands import EXIT_MISMATCH, EXIT_OK
 from commands.options import CheckOptions
 from loading.prompts import read_prompts
 from runtimes.errors import UsageError
 
-EXIT_OK, EXIT_MISMATCH = 0, 1
 MAX_TOLERANCE = 100.0  # `check --tolerance`: a larger factor would no longer gate anything
 
 

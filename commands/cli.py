@@ -15,13 +15,13 @@ import os
 import sys
 from typing import Any, Sequence
 
+from commands import EXIT_OK, EXIT_USAGE
 from commands.check import MAX_TOLERANCE
 from runtimes import limits
 from runtimes.backends import BACKEND_NAMES
 from runtimes.drafting import SOURCE_NAMES
 from runtimes.errors import UsageError
 
-EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
 
 
 class _Parser(argparse.ArgumentParser):

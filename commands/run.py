@@ -6,6 +6,7 @@ import logging
 import sys
 from typing import Any
 
+from commands import EXIT_OK
 from commands.options import BenchOptions, InspectOptions, RunOptions
 from loading.prompts import read_prompt_file
 from runtimes import limits
@@ -42,7 +43,7 @@ def cmd_run(options: RunOptions) -> int:
         s = result.stats
         logging.getLogger("adaptive-export").info("%d tokens, prefill %.1f ms, TPOT %.2f ms, config %s (%d layers skipped), mode %s",
                                                   s.new_tokens, s.prefill_ms, s.tpot_ms, s.config, s.skipped_layers, s.mode)
-    return 0
+    return EXIT_OK
 
 
 def cmd_inspect(options: InspectOptions) -> int:
@@ -50,7 +51,7 @@ def cmd_inspect(options: InspectOptions) -> int:
 
     info = describe(options.bundle)
     print(json.dumps(info, indent=2) if options.json else render(info))
-    return 0
+    return EXIT_OK
 
 
 def cmd_bench(options: BenchOptions) -> int:
@@ -64,4 +65,4 @@ def cmd_bench(options: BenchOptions) -> int:
     else:
         for key, value in rows.items():
             print(f"{key:16} {value}")
-    return 0
+    return EXIT_OK
