@@ -50,7 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     pin_threads(args.threads)
 
-    from exporter.model_loading import load_model
+    from loading.model import load_model
     from runtimes import Generator
 
     generator = Generator(Path(args.bundle), threads=args.threads)

@@ -38,7 +38,7 @@ def parse_args() -> argparse.Namespace:
 
 def best_speedup(measured: dict[str, Any], exit_layer: int, layers: int) -> tuple[int, float, float]:
     """(k, tokens per round, expected speed-up) of the best draft length at this exit."""
-    from calibration.speculation import early_exit_speedup
+    from calibration.draft_sources import early_exit_speedup
 
     rows = [(int(key.split(":")[1]), tokens) for key, tokens in measured["early_exit_tokens_per_round"].items()
             if int(key.split(":")[0]) == exit_layer]
@@ -54,8 +54,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from calibration.exit_adapters import fit_exit_adapters, greedy_runs, is_held_out
     from calibration.measure import measure_speculation
-    from exporter.cli import read_prompts
-    from exporter.model_loading import load_model
+    from loading.prompts import read_prompts
+    from loading.model import load_model
 
     loaded = load_model(args.model)
     layers = loaded.spec.num_layers

@@ -36,7 +36,7 @@ def main() -> None:
     from onnx import TensorProto, helper, numpy_helper
 
     from exporter import gguf_native as gn
-    from exporter.model_loading import smollm2_gguf_path
+    from loading.model import smollm2_gguf_path
 
     reader = gguf.GGUFReader(smollm2_gguf_path())
     nl = gn.native_linear(reader, [args.tensor], [None])

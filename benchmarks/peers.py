@@ -112,7 +112,7 @@ def _hf_runner(model: Any, new_tokens: int) -> tuple[Runner, Forced]:
 def contender_hf(ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str) -> tuple[Runner, Forced]:
     import torch
 
-    from exporter.model_loading import load_model
+    from loading.model import load_model
 
     torch.set_num_threads(threads)
     return _hf_runner(load_model("smollm2").hf_model, new_tokens)
@@ -136,7 +136,7 @@ def contender_llamacpp(ref: dict[str, Any], threads: int, new_tokens: int, work:
     import numpy as np
     from llama_cpp import Llama
 
-    from exporter.model_loading import smollm2_gguf_path
+    from loading.model import smollm2_gguf_path
 
     path = str(smollm2_gguf_path())
     common = {"model_path": path, "n_ctx": 1024, "n_threads": threads, "n_threads_batch": threads, "n_batch": 512, "verbose": False}
@@ -259,7 +259,7 @@ def compute_reference(prompts: list[str], new_tokens: int, out: Path) -> None:
     import transformers
 
     from exporter.check import reference_greedy, top2_margin
-    from exporter.model_loading import load_model
+    from loading.model import load_model
 
     loaded = load_model("smollm2")
     ids = []
@@ -281,7 +281,7 @@ def save_hf_dir(out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from exporter.model_loading import resolve_model_path
+    from loading.model import resolve_model_path
 
     directory, gguf = resolve_model_path("smollm2")
     tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf, local_files_only=True)

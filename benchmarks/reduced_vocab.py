@@ -53,7 +53,7 @@ def main() -> None:
     import torch
 
     from calibration.measure import greedy_sequence
-    from exporter.model_loading import load_model
+    from loading.model import load_model
 
     torch.set_num_threads(args.threads)
     loaded = load_model("smollm2")

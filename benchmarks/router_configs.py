@@ -33,13 +33,13 @@ PROBE_KEPT = (24, 18, 12, 1)
 
 def build_probe_bundle(out: Path, max_len: int = 512) -> Path:
     """A SmolLM2 bundle with configurations keeping the first k layers, for k in PROBE_KEPT."""
-    from exporter.build import BuildOptions, build_bundle
-    from exporter.model_loading import load_model
+    from exporter.build import ExportOptions, build_bundle
+    from loading.model import load_model
     from graphs.plan import BuildPlan, SkipConfig
 
     loaded = load_model("smollm2")
     configs = [SkipConfig(f"k{k}", tuple(range(k))) for k in PROBE_KEPT]
-    build_bundle(loaded, BuildPlan(loaded.spec.num_layers, configs=configs), BuildOptions(output=out, max_len=max_len))
+    build_bundle(loaded, BuildPlan(loaded.spec.num_layers, configs=configs), ExportOptions(output=out, max_len=max_len))
     return out
 
 

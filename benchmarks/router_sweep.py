@@ -57,7 +57,7 @@ def main() -> None:
                         help="only print the teacher-forced top-1 agreement on the calibration prompts when decoding skips each single layer")
     args = parser.parse_args()
     pin_threads(args.threads)
-    from exporter.model_loading import load_model
+    from loading.model import load_model
 
     loaded = load_model("smollm2")
     model = GatedModel(loaded).eval()

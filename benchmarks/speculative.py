@@ -80,7 +80,7 @@ def main() -> None:
     sets = {"chat": load_prompts(DEFAULT_PROMPTS, args.prompts), "rewrite": rewrite_prompts()[: args.prompts]}
     hf_model = None
     if not args.no_hf and exit_layer:
-        from exporter.model_loading import load_model
+        from loading.model import load_model
 
         hf_model = load_model("smollm2").hf_model
     rows = []

@@ -1,4 +1,5 @@
-"""Choose which skip configurations get a decode engine (DESIGN.md sections 3 and 5).
+"""Choose which skip configurations get a decode engine (docs/architecture.md section 2,
+"Skip configurations and the superset rule").
 
 At run time a sequence uses the cheapest compiled configuration whose kept set contains
 every layer its routers kept (the superset rule; the full model always qualifies). So a

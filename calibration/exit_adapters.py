@@ -1,4 +1,5 @@
-"""Fit exit adapters so that head(adapter(h_E)) imitates the full model (DESIGN.md section 5).
+"""Fit exit adapters so that head(adapter(h_E)) imitates the full model (docs/architecture.md
+sections 2 "Exit adapters" and 5).
 
 Why: on a model not trained for early exit, the shared head on layer E's hidden state
 rarely agrees with the last layer, so early-exit drafts are mostly rejected. A small
@@ -224,7 +225,7 @@ def resolve_exit_adapters(option: str, loaded: Any, exit_layers: Sequence[int], 
     """`--exit-adapter fit|FILE`: fit adapters for `exit_layers`, or load them from a safetensors file."""
     if option == "fit":
         return fit_exit_adapters(loaded, prompts, exit_layers, seed=seed, progress=progress, runs=runs)
-    from calibration.artifacts import load_adapters
+    from loading.artifacts import load_adapters
 
     spec = loaded.spec
     adapters = load_adapters(Path(option), spec.hidden_size, spec.rms_norm_eps, spec.num_layers)

@@ -21,6 +21,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from calibration.draft_sources import MEASURES
+from runtimes.drafting import FREE_SOURCE
+
 PREFIX_TOKENS = 64  # a typical chat prompt plus some generated tokens
 REPEATS = 7
 MIN_SPEEDUP = 1.05  # below this, auto keeps plain decoding: not worth the variance
@@ -93,36 +96,14 @@ def measure_precision_acceptance(bundle_dir: Path, prompts: list[str], max_k: in
 def choose_measured(measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None) -> dict[str, Any]:
     """Expected speed-up over plain decoding per (source, k) from acceptance x measured latency.
 
-    Prompt lookup: a round with drafts costs one decode pass at T = k + 1 (drafts plus the
-    bonus position), a round without costs a T = 1 pass. Early exit: k draft calls plus one
-    verify pass at T = k. Precision: k precision-draft calls plus one decode pass at T = k + 1. Speed-up = tokens per round x (T=1 decode ms) / round ms.
+    Each source prices its rounds (calibration/draft_sources.py): prompt lookup one decode pass
+    at T = k + 1 (drafts plus the bonus position) or a T = 1 pass without drafts; early exit k
+    draft calls plus one verify pass at T = k; precision k precision-draft calls plus one decode
+    pass at T = k + 1. Speed-up = tokens per round x (T=1 decode ms) / round ms.
     """
-    step = latencies["decode_ms"][1]
-    candidates = []
-    hit_rate = measured["prompt_lookup_hit_rate"]
-    for k_text, tokens in measured["prompt_lookup_tokens_per_round"].items():
-        k, hits = int(k_text), hit_rate.get(k_text, 1.0)
-        if k + 1 not in latencies["decode_ms"]:
-            continue
-        round_ms = hits * latencies["decode_ms"][k + 1] + (1 - hits) * step
-        candidates.append({"source": "prompt_lookup", "draft_len": k, "tokens_per_round": tokens, "round_ms": round(round_ms, 3),
-                           "expected_speedup": round(tokens * step / round_ms, 3)})
-    if exit_layer is not None and "draft_ms" in latencies:
-        for key, tokens in measured["early_exit_tokens_per_round"].items():
-            e, k = (int(x) for x in key.split(":"))
-            if e != exit_layer or k not in latencies["verify_ms"]:
-                continue
-            round_ms = k * latencies["draft_ms"] + latencies["verify_ms"][k]
-            candidates.append({"source": "early_exit", "exit_layer": e, "draft_len": k, "tokens_per_round": tokens,
-                               "round_ms": round(round_ms, 3), "expected_speedup": round(tokens * step / round_ms, 3)})
-    for k_text, measured_k in (measured.get("precision") or {}).get("per_k", {}).items():
-        k = int(k_text)
-        if "precision_draft_ms" not in latencies or k + 1 not in latencies["decode_ms"]:
-            continue
-        round_ms = k * latencies["precision_draft_ms"] + latencies["decode_ms"][k + 1]
-        tokens = measured_k["tokens_per_round"]
-        candidates.append({"source": "precision", "draft_len": k, "tokens_per_round": tokens, "acceptance": measured_k["acceptance"],
-                           "round_ms": round(round_ms, 3), "expected_speedup": round(tokens * step / round_ms, 3)})
+    # the free source (no engines of its own) first: it wins ties
+    measures = sorted(MEASURES.values(), key=lambda measure: measure.name != FREE_SOURCE)
+    candidates = [c for measure in measures for c in measure.latency_candidates(measured, latencies, exit_layer)]
     best = max(candidates, key=lambda c: c["expected_speedup"])
     by_source = {source: max((c for c in candidates if c["source"] == source), key=lambda c: c["expected_speedup"])
                  for source in {c["source"] for c in candidates}}

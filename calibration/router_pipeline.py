@@ -1,19 +1,19 @@
 """`build --routers train|FILE`: routers, the configurations worth an engine, and what was measured."""
 from __future__ import annotations
 
-import argparse
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
 
-from calibration.artifacts import load_routers, routers_bytes, ROUTERS_FILE
 from calibration.configs import choose_configs, layers_saved, served_share
 from calibration.measure import calibration_prompts, greedy_sequence
 from calibration.routers import (DEFAULT_LAMBDA, LEARNING_RATE, THRESHOLD, GatedModel, TrainingSequence, continuation_agreement,
                                  kept_by_routers, train_routers)
 from graphs.plan import SkipConfig
+from loading.artifacts import ROUTERS_FILE, load_routers, routers_bytes
 from runtimes.errors import UsageError
 
 CONTINUATION_TOKENS = 24
@@ -24,33 +24,46 @@ DEFAULT_MIN_AGREEMENT = 0.8
 log = logging.getLogger(__name__)
 
 
-def plan_routers(args: argparse.Namespace, loaded: Any) -> tuple[Any, list[SkipConfig], dict[str, Any], dict[str, bytes]]:
+@dataclass(frozen=True)
+class RouterOptions:
+    """What `build --routers ...` asks of router calibration."""
+
+    routers: str  # "train", or a routers .safetensors file
+    calib: str | None = None  # calibration prompts (JSONL); None: the built-in set
+    max_configs: int = 3
+    router_lambda: float | None = None  # None: DEFAULT_LAMBDA
+    router_lr: float | None = None  # None: LEARNING_RATE
+    min_config_agreement: float | None = None  # None: DEFAULT_MIN_AGREEMENT
+    seed: int = 0
+
+
+def plan_routers(options: RouterOptions, loaded: Any) -> tuple[Any, list[SkipConfig], dict[str, Any], dict[str, bytes]]:
     spec = loaded.spec
-    prompts = calibration_prompts(args.calib)
-    lam = DEFAULT_LAMBDA if args.router_lambda is None else args.router_lambda
+    prompts = calibration_prompts(options.calib)
+    lam = DEFAULT_LAMBDA if options.router_lambda is None else options.router_lambda
     if lam < 0:
         raise UsageError(f"--router-lambda {lam} is negative", "use 0 or a positive sparsity weight such as 0.02")
     sequences = [TrainingSequence(*greedy_sequence(loaded, p, CONTINUATION_TOKENS))
                  for p in tqdm(prompts, desc="calibration continuations", unit="prompt")]
     report: dict[str, Any] = {"prompts": len(prompts), "threshold": THRESHOLD}
-    if args.routers == "train":
-        lr = getattr(args, "router_lr", None) or LEARNING_RATE
+    if options.routers == "train":
+        lr = options.router_lr or LEARNING_RATE
         if lr <= 0:
             raise UsageError(f"--router-lr {lr} is not positive", "use a learning rate such as 5e-3")
-        result = train_routers(loaded, sequences, lam=lam, seed=args.seed, lr=lr)
+        result = train_routers(loaded, sequences, lam=lam, seed=options.seed, lr=lr)
         routers = result.routers
-        report["training"] = {"lambda": lam, "learning_rate": lr, "epochs": result.epochs, "seconds": round(result.seconds, 1), "seed": args.seed,
+        report["training"] = {"lambda": lam, "learning_rate": lr, "epochs": result.epochs, "seconds": round(result.seconds, 1), "seed": options.seed,
                               "loss_first_epoch": round(result.loss_first, 4), "loss_last_epoch": round(result.loss_last, 4),
                               "mean_p_last": round(result.mean_p_last, 4)}
     else:
-        routers = load_routers(args.routers, spec.num_layers, spec.hidden_size)
-        report["training"] = {"loaded_from": str(args.routers)}
+        routers = load_routers(options.routers, spec.num_layers, spec.hidden_size)
+        report["training"] = {"loaded_from": str(options.routers)}
     histogram: Counter[frozenset[int]] = Counter()
     for seq in sequences:
         histogram[kept_by_routers(loaded, routers, seq.ids[: seq.prompt_len])] += 1
-    floor = getattr(args, "min_config_agreement", None)
+    floor = options.min_config_agreement
     quality = QualityFloor(loaded, sequences, DEFAULT_MIN_AGREEMENT if floor is None else floor)
-    chosen = choose_configs(histogram, spec.num_layers, args.max_configs, acceptable=quality.passes)
+    chosen = choose_configs(histogram, spec.num_layers, options.max_configs, acceptable=quality.passes)
     floor_report = quality.report()
     if dropped := floor_report["dropped"]:
         log.warning("%d candidate skip configuration(s) fell below the quality floor %.2f (agreement %s) and got no engine",
@@ -62,7 +75,7 @@ def plan_routers(args: argparse.Namespace, loaded: Any) -> tuple[Any, list[SkipC
         "histogram": [{"kept": sorted(k), "skipped": spec.num_layers - len(k), "count": n} for k, n in histogram.most_common()],
         "chosen": [{"id": ids[k], "kept": sorted(k), "skipped": spec.num_layers - len(k), "share": round(v, 4)} for k, v in shares.items()],
         "expected_layers_saved_per_prompt": round(layers_saved(histogram, chosen, spec.num_layers) / max(len(sequences), 1), 3),
-        "max_configs": args.max_configs,
+        "max_configs": options.max_configs,
         "quality": floor_report,
         "rule": "superset: cheapest compiled configuration containing every kept layer; full always compiled",
     }

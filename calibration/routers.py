@@ -1,4 +1,4 @@
-"""Train FiRST routers with the model frozen (DESIGN.md section 2).
+"""Train FiRST routers with the model frozen (docs/architecture.md section 2, "Routers").
 
 p_i is the mean over the prompt's tokens of sigmoid(w_i . x_t) on layer i's input: the
 statistic the prefill graph emits and the runtime thresholds. The loss is next-token
@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from graphs.adaptive import Routers
-from graphs.layers import Head, Rotary, StaticDecoderLayer, causal_mask
+from graphs.layers import DecoderStack
 
 DEFAULT_LAMBDA = 0.02
 WEIGHT_DECAY = 1e-4
@@ -55,46 +55,40 @@ class RouterTrainingResult:
     mean_p_last: float
 
 
-class GatedModel(torch.nn.Module):
+class GatedModel(DecoderStack):
     """The frozen decoder with FiRST gates on continuation rows; returns logits and the p_i."""
 
     def __init__(self, loaded: Any) -> None:
-        super().__init__()
-        hf, spec = loaded.hf_model, loaded.spec
-        self.spec = spec
-        self.embed = hf.model.embed_tokens
-        self.rotary = Rotary(hf.model.rotary_emb)
-        self.layers = torch.nn.ModuleList(StaticDecoderLayer(layer, spec) for layer in hf.model.layers)
-        self.head = Head(hf, spec)
+        super().__init__(loaded.hf_model, loaded.spec, range(loaded.spec.num_layers))
 
     def layer_inputs(self, ids: list[int]) -> list[torch.Tensor]:
         """Input of every layer for an ungated forward pass (for router initialisation)."""
-        x, cos, sin, mask, empty = self._start(ids)
+        x, frame, empty = self._start(ids)
         inputs = []
         with torch.no_grad():
-            for layer in self.layers:
+            for layer, step in zip(self.layers, frame):
                 inputs.append(x)
-                x, _, _ = layer(x, empty, empty, cos, sin, mask)
+                x, _, _ = layer(x, empty, empty, *step)
         return inputs
 
     def forward(self, ids: list[int], prompt_len: int, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """weight: the [L, H] router matrix (a tensor, so training can reparametrise it)."""
-        x, cos, sin, mask, empty = self._start(ids)
+        x, frame, empty = self._start(ids)
         is_prompt = (torch.arange(len(ids)) < prompt_len)[:, None]
         scores = []
         for index, layer in enumerate(self.layers):
             p = torch.sigmoid(x[:prompt_len] @ weight[index]).mean()
             gate = (p >= THRESHOLD).float() + p - p.detach()  # hard decision forward, soft gradient backward
-            out, _, _ = layer(x, empty, empty, cos, sin, mask)
+            out, _, _ = layer(x, empty, empty, *frame[index])
             x = torch.where(is_prompt, out, gate * out + (1 - gate) * x)
             scores.append(p)
         return self.head(x), torch.stack(scores)
 
-    def _start(self, ids: list[int]) -> tuple[torch.Tensor, ...]:
-        x = self.embed(torch.tensor(ids))
-        cos, sin = self.rotary(0, len(ids))
+    def _start(self, ids: list[int]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]], torch.Tensor]:
+        """(embeddings, each layer's (cos, sin, mask), an empty KV prefix) for a fresh pass over ids."""
+        x = self.embed_ids(torch.tensor(ids))
         empty = torch.zeros(0, self.spec.num_kv_heads, self.spec.head_dim)
-        return x, cos, sin, causal_mask(0, len(ids)), empty
+        return x, self.frame(0, len(ids)), empty
 
 
 def input_statistics(model: GatedModel, sequences: list[TrainingSequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,11 +155,11 @@ def train_routers(loaded: Any, sequences: list[TrainingSequence], lam: float = D
 def skipping_logits(model: GatedModel, ids: list[int], prompt_len: int, kept: AbstractSet[int]) -> torch.Tensor:
     """Logits where rows after the prompt bypass the layers outside `kept`: the runtime's
     semantics (prefill runs every layer, decode skips), in one teacher-forced pass."""
-    x, cos, sin, mask, empty = model._start(ids)
+    x, frame, empty = model._start(ids)
     is_prompt = (torch.arange(len(ids)) < prompt_len)[:, None]
     with torch.no_grad():
         for index, layer in enumerate(model.layers):
-            out, _, _ = layer(x, empty, empty, cos, sin, mask)
+            out, _, _ = layer(x, empty, empty, *frame[index])
             x = out if index in kept else torch.where(is_prompt, out, x)
         return model.head(x)
 

@@ -15,18 +15,17 @@ milliseconds (calibration/latency.py); everything measured goes to calibration.j
 """
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from calibration.artifacts import ADAPTERS_FILE, adapters_bytes
+from calibration.draft_sources import MAX_DRAFT, MEASURES
 from calibration.exit_adapters import ExitAdapterFit, candidate_exits, greedy_runs, resolve_exit_adapters
 from calibration.latency import MIN_SPEEDUP, choose_measured, measure_engine_latencies, measure_precision_acceptance, verify_costs
-from calibration.measure import MAX_DRAFT, calibration_prompts, measure_speculation
+from calibration.measure import calibration_prompts, measure_speculation
 from graphs.plan import ExitPlan
+from loading.artifacts import ADAPTERS_FILE, adapters_bytes
 from runtimes.errors import UsageError
 
 DEFAULT_CALIB_TOKENS = 32
@@ -45,21 +44,30 @@ def parse_forced(text: str, num_layers: int) -> tuple[int, int]:
     return exit_layer, k
 
 
-def plan_speculation(option: str, loaded: Any, parts: Any, args: argparse.Namespace
-                     ) -> tuple[ExitPlan, dict[str, Any], dict[str, Any], dict[str, bytes]]:
+@dataclass(frozen=True)
+class SpeculationOptions:
+    """What `build --speculate ...` asks of speculation calibration."""
+
+    speculate: str  # "auto", or "E:k"
+    exit_adapter: str = "none"  # none | fit | an exit_adapters.safetensors file
+    calib: str | None = None  # calibration prompts (JSONL); None: the built-in set
+    seed: int = 0
+
+
+def plan_speculation(options: SpeculationOptions, loaded: Any, parts: Any) -> tuple[ExitPlan, dict[str, Any], dict[str, Any], dict[str, bytes]]:
     """ExitPlan, manifest `speculation`, calibration.json entries and extra bundle files.
 
     With `--exit-adapter fit|FILE` the early-exit candidates are the adapters' exits, their
     drafts are simulated through the adapter, and the chosen exit's adapter is shipped.
     """
     spec = loaded.spec
-    adapter_option = getattr(args, "exit_adapter", None) or "none"
+    option, adapter_option = options.speculate, options.exit_adapter or "none"
     if option != "auto":
         exit_layer, k = parse_forced(option, spec.num_layers)
         fit = None
         if adapter_option != "none":
-            prompts = calibration_prompts(getattr(args, "calib", None)) if adapter_option == "fit" else []
-            fit = resolve_exit_adapters(adapter_option, loaded, [exit_layer], prompts, None, args.seed)
+            prompts = calibration_prompts(options.calib) if adapter_option == "fit" else []
+            fit = resolve_exit_adapters(adapter_option, loaded, [exit_layer], prompts, None, options.seed)
             require_adapter(fit, exit_layer, adapter_option)
         adapter, files = ship_adapter(fit, exit_layer, parts)
         manifest = {"source": "early_exit", "exit_layer": exit_layer, "early_exit": {"draft_len": k}, "adapter": adapter,
@@ -68,20 +76,19 @@ def plan_speculation(option: str, loaded: Any, parts: Any, args: argparse.Namesp
         if fit is not None:
             calibration["exit_adapters"] = {**fit.report, "shipped": exit_layer}
         return ExitPlan(exit_layer, k, adapter=adapter), manifest, {"speculation": calibration}, files
-    prompts = calibration_prompts(getattr(args, "calib", None))
+    prompts = calibration_prompts(options.calib)
     fit, runs = None, None
     if adapter_option != "none":
         runs = greedy_runs(loaded, prompts, DEFAULT_CALIB_TOKENS)
-        fit = resolve_exit_adapters(adapter_option, loaded, candidate_exits(spec.num_layers), prompts, runs, args.seed)
+        fit = resolve_exit_adapters(adapter_option, loaded, candidate_exits(spec.num_layers), prompts, runs, options.seed)
     measured = measure_speculation(loaded, parts, prompts, DEFAULT_CALIB_TOKENS, adapters=fit.adapters if fit else None, runs=runs)
     choice = choose(measured, spec)
     early = choice["best_early_exit"]  # draft/verify engines are built for the best early exit either way
-    lookup = choice["best_prompt_lookup"]
     adapter, files = ship_adapter(fit, early["exit_layer"], parts)
     manifest = {"source": choice["source"], "auto_enabled": choice["auto_enabled"], "expected_speedup": choice["expected_speedup"],
                 "exit_layer": early["exit_layer"], "adapter": adapter, "chosen_by": "calibration (--speculate auto)",
-                "early_exit": {"draft_len": early["draft_len"], "expected_speedup": early["expected_speedup"]},
-                "prompt_lookup": {"draft_len": lookup["draft_len"], "expected_speedup": lookup["expected_speedup"]}}
+                **{source: {"draft_len": choice[f"best_{source}"]["draft_len"], "expected_speedup": choice[f"best_{source}"]["expected_speedup"]}
+                   for source in MEASURES if f"best_{source}" in choice}}
     calibration = {**measured, "choice": choice}
     if fit is not None:
         calibration["exit_adapters"] = {**fit.report, "shipped": early["exit_layer"]}
@@ -103,13 +110,6 @@ def ship_adapter(fit: ExitAdapterFit | None, exit_layer: int, parts: Any) -> tup
     return True, {ADAPTERS_FILE: adapters_bytes({exit_layer: adapter})}
 
 
-def early_exit_speedup(tokens_per_round: float, exit_layer: int, k: int, layers: int, head: float, adapter: float = 0.0) -> float:
-    """Tokens per round over the round's cost, k draft steps (E layers + adapter + head) and one
-    verify pass (L - E layers + head), against a full step (L layers + head)."""
-    cost = k * (exit_layer + head + adapter) + (layers - exit_layer + head)
-    return round(tokens_per_round * (layers + head) / cost, 3)
-
-
 def choose(measured: dict[str, Any], spec: Any) -> dict[str, Any]:
     """Best expected speed-up over plain decoding among early exit (E, k) and prompt lookup (k).
 
@@ -119,19 +119,12 @@ def choose(measured: dict[str, Any], spec: Any) -> dict[str, Any]:
     """
     layers, head = spec.num_layers, measured["head_cost_layers"]
     adapter = measured.get("adapter_cost_layers", 0.0)  # a draft step through the exit adapter
-    candidates = []
-    for key, tokens in measured["early_exit_tokens_per_round"].items():
-        e, k = (int(x) for x in key.split(":"))
-        candidates.append({"source": "early_exit", "exit_layer": e, "draft_len": k, "tokens_per_round": tokens,
-                           "expected_speedup": early_exit_speedup(tokens, e, k, layers, head, adapter)})
-    for k_text, tokens in measured["prompt_lookup_tokens_per_round"].items():
-        candidates.append({"source": "prompt_lookup", "exit_layer": None, "draft_len": int(k_text), "tokens_per_round": tokens,
-                           "expected_speedup": round(tokens, 3)})
+    candidates = [c for measure in MEASURES.values() for c in measure.cost_candidates(measured, layers, head, adapter)]
     best = max(candidates, key=lambda c: c["expected_speedup"])
     by_source = {source: max((c for c in candidates if c["source"] == source), key=lambda c: c["expected_speedup"])
-                 for source in ("early_exit", "prompt_lookup")}
-    return {**best, "auto_enabled": best["expected_speedup"] > MIN_SPEEDUP, "best_early_exit": by_source["early_exit"],
-            "best_prompt_lookup": by_source["prompt_lookup"], "candidates": len(candidates)}
+                 for source in MEASURES if any(c["source"] == source for c in candidates)}
+    return {**best, "auto_enabled": best["expected_speedup"] > MIN_SPEEDUP, **{f"best_{s}": c for s, c in by_source.items()},
+            "candidates": len(candidates)}
 
 
 def finalize_with_latencies(root: Path, manifest: dict[str, Any], calibration: dict[str, Any], prompts: list[str] | None = None) -> None:

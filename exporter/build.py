@@ -10,13 +10,14 @@ from typing import Any, Callable
 import onnx
 from tqdm import tqdm
 
-from exporter.model_loading import LoadedModel
+from exporter.backends import COMPILERS, needs_portable_onnx
 from exporter.onnx_export import OPSET, export_graph
 from exporter.tokenizer_export import chat_format, save_tokenizer, special_tokens
 from exporter.weights import WeightStore, canonicalize_names, externalize
 from graphs.fused_graph import packed_weights
 from graphs.plan import FULL_CONFIG, BuildPlan
 from graphs.span_graph import GraphSpec, ModelParts
+from loading.model import LoadedModel
 from runtimes.errors import UsageError
 from runtimes.manifest import FORMAT, SCHEMA_VERSION
 
@@ -24,16 +25,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_LEN = 2048
 WEIGHTS_FILE = "weights.bin"
-SUPPORTED_BACKENDS = ("onnx", "coreml", "tensorrt")
 ONNX_FLAVOURS = ("ort", "portable")
-
-# Backend compilers register here (name -> function(bundle_dir, manifest, parts, plan) -> entry).
-BackendCompiler = Callable[[Path, dict[str, Any], ModelParts, BuildPlan], dict[str, Any]]
-EXTRA_BACKENDS: dict[str, BackendCompiler] = {}
 
 
 @dataclass
-class BuildOptions:
+class ExportOptions:
+    """How to export and write one bundle (what `build` decided after calibration)."""
+
     output: Path
     backends: tuple[str, ...] = ("onnx",)
     max_len: int = DEFAULT_MAX_LEN
@@ -49,6 +47,8 @@ class BuildOptions:
     # graphs TensorRT parses (a build with the tensorrt backend is always portable).
     onnx_flavour: str = "ort"
     native_source: Path | None = None  # the quantized .gguf whose blocks --quantize native keeps
+    coreml_precision: str = "float16"
+    trt_precision: str = "fp16"
     # Runs on the staged bundle (provisional manifest written) before the final manifest:
     # calibration times the real engines here and may update manifest and calibration.json.
     after_export: Callable[[Path, dict[str, Any]], None] | None = None
@@ -174,17 +174,17 @@ def _apply_precision(model: onnx.ModelProto, graph: GraphSpec, quantize: str, qu
     return model
 
 
-def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: BuildOptions, parts: ModelParts | None = None) -> dict[str, Any]:
+def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: ExportOptions, parts: ModelParts | None = None) -> dict[str, Any]:
     """Export, compile and write the bundle atomically; returns the manifest."""
     from exporter.bundle_writer import staging_dir, write_manifest
 
-    unknown = [b for b in options.backends if b != "onnx" and b not in EXTRA_BACKENDS]
+    unknown = [b for b in options.backends if b not in COMPILERS]
     if unknown:
-        raise UsageError(f"backend {unknown[0]!r} is not available for build", f"choose from {', '.join(['onnx', *EXTRA_BACKENDS])}")
+        raise UsageError(f"backend {unknown[0]!r} is not available for build", f"choose from {', '.join(COMPILERS)}")
     if "onnx" not in options.backends:
         raise UsageError("every bundle needs the onnx backend (the reference the others are checked and built from)", "add onnx to --backend, e.g. --backend onnx,coreml")
     parts = parts or ModelParts(loaded.hf_model, loaded.spec)
-    flavour = "portable" if "tensorrt" in options.backends else options.onnx_flavour
+    flavour = "portable" if needs_portable_onnx(options.backends) else options.onnx_flavour
     graphs = flavoured(plan.graphs(), flavour)
     with staging_dir(options.output, options.force) as root:
         backends = {"onnx": export_onnx(root, parts, graphs, options.progress, options.quantize, options.quant_options, options.max_len,
@@ -215,8 +215,9 @@ def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: BuildOptions, pa
             write_manifest(root, manifest)
             options.after_export(root, manifest)
         for backend in options.backends:
-            if backend != "onnx":
-                manifest["backends"][backend] = EXTRA_BACKENDS[backend](root, manifest, parts, plan)
+            compile_backend = COMPILERS[backend].compile
+            if compile_backend is not None:
+                manifest["backends"][backend] = compile_backend(root, manifest, parts, plan, options)
         write_manifest(root, manifest)
     return manifest
 

@@ -325,9 +325,10 @@ def precision_bits(precision: str) -> str:
 def run_check(bundle_dir: str, model: str | None, prompts: list[str] | None, new_tokens: int = 16, scale_tol: float = 1.0, progress: bool = True) -> CheckReport:
     from tqdm import tqdm
 
-    from calibration.artifacts import load_parts
+    from loading.artifacts import load_parts
     from runtimes.backends import make_backend
     from runtimes.bundle import load_bundle
+    from runtimes.drafting import SOURCES
     from runtimes.generate import Generator
 
     bundle = load_bundle(bundle_dir)
@@ -355,11 +356,12 @@ def run_check(bundle_dir: str, model: str | None, prompts: list[str] | None, new
                     for prompt in tqdm(prompts, desc=f"check {backend_name} quality", unit="prompt", disable=not progress)]
             report.results += rows + [quality_gate(backend_name, bundle.manifest["dtype"], rows)]
             continue
-        # plain decoding for every configuration; speculation (lossless) for every draft source
+        # plain decoding for every configuration; speculation (lossless) for every draft source:
+        # on every configuration with its engines, or on the full model for a source without any
         cases = [(c, p, None) for c in bundle.manifest["configs"] for p in prompts]
-        cases += [(c, p, "early_exit") for c in bundle.manifest["configs"] if "draft" in c["engines"] for p in prompts]
-        cases += [(bundle.config("full"), p, "prompt_lookup") for p in prompts]
-        cases += [(bundle.config("full"), p, "precision") for p in prompts if draft_engine is not None]
+        for name, source in SOURCES.items():
+            configs = [c for c in bundle.manifest["configs"] if source.available(c)] if source.engines else [bundle.config("full")]
+            cases += [(c, p, name) for c in configs for p in prompts]
         for config, prompt, draft in tqdm(cases, desc=f"check {backend_name} greedy", unit="prompt", disable=not progress):
             report.results.append(greedy_check(generator, parts, config, prompt, new_tokens, draft))
     return report

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from graphs import ort_ops
+from graphs.architectures import DEFAULT_ROPE, DecoderArchitecture, architecture
 from graphs.span_graph import GraphSpec, ModelParts, trainable_additions
 
 
@@ -38,19 +39,19 @@ class PackedWeights:
 
     def __init__(self, parts: ModelParts, max_len: int) -> None:
         self.max_len = max_len
-        hf = parts.hf_model
+        hf, arch = parts.hf_model, architecture(parts.spec.model_type)
         self.layers: list[PackedLayer] = []
-        for layer in hf.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        for index in range(parts.spec.num_layers):
+            w = arch.layer(hf, index)
+            biases = [w.q.bias, w.k.bias, w.v.bias]
             self.layers.append(PackedLayer(
-                qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).T.contiguous(),
+                qkv=torch.cat([w.q.weight, w.k.weight, w.v.weight]).T.contiguous(),
                 qkv_bias=torch.cat(biases).contiguous() if all(b is not None for b in biases) else None,
-                o=attn.o_proj.weight.T.contiguous(),
-                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).T.contiguous(),
-                down=mlp.down_proj.weight.T.contiguous(),
+                o=w.o.weight.T.contiguous(),
+                gate_up=torch.cat([w.gate.weight, w.up.weight]).T.contiguous(),
+                down=w.down.weight.T.contiguous(),
             ))
-        rotary = hf.model.rotary_emb
+        rotary = arch.rotary(hf)[DEFAULT_ROPE]
         inv_freq = rotary.inv_freq.detach().float()
         scaling = float(getattr(rotary, "attention_scaling", 1.0))
         freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
@@ -94,21 +95,22 @@ class FusedDecoderLayer(nn.Module):
         self.num_heads, self.kv_heads = spec.num_heads, spec.num_kv_heads
         self.scale = spec.head_dim ** -0.5
         self.intermediate = spec.intermediate_size
-        self.act = parts.hf_model.model.layers[layer_id].mlp.act_fn
+        self.arch = architecture(spec.model_type)
+        weights = self.arch.layer(parts.hf_model, layer_id)
+        self.act = weights.act
         for name in ("qkv", "o", "gate_up", "down"):
             self.register_buffer(name, getattr(packed, name), persistent=False)
         if packed.qkv_bias is not None:
             self.register_buffer("qkv_bias", packed.qkv_bias, persistent=False)
         else:
             self.qkv_bias = None
-        hf_layer = parts.hf_model.model.layers[layer_id]
-        self.input_layernorm, self.post_attention_layernorm = hf_layer.input_layernorm, hf_layer.post_attention_layernorm
+        self.input_layernorm, self.post_attention_layernorm = weights.input_norm, weights.pre_mlp_norm
 
     def normed_input(self, delta: Tensor | None, residual: Tensor) -> tuple[Tensor, Tensor]:
         """(norm of this layer's input, the input itself) from the stream."""
         if delta is None:
-            return ort_ops.rms_norm(residual, self.input_layernorm.weight, self.eps), residual
-        return ort_ops.skip_rms_norm(delta, residual, self.input_layernorm.weight, self.eps)
+            return ort_ops.rms_norm(residual, self.arch.norm_weight(self.input_layernorm), self.eps), residual
+        return ort_ops.skip_rms_norm(delta, residual, self.arch.norm_weight(self.input_layernorm), self.eps)
 
     def forward(self, h: Tensor, residual: Tensor, past_key: Tensor, past_value: Tensor, seqlens_k: Tensor,
                 total_length: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -117,7 +119,7 @@ class FusedDecoderLayer(nn.Module):
             qkv = qkv + self.qkv_bias
         attn, present_key, present_value = ort_ops.gqa(qkv, past_key, past_value, seqlens_k, total_length, cos, sin,
                                                        self.num_heads, self.kv_heads, self.scale)
-        h2, residual = ort_ops.skip_rms_norm(torch.matmul(attn, self.o), residual, self.post_attention_layernorm.weight, self.eps)
+        h2, residual = ort_ops.skip_rms_norm(torch.matmul(attn, self.o), residual, self.arch.norm_weight(self.post_attention_layernorm), self.eps)
         gate, up = torch.matmul(h2, self.gate_up).split(self.intermediate, dim=-1)
         delta = torch.matmul(self.act(gate) * up, self.down)
         return delta, residual, present_key, present_value
@@ -131,12 +133,15 @@ class FusedSpanGraph(nn.Module):
         if not graph.layers:
             raise ValueError(f"graph {graph.name!r} has no layers")
         self.graph = graph
-        hf = parts.hf_model
-        self.embed = hf.model.embed_tokens if graph.source == "ids" else None
+        hf, self.arch = parts.hf_model, architecture(parts.spec.model_type)
+        missing = fused_unsupported(self.arch, parts)
+        if missing:
+            raise ValueError(f"the ort flavour does not implement {', '.join(missing)} of {parts.spec.model_type}; export --onnx-flavour portable")
+        self.embed = self.arch.embed(hf) if graph.source == "ids" else None
         self.layers = nn.ModuleList(FusedDecoderLayer(packed.layers[i], parts, i) for i in graph.layers)
         self.register_buffer("cos_cache", packed.cos_cache, persistent=False)
         self.register_buffer("sin_cache", packed.sin_cache, persistent=False)
-        self.norm, self.lm_head = hf.model.norm, hf.lm_head
+        self.norm, self.lm_head = self.arch.final_norm(hf), self.arch.lm_head(hf)
         self.eps = parts.spec.rms_norm_eps
         self.routers, self.adapter = trainable_additions(parts, graph)
 
@@ -156,15 +161,28 @@ class FusedSpanGraph(nn.Module):
             values.append(v)
         hidden = delta + residual
         if self.adapter is not None:
-            head_in = ort_ops.rms_norm(self.adapter(hidden.index_select(1, logit_rows)), self.norm.weight, self.eps)
+            head_in = ort_ops.rms_norm(self.adapter(hidden.index_select(1, logit_rows)), self.arch.norm_weight(self.norm), self.eps)
         else:
-            head_in = ort_ops.rms_norm(hidden.index_select(1, logit_rows), self.norm.weight, self.eps)
+            head_in = ort_ops.rms_norm(hidden.index_select(1, logit_rows), self.arch.norm_weight(self.norm), self.eps)
         outputs: list[Tensor] = [torch.nn.functional.linear(head_in[0], self.lm_head.weight)[None]]
         if self.routers is not None:
             outputs.append(torch.stack(scores))
         if self.graph.exit_hidden:
             outputs.append(hidden)
         return tuple(outputs + keys + values)
+
+
+def fused_unsupported(arch: DecoderArchitecture, parts: ModelParts) -> list[str]:
+    """The adapter hooks (graphs/architectures) this flavour's fused layer does not implement
+    yet, that the model uses; the portable flavour implements them all."""
+    hf, spec = parts.hf_model, parts.spec
+    missing = ["embedding scale"] if arch.embed_scale(spec) is not None else []
+    if set(arch.rotary(hf)) != {DEFAULT_ROPE} or any(arch.layer_attention(hf.config, i).window is not None for i in range(spec.num_layers)):
+        missing.append("per-layer rotary tables / sliding windows")
+    extra_norms = ("q_norm", "k_norm", "post_attention_norm", "post_mlp_norm")
+    weights = [arch.layer(hf, i) for i in range(spec.num_layers)]
+    missing += [name for name in extra_norms if any(getattr(w, name) is not None for w in weights)]
+    return missing
 
 
 def packed_weights(parts: ModelParts, max_len: int) -> PackedWeights:

@@ -1,18 +1,24 @@
-"""Static decoder pieces over a Hugging Face Llama-family model's own parameters.
+"""Static decoder pieces over a Hugging Face decoder's own parameters (the portable flavour
+and every PyTorch reference: `check`, calibration).
 
-Every module here holds references to the HF modules (never copies), so the
-parameter names seen by the ONNX exporter are the HF names and every graph that
-uses a layer refers to the same weight. Shapes depend only on T (new tokens) and
-P (past length, read from the K prefix), so prefill and decode are the same code.
+Every module here holds references to the HF modules (never copies), so every graph that
+uses a layer refers to the same weight, and the exporter names it after the HF parameter.
+What differs per family comes from its adapter (graphs/architectures). Shapes depend only
+on T (new tokens) and P (past length, read from the K prefix), so prefill and decode are the
+same code.
 
-Internal tensors drop the batch axis: the project decodes one sequence at a time,
-and the KV arena is sequence-major [P, n_kv_heads, head_dim] (DESIGN.md section 4).
+Internal tensors drop the batch axis: the project decodes one sequence at a time, and the
+portable KV arena is sequence-major [P, n_kv_heads, head_dim] (docs/architecture.md
+section 4).
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 from torch import Tensor, nn
 
+from graphs.architectures import DEFAULT_ROPE, DecoderArchitecture, LayerAttention, LayerWeights, architecture
 from graphs.spec import ModelSpec
 
 # Finite stand-in for -inf in the causal mask: safe in fp16 (CoreML) and exact in fp32
@@ -45,32 +51,59 @@ class Rotary(nn.Module):
         return emb.cos() * self.scaling, emb.sin() * self.scaling
 
 
-def causal_mask(past_len: int, new_len: int) -> Tensor:
-    """Additive mask [T, P+T]: query at position P+i sees keys 0..P+i."""
+def causal_mask(past_len: int, new_len: int, window: int | None = None) -> Tensor:
+    """Additive mask [T, P+T]: query at position P+i sees keys 0..P+i (the last `window` of them
+    with a sliding window)."""
     key_pos = torch.arange(past_len + new_len)
     query_pos = torch.arange(past_len, past_len + new_len)
     allowed = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        allowed = allowed & (key_pos[None, :] > query_pos[:, None] - window)
     return torch.where(allowed, torch.zeros((), dtype=torch.float32), torch.full((), MASK_VALUE))
 
 
-class StaticDecoderLayer(nn.Module):
-    """One HF decoder layer, re-expressed with an explicit KV prefix in and new rows out."""
+def layer_masks(attention: list[LayerAttention], past_len: int, new_len: int) -> list[Tensor]:
+    """Each layer's additive mask, one per distinct window (full causal: causal_mask)."""
+    masks: dict[int | None, Tensor] = {}
+    for layer in attention:
+        if layer.window not in masks:
+            masks[layer.window] = causal_mask(past_len, new_len, layer.window)
+    return [masks[layer.window] for layer in attention]
 
-    def __init__(self, hf_layer: nn.Module, spec: ModelSpec) -> None:
+
+class StaticDecoderLayer(nn.Module):
+    """One HF decoder layer, re-expressed with an explicit KV prefix in and new rows out.
+
+    What the family decides (norm style, QK-norm, sandwich norms, activation, attention scale)
+    comes from its adapter (graphs/architectures); a hook a family does not use adds no op."""
+
+    def __init__(self, arch: DecoderArchitecture, weights: LayerWeights, spec: ModelSpec) -> None:
         super().__init__()
-        self.hf = hf_layer
+        self.arch = arch
         self.spec = spec
-        self.scale = spec.head_dim ** -0.5
+        self.scale = arch.attention_scale(spec)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = weights.q, weights.k, weights.v, weights.o
+        self.gate_proj, self.up_proj, self.down_proj, self.act = weights.gate, weights.up, weights.down, weights.act
+        self.input_norm, self.pre_mlp_norm = weights.input_norm, weights.pre_mlp_norm
+        self.post_attention_norm, self.post_mlp_norm = weights.post_attention_norm, weights.post_mlp_norm
+        self.q_norm, self.k_norm = weights.q_norm, weights.k_norm
+
+    def norm(self, x: Tensor, module: nn.Module) -> Tensor:
+        return rms_norm(x, self.arch.norm_weight(module), self.spec.rms_norm_eps)
 
     def forward(
         self, x: Tensor, past_k: Tensor, past_v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
-        spec, attn, mlp = self.spec, self.hf.self_attn, self.hf.mlp
+        spec = self.spec
         t = x.shape[0]
-        h = rms_norm(x, self.hf.input_layernorm.weight, spec.rms_norm_eps)
-        q = attn.q_proj(h).view(t, spec.num_heads, spec.head_dim)
-        k = attn.k_proj(h).view(t, spec.num_kv_heads, spec.head_dim)
-        v = attn.v_proj(h).view(t, spec.num_kv_heads, spec.head_dim)
+        h = self.norm(x, self.input_norm)
+        q = self.q_proj(h).view(t, spec.num_heads, spec.head_dim)
+        k = self.k_proj(h).view(t, spec.num_kv_heads, spec.head_dim)
+        v = self.v_proj(h).view(t, spec.num_kv_heads, spec.head_dim)
+        if self.q_norm is not None:
+            q = self.norm(q, self.q_norm)
+        if self.k_norm is not None:
+            k = self.norm(k, self.k_norm)
         q = q * cos[:, None, :] + rotate_half(q) * sin[:, None, :]
         k = k * cos[:, None, :] + rotate_half(k) * sin[:, None, :]
         keys = torch.cat((past_k, k), dim=0).permute(1, 2, 0)  # [kv, hd, P+T]
@@ -84,9 +117,15 @@ class StaticDecoderLayer(nn.Module):
         probs = torch.softmax(scores, dim=-1).view(spec.num_kv_heads, spec.kv_groups * t, -1)
         ctx = torch.matmul(probs, values).view(spec.num_kv_heads, spec.kv_groups, t, spec.head_dim)
         ctx = ctx.permute(2, 0, 1, 3).reshape(t, spec.num_heads * spec.head_dim)
-        x = x + attn.o_proj(ctx)
-        h = rms_norm(x, self.hf.post_attention_layernorm.weight, spec.rms_norm_eps)
-        x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+        attn = self.o_proj(ctx)
+        if self.post_attention_norm is not None:
+            attn = self.norm(attn, self.post_attention_norm)
+        x = x + attn
+        h = self.norm(x, self.pre_mlp_norm)
+        mlp = self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h))
+        if self.post_mlp_norm is not None:
+            mlp = self.norm(mlp, self.post_mlp_norm)
+        x = x + mlp
         return x, k, v
 
 
@@ -95,9 +134,42 @@ class Head(nn.Module):
 
     def __init__(self, hf_model: nn.Module, spec: ModelSpec) -> None:
         super().__init__()
-        self.norm = hf_model.model.norm
-        self.lm_head = hf_model.lm_head
+        self.arch = architecture(spec.model_type)
+        self.norm = self.arch.final_norm(hf_model)
+        self.lm_head = self.arch.lm_head(hf_model)
         self.eps = spec.rms_norm_eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.lm_head(rms_norm(x, self.norm.weight, self.eps))
+        return self.lm_head(rms_norm(x, self.arch.norm_weight(self.norm), self.eps))
+
+
+class DecoderStack(nn.Module):
+    """The PyTorch decoder every static graph and calibration pass is built from, in one place:
+    embedding (scaled where the family scales it), rotary tables, the chosen layers, head.
+
+    `frame(P, T)` gives each layer its (cos, sin, mask) for positions P..P+T-1, per the family's
+    per-layer rotary table and window; families with one table and full attention get one of each.
+    """
+
+    def __init__(self, hf_model: nn.Module, spec: ModelSpec, layers: Sequence[int], embed: bool = True) -> None:
+        super().__init__()
+        arch = architecture(spec.model_type)
+        self.spec = spec
+        self.embed = arch.embed(hf_model) if embed else None
+        self.embed_scale = arch.embed_scale(spec)
+        tables = arch.rotary(hf_model)
+        self.rotary = Rotary(tables[DEFAULT_ROPE])
+        self.rotaries = nn.ModuleDict({key: Rotary(module) for key, module in tables.items() if key != DEFAULT_ROPE})
+        self.attention = [arch.layer_attention(hf_model.config, i) for i in layers]
+        self.layers = nn.ModuleList(StaticDecoderLayer(arch, arch.layer(hf_model, i), spec) for i in layers)
+        self.head = Head(hf_model, spec)
+
+    def embed_ids(self, ids: Tensor) -> Tensor:
+        x = self.embed(ids)
+        return x * self.embed_scale if self.embed_scale is not None else x
+
+    def frame(self, past_len: int, new_len: int) -> list[tuple[Tensor, Tensor, Tensor]]:
+        tables = {DEFAULT_ROPE: self.rotary(past_len, new_len)}
+        tables.update({key: rotary(past_len, new_len) for key, rotary in self.rotaries.items()})
+        masks = layer_masks(self.attention, past_len, new_len)
+        return [(*tables[layer.rope], mask) for layer, mask in zip(self.attention, masks)]

@@ -2,7 +2,7 @@
 
 Every graph of a bundle (prefill, decode per configuration, draft, verify) is a
 `SpanGraph` with a different layer list and I/O options. Inputs and outputs follow
-the arena contract of DESIGN.md section 4: per layer i in the span, `past_key_i` and
+the portable arena contract (docs/architecture.md section 4): per layer i in the span, `past_key_i` and
 `past_value_i` are prefix views [P, n_kv, hd]; `new_key_i` / `new_value_i` are the
 T new rows, which the runtime writes into the arena at [P:P+T].
 """
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from graphs.adaptive import ExitAdapter, Routers
-from graphs.layers import Head, Rotary, StaticDecoderLayer, causal_mask
+from graphs.layers import DecoderStack
 from graphs.spec import ModelSpec
 
 
@@ -77,35 +77,28 @@ def trainable_additions(parts: ModelParts, graph: GraphSpec) -> tuple[Routers | 
     return routers, adapter
 
 
-class SpanGraph(nn.Module):
+class SpanGraph(DecoderStack):
     """Static graph for one GraphSpec; traced once with T and P as dynamic axes."""
 
     def __init__(self, parts: ModelParts, graph: GraphSpec) -> None:
-        super().__init__()
         if not graph.layers:
             raise ValueError(f"graph {graph.name!r} has no layers")
+        super().__init__(parts.hf_model, parts.spec, graph.layers, embed=graph.source == "ids")
         self.graph = graph
-        self.spec = parts.spec
-        hf = parts.hf_model
-        self.embed = hf.model.embed_tokens if graph.source == "ids" else None
-        self.rotary = Rotary(hf.model.rotary_emb)
-        self.layers = nn.ModuleList(StaticDecoderLayer(hf.model.layers[i], parts.spec) for i in graph.layers)
-        self.head = Head(hf, parts.spec)
         self.routers, self.adapter = trainable_additions(parts, graph)
 
     def forward(self, first: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         n = len(self.layers)
         past_keys, past_values = past[:n], past[n:]
-        x = self.embed(first[0]) if self.embed is not None else first[0]
+        x = self.embed_ids(first[0]) if self.embed is not None else first[0]
         t = x.shape[0]
         past_len = past_keys[0].shape[0]
-        cos, sin = self.rotary(past_len, t)
-        mask = causal_mask(past_len, t)
+        frame = self.frame(past_len, t)
         new_keys, new_values, scores = [], [], []
         for position, layer in enumerate(self.layers):
             if self.routers is not None:
                 scores.append(self.routers.score(self.graph.layers[position], x))
-            x, k, v = layer(x, past_keys[position], past_values[position], cos, sin, mask)
+            x, k, v = layer(x, past_keys[position], past_values[position], *frame[position])
             new_keys.append(k)
             new_values.append(v)
         head_in = x[-1:] if self.graph.logits == "last" else x

@@ -7,9 +7,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """The dimensions that fix every static shape of the exported graphs."""

@@ -4,10 +4,11 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from runtimes.bundle import Bundle
 from runtimes.generate import Generator
 
 
-def bench_bundle(directory: str, prompt: str, new_tokens: int, repeat: int, config: str = "auto", mode: str = "ar",
+def bench_bundle(directory: "str | Bundle", prompt: str, new_tokens: int, repeat: int, config: str = "auto", mode: str = "ar",
                  threads: int = 0, prepack: list[str] | None = None) -> dict[str, Any]:
     generator = Generator(directory, threads=threads, prepack=prepack)
     generator.generate(prompt, max_new_tokens=new_tokens, config=config, mode=mode)  # warm-up

@@ -4,9 +4,13 @@ Prefill always runs every layer and (when the bundle has routers) returns each r
 sequence-mean score; the configuration is then fixed for the whole sequence, so every
 kept layer has KV for every earlier position. Decoding is autoregressive here; the
 self-speculative loop lives in runtimes/speculative.py and shares this state.
+
+The loop is one generator (`_loop`): `stream()` hands it to the caller, who gets each piece
+of text as its token is decoded, and `generate()` consumes it (docs/architecture.md section 6).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -78,6 +82,17 @@ def _stop_strings(stop: Any) -> list[str]:
     return list(stop)
 
 
+class _Run:
+    """Iterating yields the text deltas of one generation; `result` is set once it is exhausted."""
+
+    def __init__(self, loop: Iterator[str]) -> None:
+        self.loop = loop
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        self.result = yield from self.loop
+
+
 class Generator:
     """Load once, generate many times. Not thread-safe: one sequence at a time (one arena)."""
 
@@ -97,12 +112,37 @@ class Generator:
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, sampling: SamplingParams | None = None,
                  stop: Sequence[str] = (), raw: bool = False, config: str = "auto", mode: str = "ar",
                  on_text: Callable[[str], None] | None = None, draft: str | None = None, draft_len: int | None = None) -> GenerationResult:
+        """Generate to the end; `on_text` gets each text delta as it is decoded. The same loop as
+        `stream`, consumed here."""
+        if on_text is not None and not callable(on_text):
+            raise UsageError(f"on_text is {type(on_text).__name__}, not a callable", "pass a function taking one str, or None")
+        run = self._run(prompt, max_new_tokens, sampling, stop, raw, config, mode, draft, draft_len)
+        for delta in run:
+            if on_text is not None:
+                on_text(delta)
+        return run.result
+
+    def stream(self, prompt: str | Sequence[int], **kwargs: Any) -> Iterator[str]:
+        """Yield text deltas as tokens are decoded (same arguments as `generate`, except on_text).
+
+        The arguments are checked at the call; decoding advances as the caller iterates, and the
+        full result is `last_result` once the iterator is exhausted."""
+        run = self._run(prompt, **kwargs)
+
+        def pieces() -> Iterator[str]:
+            yield from run
+            self.last_result = run.result
+
+        return pieces()
+
+    def _run(self, prompt: str | Sequence[int], max_new_tokens: int = 64, sampling: SamplingParams | None = None,
+             stop: Sequence[str] = (), raw: bool = False, config: str = "auto", mode: str = "ar",
+             draft: str | None = None, draft_len: int | None = None) -> "_Run":
+        """Check the arguments now; return the (not yet started) generation loop."""
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise UsageError(f"sampling is {type(sampling).__name__}, not SamplingParams", "pass SamplingParams(...) or None")
         stop = _stop_strings(stop)
-        if on_text is not None and not callable(on_text):
-            raise UsageError(f"on_text is {type(on_text).__name__}, not a callable", "pass a function taking one str, or None")
         if not isinstance(config, str):
             raise UsageError(f"config {config!r} is not a configuration id", "pass 'auto' or an id from `inspect`")
         draft_len = check_draft_len(draft_len)
@@ -116,46 +156,48 @@ class Generator:
         self._check_lengths(prompt_ids, max_new_tokens)
         if not isinstance(mode, str) or mode not in MODES:
             raise UsageError(f"mode {mode!r} is unknown", f"choose one of: {', '.join(MODES)}")
+        return _Run(self._loop(prompt_ids, max_new_tokens, sampling, stop, config, mode, draft, draft_len))
+
+    def _loop(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams, stop: list[str], config: str,
+              mode: str, draft: str | None, draft_len: int | None) -> Iterator[str]:
+        """The one generation loop: prefill, then one token at a time from the decoder, each
+        turned into text as it arrives. Returns (StopIteration.value) the GenerationResult."""
         rng = np.random.default_rng(sampling.seed)
-        stream = StreamDecoder(self.codec, stop)
+        text = StreamDecoder(self.codec, stop)
         started = time.perf_counter()
         seq, stats = self._prefill(prompt_ids, config, mode, sampling, rng, draft)
         stats.prefill_ms = (time.perf_counter() - started) * 1e3
-
-        def emit(token: int) -> bool:
-            """Record one token; True when generation must stop."""
-            seq.tokens.append(token)
-            delta = stream.push(token)
-            if on_text and delta:
-                on_text(delta)
-            if token in self.codec.eos_ids:
-                stats.stop_reason = "eos"
-            elif stream.stopped:
-                stats.stop_reason = "stop"
-            return stats.stop_reason != "length" or len(seq.tokens) >= max_new_tokens
-
         decode_start = time.perf_counter()
-        if not emit(seq.pending):
-            runner = self._speculative_runner(seq, stats, draft, draft_len, auto=mode == "auto") if stats.mode == "spec" else None
-            if runner is not None:
-                runner.run(seq, emit, max_new_tokens, sampling, rng)
-            else:
-                self._decode_ar(seq, emit, sampling, rng)
-        if on_text:
-            tail = stream.flush()
-            if tail:
-                on_text(tail)
+        decoder = self._decoder(seq, stats, max_new_tokens, sampling, rng, draft, draft_len, auto=mode == "auto")
+        try:
+            for token in itertools.chain((seq.pending,), decoder):
+                seq.tokens.append(token)
+                delta = text.push(token)
+                if delta:
+                    yield delta
+                if token in self.codec.eos_ids:
+                    stats.stop_reason = "eos"
+                elif text.stopped:
+                    stats.stop_reason = "stop"
+                if stats.stop_reason != "length" or len(seq.tokens) >= max_new_tokens:
+                    break
+        finally:
+            decoder.close()  # a decoder that was started records its stats now
+        tail = text.flush()
+        if tail:
+            yield tail
         stats.decode_ms = (time.perf_counter() - decode_start) * 1e3
         stats.new_tokens = len(seq.tokens)
         stats.tpot_ms = stats.decode_ms / max(1, stats.new_tokens - 1)
-        return GenerationResult(stream.text, list(seq.tokens), prompt_ids, stats)
+        return GenerationResult(text.text, list(seq.tokens), prompt_ids, stats)
 
-    def stream(self, prompt: str | Sequence[int], **kwargs: Any) -> Iterator[str]:
-        """Yield text deltas as they are produced (runs generation eagerly chunk by chunk)."""
-        chunks: list[str] = []
-        result = self.generate(prompt, on_text=chunks.append, **kwargs)
-        self.last_result = result
-        yield from chunks
+    def _decoder(self, seq: Sequence_, stats: GenerationStats, max_new_tokens: int, sampling: SamplingParams,
+                 rng: np.random.Generator, draft: str | None, draft_len: int | None, auto: bool) -> Iterator[int]:
+        """Tokens after the first: plain steps or speculative rounds (built only if asked for a token)."""
+        if stats.mode == "spec":
+            yield from self._speculative_runner(seq, stats, draft, draft_len, auto).tokens(seq, max_new_tokens, sampling, rng)
+        else:
+            yield from self._decode_ar(seq, sampling, rng)
 
     # ---- steps ------------------------------------------------------------------------
     def _check_lengths(self, prompt_ids: list[int], max_new_tokens: int) -> None:
@@ -200,10 +242,11 @@ class Generator:
         _speculative_runner), which falls back to plain steps where drafting does not pay."""
         if mode == "ar":
             return "ar"
-        from runtimes.speculative import SOURCES, speculation_available
+        from runtimes.drafting import draft_source
+        from runtimes.speculative import speculation_available
 
-        if draft is not None and draft not in SOURCES:
-            raise UsageError(f"draft source {draft!r} is unknown", f"choose one of: {', '.join(SOURCES)}")
+        if draft is not None:
+            draft_source(draft)  # a clear error for an unknown name
         if mode == "spec" and not speculation_available(self.bundle, config, draft):
             raise UsageError(f"configuration {config['id']!r} has no {draft} draft engines", "use --draft prompt_lookup, --mode ar, or rebuild with --speculate")
         return "spec"
@@ -213,17 +256,18 @@ class Generator:
         """auto: the calibrated source where it pays on average (and has engines for this
         configuration), else prompt lookup; lookup and precision drafts are gated, so a prompt
         whose drafts do not pay decodes plainly."""
+        from runtimes.drafting import FREE_SOURCE
         from runtimes.speculative import SpeculativeRunner, speculation_available
 
         if auto:
             spec = self.bundle.manifest.get("speculation") or {}
             if not (spec.get("auto_enabled", False) and speculation_available(self.bundle, seq.config)):
-                return SpeculativeRunner(self.bundle, self.backend, seq.config, stats, "prompt_lookup", draft_len, gated=True)
+                return SpeculativeRunner(self.bundle, self.backend, seq.config, stats, FREE_SOURCE, draft_len, gated=True)
             # the calibrated source, still gated: a prompt whose drafts stop paying decodes plainly
             return SpeculativeRunner(self.bundle, self.backend, seq.config, stats, None, draft_len, gated=True)
         return SpeculativeRunner(self.bundle, self.backend, seq.config, stats, draft, draft_len)
 
-    def _decode_ar(self, seq: Sequence_, emit: Callable[[int], bool], sampling: SamplingParams, rng: np.random.Generator) -> None:
+    def _decode_ar(self, seq: Sequence_, sampling: SamplingParams, rng: np.random.Generator) -> Iterator[int]:
         graph = seq.config["engines"]["decode"]
         arena = seq.arena
         token = np.empty((1, 1), dtype=np.int64)
@@ -232,5 +276,4 @@ class Generator:
             out = self.backend.run(graph, token, arena, arena.length)
             arena.length += 1
             seq.pending = choose(out.logits[0, -1], sampling, rng)
-            if emit(seq.pending):
-                return
+            yield seq.pending

@@ -1,4 +1,4 @@
-"""The one KV cache every engine shares (README, "Architecture").
+"""The one KV cache every engine shares (docs/architecture.md section 4).
 
 One preallocated block per layer for K and one for V; engines read the rows [0:length]
 and write their T new rows once, in place, at [length:length+T]. Rejecting speculative

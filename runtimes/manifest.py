@@ -12,6 +12,7 @@ import unicodedata
 from typing import Any
 
 from runtimes import limits
+from runtimes.drafting import SOURCE_NAMES
 from runtimes.errors import UsageError
 
 SCHEMA_VERSION = 1
@@ -24,7 +25,6 @@ _KIND_SOURCE = {"prefill": "ids", "decode": "ids", "draft": "ids", "verify": "hi
 _ROLE_KINDS = {"decode": "decode", "draft": "draft", "verify": "verify", "precision_draft": "decode"}
 PRECISIONS = ("int8", "int4", "native4")  # a precision draft's weights (graphs/plan.py PRECISION_DRAFTS)
 DTYPE_SIZES = {"<f4": 4, "<f2": 2, "|u1": 1, "|i1": 1, "<i8": 8, "<i4": 4, "<u2": 2}
-_DRAFT_SOURCES = ("early_exit", "prompt_lookup", "precision")
 DTYPES = ("float32", "float16", "int8", "int4")
 
 
@@ -190,9 +190,9 @@ def _validate_speculation(speculation: Any, graphs: dict[str, Any]) -> None:
     if speculation is None:
         return
     _need(isinstance(speculation, dict), "key 'speculation' has the wrong type")
-    _need(speculation.get("source") is None or speculation["source"] in _DRAFT_SOURCES, "speculation.source is not a known draft source")
+    _need(speculation.get("source") is None or speculation["source"] in SOURCE_NAMES, "speculation.source is not a known draft source")
     _need(isinstance(speculation.get("auto_enabled", False), bool), "speculation.auto_enabled must be true or false")
-    for source in _DRAFT_SOURCES:
+    for source in SOURCE_NAMES:
         section = speculation.get(source)
         if section is None:
             continue

@@ -1,4 +1,4 @@
-"""Configuration choice at prefill: the superset rule of DESIGN.md section 3."""
+"""Configuration choice at prefill: the superset rule (docs/architecture.md section 2, "Skip configurations")."""
 from __future__ import annotations
 
 from typing import Any, Iterable

@@ -78,7 +78,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
-    from exporter.cli import main
+    from commands.cli import main
 
     out = tmp_path_factory.mktemp("bundles") / "tiny"
     assert main(["build", str(tiny_model_dir), "-o", str(out), "--max-len", "128"]) == 0
@@ -88,7 +88,7 @@ def tiny_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) 
 @pytest.fixture(scope="session")
 def tiny_portable_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
     """The same tiny model in the portable flavour (standard ops; prefill and decode are two engines)."""
-    from exporter.cli import main
+    from commands.cli import main
 
     out = tmp_path_factory.mktemp("bundles") / "tiny-portable"
     assert main(["build", str(tiny_model_dir), "-o", str(out), "--max-len", "128", "--onnx-flavour", "portable"]) == 0
@@ -107,7 +107,7 @@ def smol_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2 built once for every integration test: prefill, decode, and early-exit
     draft/verify engines at E=24 and an int8 precision draft (the plain-decoding path is the
     same as a build without)."""
-    from exporter.cli import main
+    from commands.cli import main
 
     out = tmp_path_factory.mktemp("smol") / "bundle"
     assert main(["build", "smollm2", "-o", str(out), "--max-len", "512", "--speculate", "24:3", "--quantize", "none",
@@ -125,7 +125,7 @@ def router_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, 
     shared by tests/test_routers.py and the soak test."""
     import json
 
-    from exporter.cli import main
+    from commands.cli import main
 
     root = tmp_path_factory.mktemp("routers")
     model = make_tiny_model(root / "model", "gqa_untied", layers=6)

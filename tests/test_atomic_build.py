@@ -23,7 +23,7 @@ def start_build(model: Path, out: Path, *extra: str, preexec=None, hold: str | N
     while that file exists (exporter/bundle_writer._hold_before_commit), so a signal sent
     while the file exists always lands before the point of no return."""
     env = dict(os.environ, ADAPTIVE_EXPORT_HOLD_BEFORE_COMMIT=hold or "")
-    return subprocess.Popen([sys.executable, "-m", "exporter.cli", "build", str(model), "-o", str(out), "--force", "--max-len", "96", *extra],
+    return subprocess.Popen([sys.executable, "-m", "commands.cli", "build", str(model), "-o", str(out), "--force", "--max-len", "96", *extra],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec, env=env)
 
 

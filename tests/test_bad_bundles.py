@@ -9,7 +9,7 @@ from typing import Callable
 
 import pytest
 
-from exporter.cli import main
+from commands.cli import main
 
 
 def corrupt_copy(bundle: Path, tmp_path: Path, mutate: Callable[[Path], None]) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from calibration.artifacts import load_parts
+from loading.artifacts import load_parts
 from exporter.check import engine_parity, greedy_check
 from runtimes import Generator, SamplingParams, load_bundle
 from runtimes.backends import make_backend
@@ -19,7 +19,7 @@ PROMPTS = ["What is the capital of France?", "Write a short poem about the sea."
 @pytest.fixture(scope="module", params=[(v, f) for v in sorted(TINY_VARIANTS) for f in ("ort", "portable")], ids=lambda p: f"{p[0]}-{p[1]}")
 def variant_bundle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every tiny architecture variant in both ONNX flavours: fused ONNX Runtime ops and portable."""
-    from exporter.cli import main
+    from commands.cli import main
 
     variant, flavour = request.param
     root = tmp_path_factory.mktemp(variant)
@@ -87,6 +87,27 @@ def test_streaming_equals_text_and_stop_strings(tiny_bundle: Path) -> None:
         cut = generator.generate("The quick brown fox", max_new_tokens=20, raw=True, stop=[stop])
         assert stop not in cut.text and full.text.startswith(cut.text)
         assert cut.stats.stop_reason == "stop"
+
+
+@pytest.mark.parametrize("mode", ["ar", "spec"])
+def test_stream_is_incremental(tiny_bundle: Path, mode: str) -> None:
+    """stream() yields text while decoding: the first piece arrives after a few engine calls,
+    not after all of them, and the pieces are generate()'s text (one loop serves both)."""
+    generator = Generator(tiny_bundle)
+    kwargs = dict(max_new_tokens=24, raw=True, mode=mode, draft="prompt_lookup" if mode == "spec" else None,
+                  sampling=SamplingParams(temperature=1.0, seed=3))  # sampled: the random tiny model rarely stops early
+    full = generator.generate("The quick brown fox", **kwargs)
+    calls = []
+    run = generator.backend.run
+    generator.backend.run = lambda *args: (calls.append(args[0]), run(*args))[1]  # count engine calls
+    pieces = generator.stream("The quick brown fox", **kwargs)
+    assert calls == []  # nothing runs before the caller iterates
+    first = next(pieces)
+    at_first = len(calls)
+    rest = list(pieces)
+    assert first + "".join(rest) == full.text and generator.last_result.tokens == full.tokens
+    assert len(full.tokens) > 8, "the test needs a longer generation"
+    assert at_first < len(calls) and at_first <= len(full.tokens) // 2, (at_first, len(calls))
 
 
 def test_sampling_is_seeded_and_valid(tiny_bundle: Path) -> None:

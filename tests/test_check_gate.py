@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exporter.cli import main
+from commands.cli import main
 
 
 def test_check_passes_and_writes_reports(tiny_bundle: Path, tmp_path: Path) -> None:

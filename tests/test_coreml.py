@@ -11,7 +11,7 @@ import pytest
 
 ct = pytest.importorskip("coremltools", reason="coremltools is not installed (pip install adaptive-export[coreml])")
 
-from exporter.cli import main  # noqa: E402
+from commands.cli import main  # noqa: E402
 from runtimes import Generator  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def test_package_holds_every_graph_as_a_function(coreml_bundle: Path) -> None:
 def test_weights_are_shared_between_functions(coreml_bundle: Path, tmp_path: Path, tiny_model_dir: Path) -> None:
     """A package with 2 functions is far smaller than two single-function packages."""
     from exporter.coreml_compile import convert_graph
-    from exporter.model_loading import load_model
+    from loading.model import load_model
     from graphs.span_graph import GraphSpec, ModelParts
 
     loaded = load_model(str(tiny_model_dir))

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from calibration.artifacts import ADAPTERS_FILE, load_parts
+from loading.artifacts import ADAPTERS_FILE, load_parts
 from exporter.check import engine_parity
-from exporter.cli import main
+from commands.cli import main
 from runtimes import Generator, load_bundle
 from runtimes.backends import make_backend
 from runtimes.errors import UsageError
@@ -35,7 +35,7 @@ def adapter_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
 
 def test_fitting_raises_train_agreement(adapter_setup: tuple[Path, Path]) -> None:
     from calibration.exit_adapters import fit_exit_adapters
-    from exporter.model_loading import load_model
+    from loading.model import load_model
 
     loaded = load_model(str(adapter_setup[0]))
     fit = fit_exit_adapters(loaded, CALIB, [2, 4], rank=16, epochs=4, new_tokens=12, progress=False)
@@ -101,22 +101,20 @@ def test_greedy_speculation_through_adapter_equals_plain_decoding(adapter_setup:
 
 def test_adapter_file_round_trip(adapter_setup: tuple[Path, Path]) -> None:
     """--speculate E:k --exit-adapter FILE ships the same adapter (planning only: the export is tested above)."""
-    import argparse
-
-    from calibration.speculation import plan_speculation
-    from exporter.model_loading import load_model
+    from calibration.speculation import SpeculationOptions, plan_speculation
+    from loading.model import load_model
     from graphs.span_graph import ModelParts
 
     model, bundle = adapter_setup
     e = json.loads((bundle / "manifest.json").read_text())["speculation"]["exit_layer"]
     loaded = load_model(str(model))
     parts = ModelParts(loaded.hf_model, loaded.spec)
-    args = argparse.Namespace(exit_adapter=str(bundle / ADAPTERS_FILE), calib=None, seed=0)
-    plan, manifest, _, files = plan_speculation(f"{e}:2", loaded, parts, args)
+    adapter_file = str(bundle / ADAPTERS_FILE)
+    plan, manifest, _, files = plan_speculation(SpeculationOptions(f"{e}:2", exit_adapter=adapter_file), loaded, parts)
     assert plan.adapter and manifest["adapter"] and set(parts.exit_adapters) == {e}
     assert files[ADAPTERS_FILE] == (bundle / ADAPTERS_FILE).read_bytes()
     with pytest.raises(UsageError, match="has no adapter for exit layer"):
-        plan_speculation(f"{6 - e if e != 3 else 2}:2", loaded, parts, args)
+        plan_speculation(SpeculationOptions(f"{6 - e if e != 3 else 2}:2", exit_adapter=adapter_file), loaded, parts)
 
 
 def test_adapter_file_with_wrong_shapes_is_rejected(adapter_setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -167,7 +167,7 @@ def test_float_and_unsupported_tensors_are_refused(synthetic: gguf.GGUFReader) -
 
 @pytest.fixture(scope="module")
 def smol_reader() -> gguf.GGUFReader:
-    from exporter.model_loading import smollm2_gguf_path
+    from loading.model import smollm2_gguf_path
 
     return gguf.GGUFReader(smollm2_gguf_path())
 
@@ -192,7 +192,7 @@ def smol_hf():
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from exporter.model_loading import smollm2_gguf_path
+    from loading.model import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     torch.set_num_threads(2)
@@ -356,7 +356,7 @@ def test_conversion_is_torch_free() -> None:
     import subprocess
     import sys
 
-    from exporter.model_loading import smollm2_gguf_path
+    from loading.model import smollm2_gguf_path
 
     code = f"""
 import sys, importlib.abc

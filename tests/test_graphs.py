@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from exporter.model_loading import load_model
+from loading.model import load_model
 from graphs.span_graph import GraphSpec, ModelParts, SpanGraph
 from tests.conftest import TINY_VARIANTS, make_tiny_model
 
@@ -32,8 +32,25 @@ def test_prefill_then_decode_equals_hf(tmp_path: Path, variant: str) -> None:
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     from transformers import GPT2Config
 
-    from exporter.model_loading import spec_from_config
+    from loading.model import spec_from_config
     from runtimes.errors import UsageError
 
     with pytest.raises(UsageError, match="model type 'gpt2' is not supported.*llama"):
         spec_from_config(GPT2Config())
+
+
+def test_sliding_window_mask() -> None:
+    """The mask hook a sliding-window family (e.g. Gemma 3's local layers) gets: the last `window` keys."""
+    from graphs.layers import MASK_VALUE, causal_mask
+
+    full, windowed = causal_mask(2, 3), causal_mask(2, 3, window=2)
+    allowed = [[k <= q and k > q - 2 for k in range(5)] for q in range(2, 5)]
+    assert (windowed == 0).tolist() == allowed and (windowed[~(windowed == 0)] == MASK_VALUE).all()
+    assert (full == 0).tolist() == [[k <= q for k in range(5)] for q in range(2, 5)]
+
+
+def test_every_model_type_has_one_architecture() -> None:
+    from graphs.architectures import ARCHITECTURES, FAMILIES, SUPPORTED_MODEL_TYPES
+
+    assert set(SUPPORTED_MODEL_TYPES) == {"llama", "qwen2", "mistral"}
+    assert sum(len(family.model_types) for family in FAMILIES) == len(ARCHITECTURES)

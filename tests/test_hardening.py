@@ -24,7 +24,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from exporter.cli import main
+from commands.cli import main
 
 ROOT = Path(__file__).parents[1]
 LIMIT_S, LIMIT_RSS_MB = 10.0, 1024
@@ -41,7 +41,7 @@ def hook(event, args):
     if event == "open" and args and isinstance(args[0], (str, bytes)) and sentinel in str(args[0]):
         sys.stderr.write("AUDIT: the sentinel outside the bundle was opened\n")
 sys.addaudithook(hook)
-from exporter.cli import main
+from commands.cli import main
 sys.argv = ["adaptive-export", *sys.argv[2:]]
 sys.exit(main())
 """

@@ -7,7 +7,7 @@ from pathlib import Path
 import onnx
 import pytest
 
-from exporter.cli import main
+from commands.cli import main
 
 
 @pytest.fixture(scope="module")

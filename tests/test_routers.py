@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from calibration.artifacts import load_parts
+from loading.artifacts import load_parts
 from calibration.configs import choose_configs, layers_saved, served_share
 from exporter.check import engine_parity, greedy_check
-from exporter.cli import main
+from commands.cli import main
 from runtimes import Generator, load_bundle
 from runtimes.backends import make_backend
 from runtimes.selection import choose_config
@@ -95,7 +95,7 @@ def test_superset_choice_on_handmade_histograms() -> None:
 def test_training_reacts_to_lambda(router_setup: tuple[Path, Path, Path]) -> None:
     from calibration.measure import greedy_sequence
     from calibration.routers import TrainingSequence, train_routers
-    from exporter.model_loading import load_model
+    from loading.model import load_model
 
     model, _, _ = router_setup
     loaded = load_model(str(model))
@@ -126,20 +126,18 @@ def test_routers_file_round_trip(router_setup: tuple[Path, Path, Path], tmp_path
 
 
 def test_configurations_below_the_quality_floor_get_no_engine(router_setup: tuple[Path, Path, Path], tmp_path: Path) -> None:
-    import argparse
-
-    from calibration.router_pipeline import plan_routers
-    from exporter.model_loading import load_model
+    from calibration.router_pipeline import RouterOptions, plan_routers
+    from loading.model import load_model
 
     model, routed, _ = router_setup
     calib = tmp_path / "calib.jsonl"
     calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CALIB))
-    args = argparse.Namespace(calib=str(calib), router_lambda=2.0, router_lr=0.02, routers="train", seed=0, max_configs=3)
     loaded = load_model(str(model))
     results = {}
     for floor in (0.0, 1.01):  # nothing is dropped / everything is (agreement cannot exceed 1)
-        args.min_config_agreement = floor
-        _, configs, report, _ = plan_routers(args, loaded)
+        options = RouterOptions(routers="train", calib=str(calib), router_lambda=2.0, router_lr=0.02, seed=0, max_configs=3,
+                                min_config_agreement=floor)
+        _, configs, report, _ = plan_routers(options, loaded)
         results[floor] = (configs, report["configs"]["quality"])
     kept_all, quality_all = results[0.0]
     assert kept_all and not quality_all["dropped"] and all(0.0 <= row["agreement"] <= 1.0 for row in quality_all["measured"])
@@ -159,7 +157,7 @@ def test_training_does_not_depend_on_the_size_of_activations(tmp_path: Path) -> 
 
     from calibration.measure import greedy_sequence
     from calibration.routers import TrainingSequence, router_scores, train_routers
-    from exporter.model_loading import load_model
+    from loading.model import load_model
 
     directory = make_tiny_model(tmp_path / "model", "gqa_untied", layers=6)
     scaled_dir = tmp_path / "scaled"

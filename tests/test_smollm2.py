@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter.cli import main, read_prompts
+from commands.cli import main
+from loading.prompts import read_prompts
 from tests.conftest import needs_smollm2
 from tests.test_torch_free import BLOCKER
 
@@ -43,7 +44,7 @@ def test_check_passes_with_reports(smol_bundle: Path, tmp_path: Path) -> None:
 
 def test_run_json_without_torch(smol_bundle: Path) -> None:
     code = f"""
-from exporter.cli import main
+from commands.cli import main
 raise SystemExit(main(['run', {str(smol_bundle)!r}, '-p', 'What is the capital of France?', '--max-new-tokens', '12', '--json']))
 """
     proc = subprocess.run([sys.executable, "-c", BLOCKER + code], capture_output=True, text=True, cwd=ROOT, timeout=300)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exporter.cli import main
+from commands.cli import main
 from tests.conftest import needs_smollm2
 
 pytestmark = [needs_smollm2, pytest.mark.slow]
@@ -32,7 +32,7 @@ def _stored(bundle: Path, name: str) -> np.ndarray:
 def test_bundle_weights_are_the_gguf_weights_bit_for_bit(native_bundle: Path) -> None:
     """Dequantizing what the bundle stores gives exactly the tensors transformers dequantizes
     from the GGUF (the fp32 reference), for packed QKV, o, packed gate/up and down."""
-    from calibration.artifacts import load_parts
+    from loading.artifacts import load_parts
     from exporter.gguf_native import NativeLinear, dequantize_native
     from graphs.fused_graph import PackedWeights
     from runtimes.bundle import load_bundle

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.cli import main
+from commands.cli import main
 from runtimes import Generator
 from tests.conftest import needs_smollm2
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.cli import read_prompts
+from loading.prompts import read_prompts
 from runtimes import Generator
 from tests.conftest import needs_smollm2
 from tests.test_speculative import assert_same_or_tie

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from calibration.latency import MIN_SPEEDUP, choose_measured
-from calibration.measure import simulate_rounds
-from exporter.cli import main
+from calibration.draft_sources import simulate_rounds
+from commands.cli import main
 from runtimes import Generator
 from tests.conftest import make_tiny_model
 

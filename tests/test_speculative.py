@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exporter.cli import main
+from commands.cli import main
 from runtimes import Generator, SamplingParams
-from runtimes.speculative import SpeculativeRunner, lookup_ngram
+from runtimes.drafting import lookup_ngram
+from runtimes.speculative import SpeculativeRunner
 from tests.conftest import make_tiny_model
 
 TIE_MARGIN = 1e-3

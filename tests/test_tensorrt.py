@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from exporter.cli import main
+from commands.cli import main
 from exporter.trt_compat import check_bundle, check_model
 from runtimes import load_bundle
 

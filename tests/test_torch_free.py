@@ -38,7 +38,7 @@ print('ok', result.tokens)
 
 def test_cli_run_and_inspect_without_torch(tiny_bundle: Path) -> None:
     code = f"""
-from exporter.cli import main
+from commands.cli import main
 rc = main(['run', {str(tiny_bundle)!r}, '-p', 'What is the capital of France?', '--max-new-tokens', '4', '--json'])
 assert rc == 0
 rc = main(['inspect', {str(tiny_bundle)!r}, '--json'])

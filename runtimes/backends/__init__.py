@@ -1,33 +1,53 @@
-"""Backend registry: a backend is chosen by name; its module is imported only when chosen."""
+"""Backend registry, runtime side: one entry per backend (name, runtime class, pip extra).
+
+A backend is chosen by name; its module is imported only when chosen. This table is the one
+list of backend names: the exporter's compilers (exporter/backends.py) are keyed by the same
+names and checked against it, and the command line reads its choices from it.
+"""
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Any
 
 from runtimes.backends.base import Backend, StepOutputs
 from runtimes.bundle import Bundle
 from runtimes.errors import UsageError
 
-_REGISTRY = {
-    "onnx": ("runtimes.backends.onnxruntime_backend", "OnnxRuntimeBackend"),
-    "coreml": ("runtimes.backends.coreml_backend", "CoreMLBackend"),
-    "tensorrt": ("runtimes.backends.tensorrt_backend", "TensorRTBackend"),
-}
-BACKEND_NAMES = tuple(_REGISTRY)
+@dataclass(frozen=True)
+class BackendInfo:
+    """One backend as the runtime knows it."""
+
+    name: str
+    module: str  # imported only when the backend is chosen
+    class_name: str  # a runtimes.backends.base.Backend subclass in `module`
+    extra: str  # the pip extra that installs what it needs (`pip install adaptive-export[extra]`)
+    runs_on: str  # for help texts
+
+    def load(self) -> type[Backend]:
+        try:
+            module = importlib.import_module(self.module)
+        except ImportError as exc:
+            raise UsageError(f"backend {self.name!r} is not installed in this environment ({exc.name} is missing)",
+                             f"run `pip install adaptive-export[{self.extra}]` or choose --backend onnx") from exc
+        return getattr(module, self.class_name)
+
+
+BACKENDS: dict[str, BackendInfo] = {info.name: info for info in (
+    BackendInfo("onnx", "runtimes.backends.onnxruntime_backend", "OnnxRuntimeBackend", "gpu", "CPU everywhere; CUDA/TensorRT providers"),
+    BackendInfo("coreml", "runtimes.backends.coreml_backend", "CoreMLBackend", "coreml", "macOS"),
+    BackendInfo("tensorrt", "runtimes.backends.tensorrt_backend", "TensorRTBackend", "tensorrt", "NVIDIA"),
+)}
+BACKEND_NAMES = tuple(BACKENDS)
 
 
 def make_backend(bundle: Bundle, name: str = "onnx", **options: Any) -> Backend:
-    if name not in _REGISTRY:
-        raise UsageError(f"backend {name!r} is unknown", f"choose one of: {', '.join(_REGISTRY)}")
+    if name not in BACKENDS:
+        raise UsageError(f"backend {name!r} is unknown", f"choose one of: {', '.join(BACKENDS)}")
     bundle.backend_entry(name)  # a clear error if the bundle lacks it
-    module_name, class_name = _REGISTRY[name]
+    backend_class = BACKENDS[name].load()
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"backend {name!r} is not installed in this environment ({exc.name} is missing)",
-                         f"run `pip install adaptive-export[{'gpu' if name == 'onnx' else name}]` or choose --backend onnx") from exc
-    try:
-        backend = getattr(module, class_name)(bundle, **options)
+        backend = backend_class(bundle, **options)
     except UsageError:
         raise
     except TypeError as exc:  # an option this backend does not take
@@ -59,4 +79,4 @@ def _engine_errors_are_usage_errors(bundle: Bundle, run: Any) -> Any:
     return checked
 
 
-__all__ = ["Backend", "StepOutputs", "make_backend", "BACKEND_NAMES"]
+__all__ = ["Backend", "StepOutputs", "BackendInfo", "BACKENDS", "BACKEND_NAMES", "make_backend"]

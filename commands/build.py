@@ -1,0 +1,149 @@
+"""`build`: load, calibrate what was asked, plan, export, write.
+
+The one place that joins calibration (routers, speculation) and the exporter: each gets its
+own typed options from the command's BuildOptions.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from calibration.router_pipeline import THRESHOLD, RouterOptions
+from calibration.speculation import SpeculationOptions
+from commands import EXIT_OK
+from commands.options import BuildOptions
+from exporter.backends import needs_portable_onnx, preflight
+from exporter.build import ExportOptions, build_bundle
+from exporter.bundle_writer import check_output_dir
+from graphs.plan import BuildPlan
+from graphs.span_graph import ModelParts
+from loading.model import load_model, resolve_model_path
+from loading.prompts import read_prompts
+from runtimes.errors import UsageError
+
+
+def check_exit_adapter_option(options: BuildOptions) -> None:
+    """`--exit-adapter none|fit|FILE` needs --speculate; a missing FILE fails before minutes of loading."""
+    option = options.exit_adapter or "none"
+    if option == "none":
+        return
+    if not options.speculate:
+        raise UsageError(f"--exit-adapter {option} needs --speculate (the adapter belongs to the early-exit draft)",
+                         "add --speculate auto, or --speculate E:k")
+    if option != "fit" and not Path(option).is_file():
+        raise UsageError(f"exit adapter file {option!r} does not exist",
+                         "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build")
+
+
+def quantized_gguf(model: str) -> Path | None:
+    """The model's .gguf file when it holds quantized tensors (its own grid to keep), else None."""
+    directory, gguf_file = resolve_model_path(model)
+    if gguf_file is None:
+        return None
+    import gguf
+
+    path = directory / gguf_file
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read GGUF file {str(path)!r}: {exc}", "pass a complete .gguf file") from exc
+    floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    return path if any(t.tensor_type not in floats for t in reader.tensors) else None
+
+
+def resolve_quantize(choice: str, model: str, backends: tuple[str, ...], flavour: str) -> tuple[str, Path | None]:
+    """`auto` keeps a quantized GGUF's own grid (native) where the fused engines run, else fp32."""
+    portable = flavour == "portable" or needs_portable_onnx(backends)
+    if choice not in ("auto", "native"):
+        return choice, None
+    source = quantized_gguf(model)
+    if choice == "auto":
+        return ("native", source) if source is not None and not portable else ("none", None)
+    if source is None:
+        raise UsageError(f"--quantize native needs a quantized .gguf model, and {model!r} is not one",
+                         "use --quantize int8 or int4 to quantize float weights, or none")
+    if portable:
+        raise UsageError("--quantize native needs the fused ONNX Runtime engines (--onnx-flavour ort, no tensorrt backend)",
+                         "drop --onnx-flavour portable / --backend tensorrt, or use --quantize none")
+    return "native", source
+
+
+def check_draft_precision(options: BuildOptions, quantize: str) -> str | None:
+    """`--draft-precision` needs ONNX Runtime's fused engines (MatMulNBits) and a cheaper grid."""
+    choice = options.draft_precision or "none"
+    if choice == "none":
+        return None
+    if options.onnx_flavour != "ort" or set(options.backends) != {"onnx"}:
+        raise UsageError(f"--draft-precision {choice} builds an ONNX Runtime engine (MatMulNBits, fused flavour), "
+                         f"which --backend {','.join(options.backends)} --onnx-flavour {options.onnx_flavour} does not run",
+                         "build it with --backend onnx and the default --onnx-flavour ort")
+    cheaper = {"none": ("int8", "int4"), "int8": ("int4",), "native": ("native4",)}
+    if choice not in cheaper.get(quantize, ()):
+        raise UsageError(f"--draft-precision {choice} is not a cheaper precision of this --quantize {quantize} bundle",
+                         "use int8 or int4 on a float bundle, int4 on an int8 one, native4 on a GGUF-exact (--quantize native) one")
+    if choice == "native4" and options.quant_accuracy == 4:
+        raise UsageError("--draft-precision native4 would draft at the precision the bundle already runs (accuracy 4)",
+                         "build with --quant-accuracy 1 (the exact engines) to draft at accuracy 4")
+    return choice
+
+
+def run_build(options: BuildOptions) -> dict[str, Any]:
+    check_exit_adapter_option(options)
+    preflight(options.backends)  # a backend whose tools are missing fails before any work
+    output = Path(options.output)
+    protect = tuple(Path(p) for p in (options.model, options.calib, options.routers, options.exit_adapter)
+                    if p and p not in ("smollm2", "train", "fit", "none"))
+    check_output_dir(output, options.force, protect)  # fail fast, before minutes of loading and export
+    quantize, native_source = resolve_quantize(options.quantize, options.model, options.backends, options.onnx_flavour)
+    if quantize != "none":
+        from exporter.quantize import validate_options
+
+        validate_options(options.quant_block, options.quant_accuracy)  # before minutes of loading and export
+    if options.calib and (options.routers or options.speculate):
+        read_prompts(options.calib)  # a bad calibration file fails before minutes of loading
+    draft_precision = check_draft_precision(options, quantize)
+    loaded = load_model(options.model)
+    parts = ModelParts(loaded.hf_model, loaded.spec)
+    plan = BuildPlan(num_layers=loaded.spec.num_layers, precision_draft=draft_precision)
+    speculation, calibration, extra_files = None, {}, {}
+    if options.routers:
+        from calibration.router_pipeline import plan_routers
+
+        router_options = RouterOptions(routers=options.routers, calib=options.calib, max_configs=options.max_configs,
+                                       router_lambda=options.router_lambda, router_lr=options.router_lr,
+                                       min_config_agreement=options.min_config_agreement, seed=options.seed)
+        parts.routers, configs, calibration["routers"], extra_files = plan_routers(router_options, loaded)
+        plan = BuildPlan(num_layers=loaded.spec.num_layers, configs=configs, routers=True, precision_draft=draft_precision)
+        calibration["configs"] = calibration["routers"].pop("configs")
+    if options.speculate:
+        from calibration.speculation import plan_speculation
+
+        speculation_options = SpeculationOptions(options.speculate, exit_adapter=options.exit_adapter, calib=options.calib, seed=options.seed)
+        plan.exit, speculation, measured, adapter_files = plan_speculation(speculation_options, loaded, parts)
+        calibration.update(measured)
+        extra_files = {**extra_files, **adapter_files}
+    after_export = None
+    if options.speculate == "auto":
+        from calibration.measure import calibration_prompts
+        from calibration.speculation import finalize_with_latencies
+
+        # a precision draft's acceptance is measured on its built engines, over these prompts
+        prompts = calibration_prompts(options.calib) if draft_precision else None
+
+        def after_export(root: Path, manifest: dict[str, Any]) -> None:
+            finalize_with_latencies(root, manifest, calibration, prompts)
+    export = ExportOptions(speculation=speculation, calibration=calibration or None, extra_files=extra_files,
+                           router_threshold=THRESHOLD if options.routers else 0.5, output=output, backends=options.backends,
+                           max_len=options.max_len, force=options.force, quantize=quantize, onnx_flavour=options.onnx_flavour,
+                           native_source=native_source, after_export=after_export, coreml_precision=options.coreml_precision,
+                           trt_precision=options.trt_precision,
+                           quant_options={"block_size": options.quant_block, "accuracy_level": options.quant_accuracy} if quantize != "none" else {})
+    return build_bundle(loaded, plan, export, parts)
+
+
+def cmd_build(options: BuildOptions) -> int:
+    manifest = run_build(options)
+    onnx_entry = manifest["backends"]["onnx"]
+    print(f"wrote {options.output}: {len(manifest['graphs'])} graphs, {len(manifest['configs'])} configurations, "
+          f"weights {onnx_entry['weight_bytes'] / 1e6:.1f} MB stored once")
+    return EXIT_OK

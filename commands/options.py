@@ -1,0 +1,108 @@
+"""Typed options of each command: the command line parses argparse, then hands the layers
+below one of these frozen dataclasses (never an argparse.Namespace)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from exporter.backends import parse_backends
+
+T = TypeVar("T", bound="Options")
+
+
+class Options:
+    """Built from the parsed namespace's attributes of the same names; a subclass converts the
+    ones whose type differs in `from_args`."""
+
+    @classmethod
+    def from_args(cls: type[T], args: argparse.Namespace, **converted: Any) -> T:
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in converted}  # type: ignore[arg-type]
+        return cls(**values, **converted)
+
+
+@dataclass(frozen=True)
+class BuildOptions(Options):
+    model: str
+    output: str
+    backends: tuple[str, ...] = ("onnx",)
+    onnx_flavour: str = "ort"
+    max_len: int = 2048
+    force: bool = False
+    routers: str | None = None
+    calib: str | None = None
+    max_configs: int = 3
+    router_lambda: float | None = None
+    min_config_agreement: float | None = None
+    router_lr: float | None = None
+    speculate: str | None = None
+    exit_adapter: str = "none"
+    quantize: str = "auto"
+    draft_precision: str = "none"
+    coreml_precision: str = "float16"
+    trt_precision: str = "fp16"
+    quant_block: int = 32
+    quant_accuracy: int = 4
+    seed: int = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **converted: Any) -> "BuildOptions":
+        return super().from_args(args, backends=parse_backends(args.backend))
+
+
+@dataclass(frozen=True)
+class RunOptions(Options):
+    bundle: str
+    prompt: str | None = None
+    prompt_file: str | None = None
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    raw: bool = False
+    json: bool = False
+    config: str = "auto"
+    mode: str = "ar"
+    draft: str | None = None
+    draft_len: int | None = None
+    backend: str = "onnx"
+    provider: str = "cpu"
+    threads: int = 0
+    verify: str = "full"
+    prepack: str = "auto"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **converted: Any) -> "RunOptions":
+        return super().from_args(args, stop=tuple(args.stop))
+
+
+@dataclass(frozen=True)
+class CheckOptions(Options):
+    bundle: str
+    model: str | None = None
+    report: str | None = None
+    junit: str | None = None
+    prompts: str | None = None
+    new_tokens: int = 16
+    tolerance: float = 1.0
+
+
+@dataclass(frozen=True)
+class InspectOptions(Options):
+    bundle: str
+    json: bool = False
+
+
+@dataclass(frozen=True)
+class BenchOptions(Options):
+    bundle: str
+    prompt: str
+    max_new_tokens: int = 32
+    repeat: int = 5
+    config: str = "auto"
+    mode: str = "ar"
+    threads: int = 0
+    prepack: str = "auto"
+    json: bool = False

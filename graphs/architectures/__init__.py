@@ -1,0 +1,20 @@
+"""Decoder architectures by HF `config.model_type`: one module per family (graphs/architectures/base.py
+says what an adapter answers). A new family is one module plus its line in FAMILIES."""
+from __future__ import annotations
+
+from graphs.architectures.base import DEFAULT_ROPE, DecoderArchitecture, LayerAttention, LayerWeights
+from graphs.architectures.llama import Llama
+
+FAMILIES: tuple[DecoderArchitecture, ...] = (Llama(),)
+ARCHITECTURES: dict[str, DecoderArchitecture] = {t: family for family in FAMILIES for t in family.model_types}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
+
+
+def architecture(model_type: str) -> DecoderArchitecture:
+    """The adapter of a model type (KeyError with the supported types for any other)."""
+    if model_type not in ARCHITECTURES:
+        raise KeyError(f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    return ARCHITECTURES[model_type]
+
+
+__all__ = ["ARCHITECTURES", "DEFAULT_ROPE", "DecoderArchitecture", "LayerAttention", "LayerWeights", "SUPPORTED_MODEL_TYPES", "architecture"]

@@ -1,0 +1,105 @@
+"""What differs per decoder architecture, said once: the adapter every static graph reads
+(docs/architecture.md section 7).
+
+A family is one module in this package with a `DecoderArchitecture` subclass, registered by
+its HF `config.model_type`s in graphs/architectures/__init__.py (like mlx-lm's
+models/<arch>.py). The graphs (graphs/layers.py: both the portable graphs and calibration's
+PyTorch passes; graphs/fused_graph.py) never reach into the HF model themselves: they ask the
+adapter for the modules of a layer, the norm style, the activation, the rotary tables and
+window of each layer, and the embedding scale. Modules are the HF model's own (references,
+never copies), so each graph uses the model's parameters and the exporter names its weights
+after them.
+
+Adding e.g. Gemma 3 means answering these for it: QK-norm (`q_norm`/`k_norm`), RMSNorm with
+(1 + w) (`norm_weight`), embeddings times sqrt(hidden) (`embed_scale`), a GELU-tanh gated MLP
+(`act`, read from the HF module), sandwich norms around attention and MLP
+(`post_attention_norm`, `post_mlp_norm`), and per-layer sliding window 512 with rope theta
+10k on sliding layers, 1M on global ones (`layer_attention` from config.layer_types,
+`rotary` returning both tables).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+from graphs.spec import ModelSpec
+
+if TYPE_CHECKING:  # torch only for annotations: reading a config's spec needs no torch
+    from torch import Tensor, nn
+
+DEFAULT_ROPE = "default"
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's modules as the static graphs use them (the HF model's own)."""
+
+    q: nn.Module
+    k: nn.Module
+    v: nn.Module
+    o: nn.Module
+    gate: nn.Module
+    up: nn.Module
+    down: nn.Module
+    act: Callable[[Tensor], Tensor]  # the gated MLP's activation: down(act(gate(h)) * up(h))
+    input_norm: nn.Module  # before attention
+    pre_mlp_norm: nn.Module  # before the MLP (Llama: post_attention_layernorm)
+    post_attention_norm: nn.Module | None = None  # on the attention output, before the residual add
+    post_mlp_norm: nn.Module | None = None  # on the MLP output, before the residual add
+    q_norm: nn.Module | None = None  # per-head RMSNorm of queries before rotary (QK-norm)
+    k_norm: nn.Module | None = None  # per-head RMSNorm of keys before rotary
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends: which rotary table, and its sliding window (None: full causal)."""
+
+    rope: str = DEFAULT_ROPE
+    window: int | None = None
+
+
+class DecoderArchitecture(ABC):
+    """The per-family answers. Only `model_types`, `spec_from_config` and `layer` are required;
+    the defaults are Llama's."""
+
+    model_types: ClassVar[tuple[str, ...]]
+
+    @abstractmethod
+    def spec_from_config(self, config: Any) -> ModelSpec:
+        """The dimensions every static shape is built from."""
+
+    def unsupported(self, config: Any) -> tuple[str, str] | None:
+        """(problem, fix) when this config uses something the graphs do not implement, else None."""
+        return None
+
+    @abstractmethod
+    def layer(self, hf_model: nn.Module, index: int) -> LayerWeights:
+        """The modules of decoder layer `index`."""
+
+    def embed(self, hf_model: nn.Module) -> nn.Module:
+        return hf_model.model.embed_tokens
+
+    def embed_scale(self, spec: ModelSpec) -> float | None:
+        """Factor on the token embeddings (None: none, Llama)."""
+        return None
+
+    def final_norm(self, hf_model: nn.Module) -> nn.Module:
+        return hf_model.model.norm
+
+    def lm_head(self, hf_model: nn.Module) -> nn.Module:
+        return hf_model.lm_head
+
+    def norm_weight(self, norm: nn.Module) -> Tensor:
+        """The multiplier an RMSNorm module applies after normalising (Llama: its weight)."""
+        return norm.weight
+
+    def rotary(self, hf_model: nn.Module) -> dict[str, nn.Module]:
+        """HF rotary modules (holding inv_freq and attention_scaling) by key; DEFAULT_ROPE first."""
+        return {DEFAULT_ROPE: hf_model.model.rotary_emb}
+
+    def layer_attention(self, config: Any, index: int) -> LayerAttention:
+        return LayerAttention()
+
+    def attention_scale(self, spec: ModelSpec) -> float:
+        return spec.head_dim ** -0.5

@@ -1,0 +1,24 @@
+"""Draft sources by name. A new source is one module with a `DraftSource` subclass
+(runtimes/drafting/base.py) plus its line in SOURCES; the manifest check, the command line,
+the speculative loop and `check` read this table (calibration measures the same names in
+calibration/draft_sources.py)."""
+from __future__ import annotations
+
+from runtimes.drafting.base import DraftSource
+from runtimes.drafting.early_exit import EarlyExit
+from runtimes.drafting.precision import PrecisionDraft
+from runtimes.drafting.prompt_lookup import PromptLookup, lookup_ngram
+from runtimes.errors import UsageError
+
+SOURCES: dict[str, type[DraftSource]] = {source.name: source for source in (EarlyExit, PromptLookup, PrecisionDraft)}
+SOURCE_NAMES = tuple(SOURCES)
+FREE_SOURCE = PromptLookup.name  # needs no engine of its own: the default without calibration, and gated `--mode auto`
+
+
+def draft_source(name: str) -> type[DraftSource]:
+    if name not in SOURCES:
+        raise UsageError(f"draft source {name!r} is unknown", f"choose one of: {', '.join(SOURCES)}")
+    return SOURCES[name]
+
+
+__all__ = ["DraftSource", "FREE_SOURCE", "SOURCES", "SOURCE_NAMES", "draft_source", "lookup_ngram"]

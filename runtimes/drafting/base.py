@@ -1,0 +1,79 @@
+"""The draft-source protocol of self-speculative decoding (docs/architecture.md section 7).
+
+A draft source proposes up to k tokens after `pending` and runs the verify pass that scores
+them; the speculative loop (runtimes/speculative.py) owns everything else: acceptance
+(greedy or the rejection rule), the arena crop, stats and gating. Calibration measures the
+same sources under the same names (calibration/draft_sources.py).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import numpy as np
+
+from runtimes.sampling import SamplingParams, probabilities
+
+
+class DraftSource(ABC):
+    """One way of drafting. Subclasses set the class attributes and implement propose/verify."""
+
+    name: ClassVar[str]
+    # the configuration's engines (manifest `configs[].engines` keys) it needs besides decode
+    engines: ClassVar[tuple[str, ...]] = ()
+    # the verify pass also scores the row after the last draft: a round whose drafts are all
+    # accepted emits one more (bonus) token, so a round may emit k + 1 tokens
+    bonus: ClassVar[bool] = False
+    # a round may skip drafting cheaply (its verify pass then is a plain decode step), so
+    # `--mode auto` can gate it to draft only while drafts pay
+    gateable: ClassVar[bool] = False
+
+    def __init__(self, backend: Any, config: dict[str, Any], model: dict[str, Any], k: int) -> None:
+        self.backend, self.config, self.k = backend, config, k
+
+    @classmethod
+    def available(cls, config: dict[str, Any]) -> bool:
+        """Whether this configuration has the engines the source needs."""
+        engines = config.get("engines", {})
+        return all(name in engines for name in cls.engines)
+
+    def max_drafts(self, budget: int) -> int:
+        """Drafts for a round that may emit at most `budget` more tokens."""
+        return min(self.k, budget - 1 if self.bonus else budget)
+
+    @abstractmethod
+    def propose(self, pending: int, context: list[int], k: int, start: int, arena: Any, sampling: SamplingParams,
+                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray] | None]:
+        """(up to k draft tokens after `pending`, the draft distribution's logits per draft or
+        None when drafts are deterministic, e.g. copied from the context)."""
+
+    @abstractmethod
+    def verify(self, pending: int, drafts: list[int], start: int, arena: Any) -> Any:
+        """One verifier pass at arena position `start`; its logits row j scores drafts[j]."""
+
+
+def engine_drafts(backend: Any, graph: str, pending: int, k: int, start: int, arena: Any, sampling: SamplingParams,
+                  rng: np.random.Generator, on_step: Any = None) -> tuple[list[int], list[np.ndarray]]:
+    """k T=1 steps of a draft engine over token ids from arena position `start`: the drafts
+    (argmax, or sampled from the draft's own distribution) and each step's logits row.
+    `on_step(j, outputs)` sees every step's outputs (early exit keeps its exit hidden state)."""
+    token = np.empty((1, 1), dtype=np.int64)
+    token[0, 0] = pending
+    drafts: list[int] = []
+    rows: list[np.ndarray] = []
+    for j in range(k):
+        out = backend.run(graph, token, arena, start + j)
+        if on_step is not None:
+            on_step(j, out)
+        logits = out.logits[0, -1].copy()
+        rows.append(logits)
+        drafts.append(int(np.argmax(logits)) if sampling.greedy else int(rng.choice(logits.size, p=probabilities(logits, sampling))))
+        token[0, 0] = drafts[-1]
+    return drafts, rows
+
+
+def decode_engine_verify(backend: Any, config: dict[str, Any], pending: int, drafts: list[int], start: int, arena: Any) -> Any:
+    """The configuration's decode engine over [pending, d1, .., dk] at T=k+1, writing every kept
+    layer's rows: its last row scores the position after the last draft (the bonus token)."""
+    inputs = np.asarray([[pending, *drafts]], dtype=np.int64)
+    return backend.run(config["engines"]["decode"], inputs, arena, start)

@@ -1,0 +1,39 @@
+"""Prompt-lookup drafts: an n-gram continuation copied from the context; no engine of its own.
+The decode engine verifies [pending, d1, .., dk] with T=k+1 over token ids and writes all
+layers' rows; its last row gives the bonus token when every draft is accepted, so a round
+always emits accepted + 1 tokens."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from runtimes.drafting.base import DraftSource, decode_engine_verify
+from runtimes.sampling import SamplingParams
+
+MAX_NGRAM = 3
+
+
+def lookup_ngram(context: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+    """Tokens that followed the latest earlier occurrence of the context's last n-gram."""
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        tail = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start : start + n] == tail:
+                follow = context[start + n : start + n + k]
+                if follow:
+                    return follow
+    return []
+
+
+class PromptLookup(DraftSource):
+    name = "prompt_lookup"
+    bonus = True
+    gateable = True
+
+    def propose(self, pending: int, context: list[int], k: int, start: int, arena: Any, sampling: SamplingParams,
+                rng: np.random.Generator) -> tuple[list[int], None]:
+        return lookup_ngram(context, k), None
+
+    def verify(self, pending: int, drafts: list[int], start: int, arena: Any) -> Any:
+        return decode_engine_verify(self.backend, self.config, pending, drafts, start, arena)

@@ -1,0 +1,54 @@
+"""The packages import only downwards (docs/architecture.md section 1): commands may import
+everything; exporter and calibration import graphs, loading and runtimes but never each
+other (only commands joins them); loading imports graphs and runtimes; graphs nothing of
+the project; runtimes only itself. Checked on the source with `ast`, so lazy imports inside
+functions count too.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = ("graphs", "loading", "exporter", "calibration", "runtimes", "commands")
+FORBIDDEN = {
+    "runtimes": {"graphs", "loading", "exporter", "calibration", "commands"},
+    "graphs": {"loading", "exporter", "calibration", "runtimes", "commands"},
+    "loading": {"exporter", "calibration", "commands"},
+    "exporter": {"calibration", "commands"},
+    "calibration": {"exporter", "commands"},
+    "commands": set(),
+}
+
+
+def imported_packages(path: Path) -> set[tuple[str, int]]:
+    """(top-level project package, line) of every import in the file, relative ones resolved."""
+    package = path.relative_to(ROOT).parts[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [package] if node.level else [node.module or ""]
+        else:
+            continue
+        found |= {(name.split(".")[0], node.lineno) for name in names if name.split(".")[0] in PROJECT}
+    return found
+
+
+def project_modules() -> list[Path]:
+    return sorted(p for package in PROJECT for p in (ROOT / package).rglob("*.py"))
+
+
+def test_every_package_is_checked() -> None:
+    assert set(FORBIDDEN) == set(PROJECT)
+    assert len(project_modules()) > 40
+
+
+@pytest.mark.parametrize("path", project_modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_go_down_only(path: Path) -> None:
+    package = path.relative_to(ROOT).parts[0]
+    bad = sorted((line, name) for name, line in imported_packages(path) if name in FORBIDDEN[package])
+    assert not bad, f"{path.relative_to(ROOT)} imports " + ", ".join(f"{name} (line {line})" for line, name in bad)
