@@ -1,6 +1,7 @@
 """Shared benchmark helpers: prompts, medians, thread pinning, table printing."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -9,6 +10,34 @@ from typing import Any, Callable, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = ROOT / "samples" / "eval_prompts.jsonl"
+
+
+def bench_parser(doc: str | None, threads_help: str = "ONNX Runtime intra-op threads (default: 2)") -> argparse.ArgumentParser:
+    """The parser every benchmark starts from: its module docstring as help, and --threads."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2, help=threads_help)
+    return parser
+
+
+def parse_and_pin(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse the command line and pin every runtime to --threads before any is imported."""
+    args = parser.parse_args()
+    pin_threads(args.threads)
+    return args
+
+
+def cpu_model() -> str:
+    """lscpu's model name: every printed number names the machine it was measured on."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return "unknown CPU"
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
 
 
 def load_prompts(path: Path = DEFAULT_PROMPTS, limit: int | None = None) -> list[str]:

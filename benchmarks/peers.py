@@ -58,7 +58,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import hf_generate_timer, load_prompts, median_of, pin_threads  # noqa: E402
+from benchmarks.common import cpu_model, hf_generate_timer, load_prompts, median_of, pin_threads  # noqa: E402
 
 FIXED = ("hf-eager", "optimum-ort", "llama.cpp-q4_1", "genai-fp32", "genai-int8", "genai-int4")
 PRECISION = {"hf-eager": "fp32", "optimum-ort": "fp32", "llama.cpp-q4_1": "int4",
@@ -381,17 +381,6 @@ def quality(result: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
         total += len(expected)
     return {"greedy_identical": identical, "greedy_ties": ties, "prompts": len(ref["tokens"]),
             "first_divergence": divergence, "top1_agreement": hits / total if total else None}
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return "unknown CPU"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:

@@ -10,24 +10,21 @@ nodes, or a leaner loop could still win.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.common import DEFAULT_PROMPTS, load_prompts, pin_threads, print_table
+from benchmarks.common import DEFAULT_PROMPTS, bench_parser, load_prompts, parse_and_pin, print_table
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--bundle", required=True, help="bundle directory to profile")
-    parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (default: 2)")
     parser.add_argument("--tokens", type=int, default=48, help="new tokens to decode while profiling (default: 48)")
     parser.add_argument("--top", type=int, default=12, help="operator types to list (default: 12)")
-    args = parser.parse_args()
-    pin_threads(args.threads)
+    args = parse_and_pin(parser)
     from runtimes import Generator
 
     prefix = str(Path(tempfile.mkdtemp()) / "ort")

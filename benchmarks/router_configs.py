@@ -17,7 +17,6 @@ first ratio at 1 - share.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import pin_threads, print_table
+from benchmarks.common import bench_parser, parse_and_pin, print_table
 
 PROMPT = "Write a short story about a robot who learns to paint."
 PROBE_KEPT = (24, 18, 12, 1)
@@ -83,13 +82,11 @@ def config_rows(points: dict[str, dict[str, Any]], num_layers: int) -> tuple[lis
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--bundle", default=None, help="a bundle with skip configurations (default: build a SmolLM2 probe bundle in a temp dir)")
-    parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (default: 2)")
     parser.add_argument("--repeat", type=int, default=5, help="timed repetitions per configuration (median), after one warm-up")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per repetition (default: 32)")
-    args = parser.parse_args()
-    pin_threads(args.threads)
+    args = parse_and_pin(parser)
     bundle = Path(args.bundle) if args.bundle else build_probe_bundle(Path(tempfile.mkdtemp()) / "probe")
     points = config_tpot(bundle, args.threads, args.repeat, args.new_tokens)
     from runtimes.bundle import load_bundle

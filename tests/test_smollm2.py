@@ -21,7 +21,8 @@ def test_bundle_size_and_graphs(smol_bundle: Path) -> None:
     manifest = json.loads((smol_bundle / "manifest.json").read_text())
     total = sum(f["bytes"] for f in manifest["files"].values())
     assert len(manifest["graphs"]) >= 2
-    assert manifest["backends"]["onnx"]["weight_bytes"] < 540e6
+    # the fp32 weights once (538 MB) plus the int8 precision draft's own copy (151 MB)
+    assert manifest["backends"]["onnx"]["weight_bytes"] < 540e6 + 155e6
     assert total <= 1.1 * manifest["backends"]["onnx"]["weight_bytes"]
 
 
@@ -35,10 +36,13 @@ def test_check_passes_with_reports(smol_bundle: Path, tmp_path: Path) -> None:
     greedy = [r for r in data["results"] if r["check"].startswith("greedy")]
     prompts = len(read_prompts(str(ROOT / "samples" / "eval_prompts.jsonl")))
     by_engine = {engine: sum(r["engine"] == engine for r in greedy) for engine in {r["engine"] for r in greedy}}
-    # plain decoding, early-exit speculation and prompt-lookup speculation, each on every prompt
-    assert by_engine == {"decode_full": prompts, "spec:full:early_exit": prompts, "spec:full:prompt_lookup": prompts}
+    # plain decoding and speculation with each draft source, each on every prompt
+    assert by_engine == {"decode_full": prompts, "spec:full:early_exit": prompts, "spec:full:prompt_lookup": prompts,
+                         "spec:full:precision": prompts}
     assert all("identical" in r["detail"] or "float tie" in r["detail"] for r in greedy)
-    assert {"prefill", "decode_full", "draft_full_e24", "verify_full_e24"} <= {r["engine"] for r in data["results"] if r["check"] == "parity"}
+    assert {"prefill", "decode_full", "draft_full_e24", "verify_full_e24", "pdraft_full_int8"} <= {r["engine"] for r in data["results"] if r["check"] == "parity"}
+    draft_gate = next(r for r in data["results"] if r["engine"] == "pdraft_full_int8" and r["check"] == "quality[mean]")
+    assert draft_gate["passed"] and 1.0 - draft_gate["max_abs"] >= 0.9, draft_gate  # the int8 draft's agreement with fp32
     assert junit.read_text().count("<testcase") == len(data["results"])
 
 

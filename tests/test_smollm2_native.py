@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from commands.cli import main
-from tests.conftest import needs_smollm2
+from tests.conftest import build_smollm2, needs_smollm2
 
 pytestmark = [needs_smollm2, pytest.mark.slow]
 ROOT = Path(__file__).parents[1]
@@ -17,9 +17,7 @@ ROOT = Path(__file__).parents[1]
 
 @pytest.fixture(scope="module")
 def native_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("native") / "bundle"
-    assert main(["build", "smollm2", "-o", str(out), "--max-len", "512", "--quantize", "native", "--quant-accuracy", "1"]) == 0
-    return out
+    return build_smollm2(tmp_path_factory, "native", "--max-len", "512", "--quantize", "native", "--quant-accuracy", "1")
 
 
 def _stored(bundle: Path, name: str) -> np.ndarray:

@@ -10,7 +10,7 @@ import pytest
 
 from commands.cli import main
 from runtimes import Generator
-from tests.conftest import needs_smollm2
+from tests.conftest import build_smollm2, needs_smollm2
 
 pytestmark = [needs_smollm2, pytest.mark.slow]
 ROOT = Path(__file__).parents[1]
@@ -18,9 +18,7 @@ ROOT = Path(__file__).parents[1]
 
 @pytest.fixture(scope="module")
 def routed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("smol_routed") / "bundle"
-    assert main(["build", "smollm2", "-o", str(out), "--max-len", "256", "--routers", "train", "--quantize", "none"]) == 0
-    return out
+    return build_smollm2(tmp_path_factory, "smol_routed", "--max-len", "256", "--routers", "train", "--quantize", "none")
 
 
 def test_routed_build_has_skip_configurations_and_passes_check(routed: Path, tmp_path: Path) -> None:
