@@ -101,5 +101,6 @@ class DecoderArchitecture(ABC):
     def layer_attention(self, config: Any, index: int) -> LayerAttention:
         return LayerAttention()
 
-    def attention_scale(self, spec: ModelSpec) -> float:
+    def attention_scale(self, spec: ModelSpec, config: Any) -> float:
+        """The factor on q.k (Llama: head_dim ** -0.5; Gemma 3 reads query_pre_attn_scalar from the config)."""
         return spec.head_dim ** -0.5
