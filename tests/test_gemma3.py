@@ -170,3 +170,36 @@ def test_fused_flavour_is_refused_with_the_fix(gemma_dir: Path, tmp_path: Path, 
     for hook in ("embedding scale", "sliding windows", "q_norm", "post_attention_norm", "attention scale"):
         assert hook in err, err
     assert not out.exists()
+
+
+def test_static_stack_matches_hf_with_linear_rope_on_full_layers() -> None:
+    """Gemma 3 4B+ scale the global layers' rope linearly (factor 8): the adapter reads each layer
+    type's table from HF's rotary module, so the scaled table comes along (PyTorch level, GQA 2)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    from graphs.architectures import architecture
+    from graphs.layers import DecoderStack
+
+    config = Gemma3TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, layer_types=list(reversed(LAYER_TYPES)),
+        query_pre_attn_scalar=16, max_position_embeddings=512,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.08 if param.dim() == 2 else 0.2)
+    arch = architecture("gemma3_text")
+    assert arch.unsupported(config) is None
+    stack = DecoderStack(model, arch.spec_from_config(config), range(4)).eval()
+    ids = torch.randint(0, 300, (1, 5 * WINDOW))
+    empty = torch.zeros(0, 2, 16)
+    with torch.no_grad():
+        expected = model(ids).logits[0]
+        x = stack.embed_ids(ids[0])
+        for layer, (cos, sin, mask) in zip(stack.layers, stack.frame(0, ids.shape[1])):
+            x, _, _ = layer(x, empty, empty, cos, sin, mask)
+        torch.testing.assert_close(stack.head(x), expected, atol=1e-4, rtol=1e-4)
