@@ -13,7 +13,7 @@ from calibration.speculation import SpeculationOptions
 from commands import EXIT_OK
 from commands.options import BuildOptions
 from exporter.backends import needs_portable_onnx, preflight
-from exporter.build import ExportOptions, build_bundle
+from exporter.build import ExportOptions, build_bundle, check_flavour
 from exporter.bundle_writer import check_output_dir
 from graphs.plan import BuildPlan
 from graphs.span_graph import ModelParts
@@ -104,6 +104,7 @@ def run_build(options: BuildOptions) -> dict[str, Any]:
     draft_precision = check_draft_precision(options, quantize)
     loaded = load_model(options.model)
     parts = ModelParts(loaded.hf_model, loaded.spec)
+    check_flavour(parts, "portable" if needs_portable_onnx(options.backends) else options.onnx_flavour)  # before calibration
     plan = BuildPlan(num_layers=loaded.spec.num_layers, precision_draft=draft_precision)
     speculation, calibration, extra_files = None, {}, {}
     if options.routers:

@@ -177,6 +177,8 @@ def fused_unsupported(arch: DecoderArchitecture, parts: ModelParts) -> list[str]
     yet, that the model uses; the portable flavour implements them all."""
     hf, spec = parts.hf_model, parts.spec
     missing = ["embedding scale"] if arch.embed_scale(spec) is not None else []
+    if arch.attention_scale(spec, hf.config) != spec.head_dim ** -0.5:
+        missing.append("attention scale")
     if set(arch.rotary(hf)) != {DEFAULT_ROPE} or any(arch.layer_attention(hf.config, i).window is not None for i in range(spec.num_layers)):
         missing.append("per-layer rotary tables / sliding windows")
     extra_norms = ("q_norm", "k_norm", "post_attention_norm", "post_mlp_norm")

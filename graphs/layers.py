@@ -13,7 +13,7 @@ section 4).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -77,11 +77,11 @@ class StaticDecoderLayer(nn.Module):
     What the family decides (norm style, QK-norm, sandwich norms, activation, attention scale)
     comes from its adapter (graphs/architectures); a hook a family does not use adds no op."""
 
-    def __init__(self, arch: DecoderArchitecture, weights: LayerWeights, spec: ModelSpec) -> None:
+    def __init__(self, arch: DecoderArchitecture, weights: LayerWeights, spec: ModelSpec, config: Any) -> None:
         super().__init__()
         self.arch = arch
         self.spec = spec
-        self.scale = arch.attention_scale(spec)
+        self.scale = arch.attention_scale(spec, config)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = weights.q, weights.k, weights.v, weights.o
         self.gate_proj, self.up_proj, self.down_proj, self.act = weights.gate, weights.up, weights.down, weights.act
         self.input_norm, self.pre_mlp_norm = weights.input_norm, weights.pre_mlp_norm
@@ -161,7 +161,7 @@ class DecoderStack(nn.Module):
         self.rotary = Rotary(tables[DEFAULT_ROPE])
         self.rotaries = nn.ModuleDict({key: Rotary(module) for key, module in tables.items() if key != DEFAULT_ROPE})
         self.attention = [arch.layer_attention(hf_model.config, i) for i in layers]
-        self.layers = nn.ModuleList(StaticDecoderLayer(arch, arch.layer(hf_model, i), spec) for i in layers)
+        self.layers = nn.ModuleList(StaticDecoderLayer(arch, arch.layer(hf_model, i), spec, hf_model.config) for i in layers)
         self.head = Head(hf_model, spec)
 
     def embed_ids(self, ids: Tensor) -> Tensor:

@@ -52,5 +52,5 @@ def test_sliding_window_mask() -> None:
 def test_every_model_type_has_one_architecture() -> None:
     from graphs.architectures import ARCHITECTURES, FAMILIES, SUPPORTED_MODEL_TYPES
 
-    assert set(SUPPORTED_MODEL_TYPES) == {"llama", "qwen2", "mistral"}
+    assert set(SUPPORTED_MODEL_TYPES) == {"llama", "qwen2", "mistral", "gemma3_text"}
     assert sum(len(family.model_types) for family in FAMILIES) == len(ARCHITECTURES)

@@ -3,9 +3,10 @@ says what an adapter answers). A new family is one module plus its line in FAMIL
 from __future__ import annotations
 
 from graphs.architectures.base import DEFAULT_ROPE, DecoderArchitecture, LayerAttention, LayerWeights
+from graphs.architectures.gemma3 import Gemma3
 from graphs.architectures.llama import Llama
 
-FAMILIES: tuple[DecoderArchitecture, ...] = (Llama(),)
+FAMILIES: tuple[DecoderArchitecture, ...] = (Llama(), Gemma3())
 ARCHITECTURES: dict[str, DecoderArchitecture] = {t: family for family in FAMILIES for t in family.model_types}
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 

@@ -10,12 +10,12 @@ window of each layer, and the embedding scale. Modules are the HF model's own (r
 never copies), so each graph uses the model's parameters and the exporter names its weights
 after them.
 
-Adding e.g. Gemma 3 means answering these for it: QK-norm (`q_norm`/`k_norm`), RMSNorm with
+Gemma 3 (gemma3.py) answers these: QK-norm (`q_norm`/`k_norm`), RMSNorm with
 (1 + w) (`norm_weight`), embeddings times sqrt(hidden) (`embed_scale`), a GELU-tanh gated MLP
 (`act`, read from the HF module), sandwich norms around attention and MLP
-(`post_attention_norm`, `post_mlp_norm`), and per-layer sliding window 512 with rope theta
+(`post_attention_norm`, `post_mlp_norm`), per-layer sliding window 512 with rope theta
 10k on sliding layers, 1M on global ones (`layer_attention` from config.layer_types,
-`rotary` returning both tables).
+`rotary` returning both tables), and query_pre_attn_scalar ** -0.5 (`attention_scale`).
 """
 from __future__ import annotations
 
@@ -101,5 +101,6 @@ class DecoderArchitecture(ABC):
     def layer_attention(self, config: Any, index: int) -> LayerAttention:
         return LayerAttention()
 
-    def attention_scale(self, spec: ModelSpec) -> float:
+    def attention_scale(self, spec: ModelSpec, config: Any) -> float:
+        """The factor on q.k (Llama: head_dim ** -0.5; Gemma 3 reads query_pre_attn_scalar from the config)."""
         return spec.head_dim ** -0.5
