@@ -44,10 +44,6 @@ def bench_runtime(gen, prompts: list[list[int]], repeat: int, **kwargs) -> dict[
             "verify_ms_per_round": median_of(verify_ms) if verify_ms else None}
 
 
-def full_kept(gen) -> list[int]:
-    return list(gen.bundle.config("full")["kept"])
-
-
 def bench_hf_early_exit(model, prompts: list[list[int]], exit_layer: int, repeat: int) -> float:
     import torch
 
@@ -104,7 +100,7 @@ def main() -> None:
             # as the decode engine of an extra in-memory configuration (prefill stays the bundle's)
             configs = gen.bundle.manifest["configs"]
             if not any(c["id"] == "draft_precision" for c in configs):
-                configs.append({"id": "draft_precision", "kept": list(full_kept(gen)), "engines": {"decode": full["precision_draft"]}})
+                configs.append({"id": "draft_precision", "kept": list(gen.bundle.config("full")["kept"]), "engines": {"decode": full["precision_draft"]}})
             r = bench_runtime(gen, ids, args.repeat, config="draft_precision")
             rows.append({"prompts": set_name, "mode": f"ar at the draft's precision ({precision}, lossy)", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
             for k in sorted({2, 4, int((spec.get("precision") or {}).get("draft_len", 4))}):

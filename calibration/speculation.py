@@ -145,13 +145,11 @@ def finalize_with_latencies(root: Path, manifest: dict[str, Any], calibration: d
     for source, candidate in choice["by_source"].items():
         spec[source] = {"draft_len": candidate["draft_len"], "expected_speedup": candidate["expected_speedup"]}
     # gated prompt lookup (runtime, --mode auto) drafts only while accepted drafts pay for this
-    lookup = spec.setdefault("prompt_lookup", {})
-    lookup["verify_cost"] = verify_costs(latencies["decode_ms"])
-    lookup["verify_cost_prepacked"] = verify_costs(prepacked["decode_ms"])
+    # both verify with the decode engine at T=k+1: the same measured costs
+    verify = {"verify_cost": verify_costs(latencies["decode_ms"]), "verify_cost_prepacked": verify_costs(prepacked["decode_ms"])}
+    spec.setdefault("prompt_lookup", {}).update(verify)
     if "precision" in choice["by_source"]:
-        step = as_run["decode_ms"][1]
-        spec["precision"].update(draft_cost=round(as_run["precision_draft_ms"] / step, 3),
-                                 acceptance=choice["by_source"]["precision"]["acceptance"],
-                                 verify_cost=verify_costs(latencies["decode_ms"]), verify_cost_prepacked=verify_costs(prepacked["decode_ms"]))
+        spec["precision"].update(draft_cost=round(as_run["precision_draft_ms"] / as_run["decode_ms"][1], 3),
+                                 acceptance=choice["by_source"]["precision"]["acceptance"], **verify)
     calibration["speculation"].update(latencies=latencies, latencies_prepacked=prepacked, latencies_as_run=as_run, measured_choice=choice)
     (root / "calibration.json").write_text(json.dumps(calibration, indent=2) + "\n")

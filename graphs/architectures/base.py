@@ -60,14 +60,27 @@ class LayerAttention:
 
 
 class DecoderArchitecture(ABC):
-    """The per-family answers. Only `model_types`, `spec_from_config` and `layer` are required;
-    the defaults are Llama's."""
+    """The per-family answers. Only `model_types` and `layer` are required; the defaults are Llama's."""
 
     model_types: ClassVar[tuple[str, ...]]
+    # tie_word_embeddings when the config does not say (HF's default differs per family)
+    tied_by_default: ClassVar[bool] = False
 
-    @abstractmethod
     def spec_from_config(self, config: Any) -> ModelSpec:
-        """The dimensions every static shape is built from."""
+        """The dimensions every static shape is built from (the standard HF config fields)."""
+        heads = config.num_attention_heads
+        return ModelSpec(
+            model_type=config.model_type,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=float(config.rms_norm_eps),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", self.tied_by_default)),
+        )
 
     def unsupported(self, config: Any) -> tuple[str, str] | None:
         """(problem, fix) when this config uses something the graphs do not implement, else None."""

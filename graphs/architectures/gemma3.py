@@ -56,6 +56,7 @@ def _lookup(embedding: nn.Module) -> nn.Module:
 
 class Gemma3(DecoderArchitecture):
     model_types = ("gemma3_text",)
+    tied_by_default = True
 
     def unsupported(self, config: Any) -> tuple[str, str] | None:
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -75,21 +76,6 @@ class Gemma3(DecoderArchitecture):
             return (f"gemma3_text with rope_type {dynamic[0]!r} is not supported (its tables change with the length)",
                     "use a config with default or linear rope scaling")
         return None
-
-    def spec_from_config(self, config: Any) -> ModelSpec:
-        heads = config.num_attention_heads
-        return ModelSpec(
-            model_type=config.model_type,
-            num_layers=config.num_hidden_layers,
-            hidden_size=config.hidden_size,
-            num_heads=heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            intermediate_size=config.intermediate_size,
-            vocab_size=config.vocab_size,
-            rms_norm_eps=float(config.rms_norm_eps),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
-        )
 
     def layer(self, hf_model: nn.Module, index: int) -> LayerWeights:
         layer = hf_model.model.layers[index]

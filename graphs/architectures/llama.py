@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from graphs.architectures.base import DecoderArchitecture, LayerWeights
-from graphs.spec import ModelSpec
 
 if TYPE_CHECKING:
     from torch import nn
@@ -24,21 +23,6 @@ class Llama(DecoderArchitecture):
             return (f"{model_type} with sliding-window attention is not supported",
                     "use a model without sliding_window, or set it to null in config.json")
         return None
-
-    def spec_from_config(self, config: Any) -> ModelSpec:
-        heads = config.num_attention_heads
-        return ModelSpec(
-            model_type=config.model_type,
-            num_layers=config.num_hidden_layers,
-            hidden_size=config.hidden_size,
-            num_heads=heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            intermediate_size=config.intermediate_size,
-            vocab_size=config.vocab_size,
-            rms_norm_eps=float(config.rms_norm_eps),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        )
 
     def layer(self, hf_model: nn.Module, index: int) -> LayerWeights:
         layer = hf_model.model.layers[index]

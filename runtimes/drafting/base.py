@@ -53,21 +53,25 @@ class DraftSource(ABC):
 
 
 def engine_drafts(backend: Any, graph: str, pending: int, k: int, start: int, arena: Any, sampling: SamplingParams,
-                  rng: np.random.Generator, on_step: Any = None) -> tuple[list[int], list[np.ndarray]]:
+                  rng: np.random.Generator, on_step: Any = None) -> tuple[list[int], list[np.ndarray] | None]:
     """k T=1 steps of a draft engine over token ids from arena position `start`: the drafts
-    (argmax, or sampled from the draft's own distribution) and each step's logits row.
+    (argmax, or sampled from the draft's own distribution) and, when sampling, each step's
+    logits row for the rejection rule (greedy acceptance never reads them: no copy per step).
     `on_step(j, outputs)` sees every step's outputs (early exit keeps its exit hidden state)."""
     token = np.empty((1, 1), dtype=np.int64)
     token[0, 0] = pending
     drafts: list[int] = []
-    rows: list[np.ndarray] = []
+    rows: list[np.ndarray] | None = None if sampling.greedy else []
     for j in range(k):
         out = backend.run(graph, token, arena, start + j)
         if on_step is not None:
             on_step(j, out)
-        logits = out.logits[0, -1].copy()
-        rows.append(logits)
-        drafts.append(int(np.argmax(logits)) if sampling.greedy else int(rng.choice(logits.size, p=probabilities(logits, sampling))))
+        logits = out.logits[0, -1]
+        if rows is None:
+            drafts.append(int(np.argmax(logits)))
+        else:
+            rows.append(logits.copy())  # the backend reuses its output buffer next step
+            drafts.append(int(rng.choice(logits.size, p=probabilities(logits, sampling))))
         token[0, 0] = drafts[-1]
     return drafts, rows
 

@@ -22,7 +22,7 @@ class EarlyExit(DraftSource):
         self.hidden = np.zeros((1, k, model["hidden_size"]), dtype=np.float32)
 
     def propose(self, pending: int, context: list[int], k: int, start: int, arena: Any, sampling: SamplingParams,
-                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray]]:
+                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray] | None]:
         def keep_exit_hidden(j: int, out: Any) -> None:  # the exit query cache the verify pass starts from
             self.hidden[0, j] = out.exit_hidden[0, -1]
 

@@ -22,7 +22,7 @@ class PrecisionDraft(DraftSource):
     gateable = True
 
     def propose(self, pending: int, context: list[int], k: int, start: int, arena: Any, sampling: SamplingParams,
-                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray]]:
+                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray] | None]:
         return engine_drafts(self.backend, self.config["engines"]["precision_draft"], pending, k, start, arena, sampling, rng)
 
     def verify(self, pending: int, drafts: list[int], start: int, arena: Any) -> Any:
