@@ -28,7 +28,8 @@ thread count, in one run:
   which allocates the KV cache for max_length, is created before the clock starts, as the
   bundle's arena is allocated at load); teacher forcing = append_tokens of prompt + forced
   tokens, then get_output("logits"), which 0.18 returns for every appended position;
-- `bundle-<name>`: this project's bundles through the torch-free runtime (any bundle dir).
+- `bundle-<name>`: this project's bundles through the torch-free runtime (any bundle dir;
+  `NAME=DIR@auto` runs it with `--mode auto`, i.e. with its calibrated speculation).
 Each contender runs in its own subprocess so peak RSS is its own.
 
 Reported per contender: median prefill ms (time to the first token) and TPOT (the next N-1
@@ -216,12 +217,13 @@ def contender_bundle(ref: dict[str, Any], threads: int, new_tokens: int, work: P
     from exporter.check import teacher_forced_logits
     from runtimes import Generator
 
-    gen = Generator(spec, threads=threads)
+    path, _, mode = spec.partition("@")  # DIR or DIR@auto|spec: the run mode (speculation)
+    gen = Generator(path, threads=threads)
     gen.codec.eos_ids = set()
 
     def run(ids: list[int]) -> tuple[float, float, list[int]]:
         started = time.perf_counter()
-        result = gen.generate(ids, max_new_tokens=new_tokens)
+        result = gen.generate(ids, max_new_tokens=new_tokens, mode=mode or "ar")
         return result.stats.prefill_ms / 1e3, time.perf_counter() - started, result.tokens
 
     def forced(ids: list[int], cont: list[int]) -> list[int]:
@@ -244,7 +246,7 @@ def run_one(name: str, spec: str, threads: int, repeat: int, new_tokens: int, wo
         from runtimes.bundle import load_bundle
         from runtimes.text import TextCodec
 
-        bundle = load_bundle(spec, verify="size")
+        bundle = load_bundle(spec.partition("@")[0], verify="size")
         codec = TextCodec(bundle)
         result["precision"] = BUNDLE_DTYPES.get(bundle.manifest["dtype"], bundle.manifest["dtype"])
         result["codec_ids_match"] = all(codec.encode(p) == ids for p, ids in zip(ref["prompts"], ref["ids"]))
@@ -459,9 +461,10 @@ def main() -> None:
             elif name == "optimum-ort":
                 ensure_hf_dir(work)
             elif name.startswith("bundle-"):
-                spec = str(Path(spec).resolve())
-                if not (Path(spec) / "manifest.json").exists():
-                    raise RuntimeError(f"no bundle at {spec}")
+                directory, at, mode = spec.partition("@")
+                spec = str(Path(directory).resolve()) + at + mode
+                if not (Path(directory) / "manifest.json").exists():
+                    raise RuntimeError(f"no bundle at {directory}")
         except RuntimeError as exc:
             rows.append({**row, "note": str(exc)})
             print(f"{name}: {exc}", file=sys.stderr, flush=True)
@@ -491,7 +494,7 @@ def main() -> None:
         elif name in ("hf-eager", "optimum-ort"):
             notes.append(_version(interpreters.get(name, sys.executable), "transformers"))
         elif name.startswith("bundle-"):
-            notes.append(f"{row['precision']}, {Path(spec).name}")
+            notes.append(f"{row['precision']}, {Path(spec.partition('@')[0]).name}" + (f", --mode {spec.partition('@')[2]}" if "@" in spec else ""))
             if not row.get("codec_ids_match", True):
                 notes.append("bundle codec's chat ids differ from HF's (HF's are used)")
         row["note"] = ", ".join(n for n in notes if n)
