@@ -6,14 +6,19 @@ prepared once under --work-dir and reused):
 
     python -m benchmarks.peers --bundles fp32=bundles/smollm2,int8=bundles/smollm2-int8,int4=bundles/smollm2-int4 \\
         --repeat 2 --json peers.json
+    python -m benchmarks.peers --model gemma3 --bundles native=bundles/gemma3
 
-Contenders, on the same chat-templated prompt token ids (HF tokenizer, `apply_chat_template`
-with the generation prompt), greedy, 32 new tokens (EOS ignored by every contender), the same
-thread count, in one run:
-- `hf-eager`: HF transformers `generate` (fp32, the packaged Q4_1 GGUF dequantized);
+`--model` picks the packaged model (loading/packaged.py): smollm2 (SmolLM2-135M-Instruct,
+Q4_1 GGUF; chat prompts of samples/eval_prompts.jsonl, chat template applied) or gemma3
+(Gemma 3 270M base, Q4_K_M GGUF; no chat template, so the raw-text prompts of
+samples/heldout_text.jsonl with the tokenizer's BOS).
+
+Contenders, on the same prompt token ids (HF tokenizer), greedy, 32 new tokens (EOS ignored
+by every contender), the same thread count, in one run:
+- `hf-eager`: HF transformers `generate` (fp32, the packaged GGUF dequantized);
 - `optimum-ort`: optimum's `ORTModelForCausalLM` exported from the same model (needs
   `optimum-onnx`, which pins an older transformers: use a separate venv with --python);
-- `llama.cpp-q4_1`: llama-cpp-python on the packaged Q4_1 GGUF, compiled from source; on a CPU
+- `llama.cpp`: llama-cpp-python on the packaged GGUF itself (its own Q4_1 / Q4_K_M blocks), compiled from source; on a CPU
   with AMX it crashes unless built with
   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON
   -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF" pip install llama-cpp-python
@@ -61,11 +66,14 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import cpu_model, hf_generate_timer, load_prompts, median_of, pin_threads  # noqa: E402
 
-FIXED = ("hf-eager", "optimum-ort", "llama.cpp-q4_1", "genai-fp32", "genai-int8", "genai-int4")
-PRECISION = {"hf-eager": "fp32", "optimum-ort": "fp32", "llama.cpp-q4_1": "int4",
+FIXED = ("hf-eager", "optimum-ort", "llama.cpp", "genai-fp32", "genai-int8", "genai-int4")
+PRECISION = {"hf-eager": "fp32", "optimum-ort": "fp32", "llama.cpp": "int4",
              "genai-fp32": "fp32", "genai-int8": "int8", "genai-int4": "int4"}
 BUNDLE_DTYPES = {"float32": "fp32", "float16": "fp16", "int8": "int8", "int4": "int4"}
-DEFAULT_WORK_DIR = ROOT / "bundles" / "peers-cache"
+WORK_ROOT = ROOT / "bundles"
+# packaged model -> (title, prompt file): chat prompts for an instruct model, raw text for a base model
+MODELS = {"smollm2": ("SmolLM2-135M-Instruct (Q4_1 GGUF)", ROOT / "samples" / "eval_prompts.jsonl"),
+          "gemma3": ("Gemma 3 270M base (Q4_K_M GGUF)", ROOT / "samples" / "heldout_text.jsonl")}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 
 # A contender: run(ids) -> (prefill_s, total_s, tokens) for exactly new_tokens greedy tokens,
@@ -116,7 +124,7 @@ def contender_hf(ref: dict[str, Any], threads: int, new_tokens: int, work: Path,
     from loading.model import load_model
 
     torch.set_num_threads(threads)
-    return _hf_runner(load_model("smollm2").hf_model, new_tokens)
+    return _hf_runner(load_model(ref["model"]).hf_model, new_tokens)
 
 
 def contender_optimum(ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str) -> tuple[Runner, Forced]:
@@ -137,9 +145,9 @@ def contender_llamacpp(ref: dict[str, Any], threads: int, new_tokens: int, work:
     import numpy as np
     from llama_cpp import Llama
 
-    from loading.model import smollm2_gguf_path
+    from loading.packaged import PACKAGED
 
-    path = str(smollm2_gguf_path())
+    path = str(PACKAGED[ref["model"]].gguf_path())
     common = {"model_path": path, "n_ctx": 1024, "n_threads": threads, "n_threads_batch": threads, "n_batch": 512, "verbose": False}
     llm = Llama(**common)  # logits_all=False: llama.cpp's own sampler picks the greedy token
 
@@ -232,7 +240,7 @@ def contender_bundle(ref: dict[str, Any], threads: int, new_tokens: int, work: P
     return run, forced
 
 
-CONTENDERS = {"hf-eager": contender_hf, "optimum-ort": contender_optimum, "llama.cpp-q4_1": contender_llamacpp,
+CONTENDERS = {"hf-eager": contender_hf, "optimum-ort": contender_optimum, "llama.cpp": contender_llamacpp,
               "genai-fp32": contender_genai, "genai-int8": contender_genai, "genai-int4": contender_genai}
 
 
@@ -256,17 +264,21 @@ def run_one(name: str, spec: str, threads: int, repeat: int, new_tokens: int, wo
 # ---------------------------------------------------------------------------------------
 # in child processes: preparation (HF reference, HF directory for the genai builder)
 # ---------------------------------------------------------------------------------------
-def compute_reference(prompts: list[str], new_tokens: int, out: Path) -> None:
-    """HF fp32 greedy tokens (no EOS stop) and top-1/top-2 margins on the chat-templated ids."""
+def compute_reference(model: str, prompts: list[str], new_tokens: int, out: Path) -> None:
+    """HF fp32 greedy tokens (no EOS stop) and top-1/top-2 margins on the prompt ids: chat-templated
+    where the tokenizer has a template, else raw text with its special tokens (BOS)."""
     import transformers
 
     from exporter.check import reference_greedy, top2_margin
     from loading.model import load_model
 
-    loaded = load_model("smollm2")
+    loaded = load_model(model)
     ids = []
     for prompt in prompts:
-        encoded = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        if loaded.tokenizer.chat_template:
+            encoded = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        else:
+            encoded = loaded.tokenizer(prompt, add_special_tokens=True)
         ids.append([int(t) for t in (encoded["input_ids"] if hasattr(encoded, "keys") else encoded)])
     every = list(range(loaded.spec.num_layers))
     tokens, margins = [], []
@@ -274,18 +286,18 @@ def compute_reference(prompts: list[str], new_tokens: int, out: Path) -> None:
         toks, steps = reference_greedy(loaded, prompt_ids, new_tokens, set(), every)
         tokens.append(toks)
         margins.append([top2_margin(s) for s in steps])
-    out.write_text(json.dumps({"prompts": prompts, "new_tokens": new_tokens, "ids": ids, "tokens": tokens, "margins": margins,
+    out.write_text(json.dumps({"model": model, "prompts": prompts, "new_tokens": new_tokens, "ids": ids, "tokens": tokens, "margins": margins,
                                "transformers": transformers.__version__}))
 
 
-def save_hf_dir(out: Path) -> None:
+def save_hf_dir(model: str, out: Path) -> None:
     """The packaged GGUF dequantized to fp32 and saved as an HF directory (the genai builder's input)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from loading.model import resolve_model_path
 
-    directory, gguf = resolve_model_path("smollm2")
+    directory, gguf = resolve_model_path(model)
     tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32, local_files_only=True)
     model.hf_quantizer = None  # transformers refuses to save a model loaded from a quantized GGUF otherwise
@@ -301,8 +313,8 @@ def save_hf_dir(out: Path) -> None:
 # ---------------------------------------------------------------------------------------
 # in the parent
 # ---------------------------------------------------------------------------------------
-def _child(args: list[str], python: str = sys.executable, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([python, __file__, *args], capture_output=True, text=True, cwd=ROOT,
+def _child(model: str, args: list[str], python: str = sys.executable, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([python, __file__, "--model", model, *args], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, **OFFLINE, "PYTHONPATH": str(ROOT)}, timeout=timeout)
 
 
@@ -311,28 +323,28 @@ def _last_error(proc: subprocess.CompletedProcess[str]) -> str:
     return (lines or [f"exit code {proc.returncode}"])[-1][:160]
 
 
-def ensure_reference(work: Path, prompts: list[str], new_tokens: int) -> Path:
-    key = hashlib.sha1(json.dumps([prompts, new_tokens]).encode()).hexdigest()[:12]
+def ensure_reference(model: str, work: Path, prompts: list[str], new_tokens: int) -> Path:
+    key = hashlib.sha1(json.dumps([model, prompts, new_tokens]).encode()).hexdigest()[:12]
     path = work / f"reference-{key}.json"
     if not path.exists():
         print("computing the HF fp32 reference ...", file=sys.stderr, flush=True)
-        proc = _child(["--reference-out", str(path), "--prompts", str(len(prompts)), "--new-tokens", str(new_tokens)])
+        proc = _child(model, ["--reference-out", str(path), "--prompts", str(len(prompts)), "--new-tokens", str(new_tokens)])
         if proc.returncode != 0:
             sys.exit(f"HF fp32 reference failed: {_last_error(proc)}")
     return path
 
 
-def ensure_hf_dir(work: Path) -> Path:
+def ensure_hf_dir(model: str, work: Path) -> Path:
     hf = work / "hf-fp32"
     if not (hf / "config.json").exists():
         print("saving the GGUF as an fp32 HF directory ...", file=sys.stderr, flush=True)
-        proc = _child(["--save-hf", str(hf)])
+        proc = _child(model, ["--save-hf", str(hf)])
         if proc.returncode != 0:
             raise RuntimeError(f"saving the HF directory failed: {_last_error(proc)}")
     return hf
 
 
-def ensure_genai(work: Path, precision: str, threads: int) -> Path:
+def ensure_genai(model: str, work: Path, precision: str, threads: int) -> Path:
     """Run onnxruntime-genai's model builder once per precision (offline), then set the threads."""
     import importlib.util
 
@@ -340,7 +352,7 @@ def ensure_genai(work: Path, precision: str, threads: int) -> Path:
         raise RuntimeError("onnxruntime-genai is not installed (pip install onnxruntime-genai)")
     out = work / f"genai-{precision}"
     if not (out / "genai_config.json").exists():
-        hf = ensure_hf_dir(work)
+        hf = ensure_hf_dir(model, work)
         partial = out.with_name(out.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         print(f"building genai-{precision} with onnxruntime_genai.models.builder ...", file=sys.stderr, flush=True)
@@ -415,11 +427,14 @@ def main() -> None:
     parser.add_argument("--skip", default="", metavar="LIST", help="comma-separated contenders to leave out")
     parser.add_argument("--threads", type=int, default=2, help="threads for every contender (torch, ORT intra-op, llama.cpp, genai) (default: 2)")
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions per prompt, after one warm-up run (default: 3)")
-    parser.add_argument("--prompts", type=int, default=10, help="how many prompts of samples/eval_prompts.jsonl, chat template applied (default: 10)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2",
+                        help="packaged model every contender runs: smollm2 (default; chat prompts of samples/eval_prompts.jsonl) "
+                             "or gemma3 (base model; raw-text prompts of samples/heldout_text.jsonl)")
+    parser.add_argument("--prompts", type=int, default=10, help="how many prompts of the model's prompt file (default: 10)")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per run; TPOT is over the last N-1 (default: 32)")
-    parser.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR),
+    parser.add_argument("--work-dir", default=None,
                         help="cache for the HF fp32 reference, the fp32 HF directory and the genai models; reused when present "
-                             f"(default: {DEFAULT_WORK_DIR.relative_to(ROOT)})")
+                             f"(default: {WORK_ROOT.relative_to(ROOT)}/peers-cache-MODEL)")
     parser.add_argument("--python", action="append", default=[], metavar="NAME=PATH",
                         help="run contender NAME with another interpreter (e.g. optimum-ort from a venv with optimum-onnx "
                              "and the older transformers it pins)")
@@ -432,13 +447,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2 (TPOT is over the tokens after the first)")
-    work = Path(args.work_dir).resolve()
-    prompts = load_prompts(limit=args.prompts)
+    work = Path(args.work_dir or WORK_ROOT / f"peers-cache-{args.model}").resolve()
+    title, prompt_file = MODELS[args.model]
+    prompts = load_prompts(prompt_file, limit=args.prompts)
     if args.reference_out:
-        compute_reference(prompts, args.new_tokens, Path(args.reference_out))
+        compute_reference(args.model, prompts, args.new_tokens, Path(args.reference_out))
         return
     if args.save_hf:
-        save_hf_dir(Path(args.save_hf))
+        save_hf_dir(args.model, Path(args.save_hf))
         return
     if args.one:
         print(json.dumps(run_one(args.one[0], args.one[1], args.threads, args.repeat, args.new_tokens, work, Path(args.reference))))
@@ -449,7 +465,7 @@ def main() -> None:
     specs = dict([(n, "") for n in FIXED] + bundles)
     names = select(list(specs), args.contenders, args.skip)
     interpreters = dict(pair.split("=", 1) for pair in args.python)
-    ref_path = ensure_reference(work, prompts, args.new_tokens)
+    ref_path = ensure_reference(args.model, work, prompts, args.new_tokens)
     ref = json.loads(ref_path.read_text())
     rows: list[dict[str, Any]] = []
     for name in names:
@@ -457,9 +473,9 @@ def main() -> None:
         row: dict[str, Any] = {"contender": name, "precision": PRECISION.get(name)}
         try:
             if name.startswith("genai-"):
-                spec = str(ensure_genai(work, name.split("-", 1)[1], args.threads))
+                spec = str(ensure_genai(args.model, work, name.split("-", 1)[1], args.threads))
             elif name == "optimum-ort":
-                ensure_hf_dir(work)
+                ensure_hf_dir(args.model, work)
             elif name.startswith("bundle-"):
                 directory, at, mode = spec.partition("@")
                 spec = str(Path(directory).resolve()) + at + mode
@@ -472,7 +488,7 @@ def main() -> None:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         try:
-            proc = _child(["--one", name, spec or "-", "--threads", str(args.threads), "--repeat", str(args.repeat),
+            proc = _child(args.model, ["--one", name, spec or "-", "--threads", str(args.threads), "--repeat", str(args.repeat),
                            "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens), "--work-dir", str(work),
                            "--reference", str(ref_path)], python=interpreters.get(name, sys.executable), timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -487,7 +503,7 @@ def main() -> None:
         row.update(quality(result, ref))
         row["seconds"] = time.perf_counter() - started
         notes = []
-        if name == "llama.cpp-q4_1":
+        if name == "llama.cpp":
             notes.append(_version(interpreters.get(name, sys.executable), "llama_cpp"))
         elif name.startswith("genai-"):
             notes.append(_version(sys.executable, "onnxruntime_genai"))
@@ -496,7 +512,7 @@ def main() -> None:
         elif name.startswith("bundle-"):
             notes.append(f"{row['precision']}, {Path(spec.partition('@')[0]).name}" + (f", --mode {spec.partition('@')[2]}" if "@" in spec else ""))
             if not row.get("codec_ids_match", True):
-                notes.append("bundle codec's chat ids differ from HF's (HF's are used)")
+                notes.append("bundle codec's prompt ids differ from HF's (HF's are used)")
         row["note"] = ", ".join(n for n in notes if n)
         rows.append(row)
         print(f"{name}: prefill {row['prefill_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms, RSS {row['peak_rss_mb']:.0f} MB, "
@@ -508,11 +524,12 @@ def main() -> None:
             r["tpot_vs_genai"] = r["tpot_ms"] / genai[r["precision"]]
         if "tpot_ms" in r and hf:
             r["tpot_vs_hf"] = r["tpot_ms"] / hf
-    setting = {"cpu": cpu_model(), "cpus": os.cpu_count(), "machine": os.uname().machine, "threads": args.threads,
+    setting = {"model": args.model, "cpu": cpu_model(), "cpus": os.cpu_count(), "machine": os.uname().machine, "threads": args.threads,
                "prompts": len(prompts), "repeat": args.repeat, "new_tokens": args.new_tokens, "reference": ref_path.name,
                "reference_transformers": ref.get("transformers")}
     print(f"CPU: {setting['cpu']} ({setting['cpus']} CPUs, {setting['machine']}); threads: {args.threads}")
-    print(f"SmolLM2-135M-Instruct, {len(prompts)} chat prompts x {args.repeat} (medians after a warm-up), greedy, "
+    kind = "chat" if prompt_file.name == "eval_prompts.jsonl" else "raw-text"
+    print(f"{title}, {len(prompts)} {kind} prompts x {args.repeat} (medians after a warm-up), greedy, "
           f"{args.new_tokens} new tokens; quality against HF transformers {ref.get('transformers')} fp32")
     print()
     print(markdown_table(rows))

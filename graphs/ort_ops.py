@@ -9,7 +9,10 @@ so the graphs of graphs/fused_graph.py stay the one definition and the reference
 - skip_rms_norm  -> com.microsoft.SkipSimplifiedLayerNormalization: (norm(x + skip), x + skip)
 - gqa            -> com.microsoft.GroupQueryAttention over packed QKV, rotary inside, the
                     KV cache a preallocated [1, n_kv, max_len, head_dim] block per layer that
-                    is both the past input and the present output (written in place by ORT)
+                    is both the past input and the present output (written in place by ORT);
+                    `local_window_size` > 0 limits each query to the last local_window_size
+                    keys, its own included: HF's sliding window (measured against ORT 1.32's
+                    CPU kernel, tests/test_ort_ops.py)
 """
 from __future__ import annotations
 
@@ -52,7 +55,8 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 @torch.library.custom_op("adaptive_export::gqa", mutates_args=())
 def gqa(qkv: Tensor, past_key: Tensor, past_value: Tensor, seqlens_k: Tensor, total_length: Tensor,
-        cos_cache: Tensor, sin_cache: Tensor, num_heads: int, kv_heads: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        cos_cache: Tensor, sin_cache: Tensor, num_heads: int, kv_heads: int, scale: float,
+        local_window_size: int = -1) -> tuple[Tensor, Tensor, Tensor]:
     """qkv [1, T, (nh + 2 kv) hd]; past_* [1, kv, M, hd] hold rows [0, P) with P = total - T.
 
     Returns the attention output [1, T, nh hd] and the caches with the T new (rotated) rows
@@ -78,7 +82,10 @@ def gqa(qkv: Tensor, past_key: Tensor, past_value: Tensor, seqlens_k: Tensor, to
     groups = num_heads // kv_heads
     qg = q.reshape(t, kv_heads, groups, head_dim).permute(1, 2, 0, 3)  # [kv, g, T, hd]
     scores = torch.matmul(qg, keys[:, None].transpose(-1, -2)) * scale  # [kv, g, T, total]
-    allowed = torch.arange(total)[None, :] <= torch.arange(past, total)[:, None]
+    key_pos, query_pos = torch.arange(total)[None, :], torch.arange(past, total)[:, None]
+    allowed = key_pos <= query_pos
+    if local_window_size > 0:
+        allowed = allowed & (key_pos > query_pos - local_window_size)
     scores = scores.masked_fill(~allowed, MASK_VALUE)
     ctx = torch.matmul(torch.softmax(scores, dim=-1), values[:, None])  # [kv, g, T, hd]
     out = ctx.permute(2, 0, 1, 3).reshape(1, t, num_heads * head_dim)
@@ -87,7 +94,8 @@ def gqa(qkv: Tensor, past_key: Tensor, past_value: Tensor, seqlens_k: Tensor, to
 
 @gqa.register_fake
 def _(qkv: Tensor, past_key: Tensor, past_value: Tensor, seqlens_k: Tensor, total_length: Tensor,
-      cos_cache: Tensor, sin_cache: Tensor, num_heads: int, kv_heads: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+      cos_cache: Tensor, sin_cache: Tensor, num_heads: int, kv_heads: int, scale: float,
+      local_window_size: int = -1) -> tuple[Tensor, Tensor, Tensor]:
     head_dim = past_key.shape[-1]
     out = qkv.new_empty((qkv.shape[0], qkv.shape[1], num_heads * head_dim))
     return out, torch.empty_like(past_key), torch.empty_like(past_value)

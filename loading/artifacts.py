@@ -84,10 +84,11 @@ def load_adapters(path: str | Path, hidden_size: int, eps: float, num_layers: in
 
 def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
     """The HF model the bundle was built from (or `model`), plus the bundle's routers and adapters."""
-    from loading.model import load_model
+    from loading.model import DEFAULT_MODEL, load_model
+    from loading.packaged import PACKAGED
 
-    recorded = bundle.model.get("source") or "smollm2"
-    if model is None and recorded != "smollm2" and not Path(recorded).is_absolute():
+    recorded = bundle.model.get("source") or DEFAULT_MODEL
+    if model is None and recorded not in PACKAGED and not Path(recorded).is_absolute():
         # a bundle may come from anywhere: its recorded source is never resolved against the current directory
         raise UsageError(f"the bundle records its model as {recorded!r}, a relative path", "pass the reference model with --model")
     loaded = load_model(model or recorded)

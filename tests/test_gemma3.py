@@ -1,4 +1,4 @@
-"""Gemma 3 (gemma3_text) on a tiny random model: portable bundle against HF transformers.
+"""Gemma 3 (gemma3_text) on a tiny random model: both ONNX flavours against HF transformers.
 
 The model mixes sliding-window (window 8) and full-attention layers and generates well past
 the window, so a graph that ignored the window at decode time, used one rotary table for both
@@ -49,10 +49,12 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_gemma3(tmp_path_factory.mktemp("gemma3") / "model")
 
 
-@pytest.fixture(scope="module")
-def gemma_bundle(gemma_dir: Path) -> Path:
-    out = gemma_dir.parent / "bundle"
-    assert main(["build", str(gemma_dir), "-o", str(out), "--max-len", "64", "--onnx-flavour", "portable"]) == 0
+@pytest.fixture(scope="module", params=["ort", "portable"])
+def gemma_bundle(gemma_dir: Path, request: pytest.FixtureRequest) -> Path:
+    """The fused flavour (GroupQueryAttention with local_window_size, QK-norm before its rotary,
+    one cos/sin cache per layer type) and the portable one (standard ops, explicit masks)."""
+    out = gemma_dir.parent / f"bundle-{request.param}"
+    assert main(["build", str(gemma_dir), "-o", str(out), "--max-len", "64", "--onnx-flavour", request.param]) == 0
     return out
 
 
@@ -162,14 +164,22 @@ def test_softcapping_is_refused_by_build(gemma_dir: Path, tmp_path: Path, capsys
     assert not (tmp_path / "out").exists()
 
 
-def test_fused_flavour_is_refused_with_the_fix(gemma_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "fused"
-    assert main(["build", str(gemma_dir), "-o", str(out), "--max-len", "64"]) != 0  # the default flavour is ort
-    err = capsys.readouterr().err
-    assert "--onnx-flavour portable" in err
-    for hook in ("embedding scale", "sliding windows", "q_norm", "post_attention_norm", "attention scale"):
-        assert hook in err, err
-    assert not out.exists()
+def test_fused_graph_windows_and_tables_per_layer_type(gemma_bundle: Path) -> None:
+    """The fused engine's GroupQueryAttention nodes carry each layer's window (HF's layer_types)
+    and read the rotary table of their layer type: two cos caches, not one."""
+    import json
+
+    import onnx
+
+    onnx_backend = json.loads((gemma_bundle / "manifest.json").read_text())["backends"]["onnx"]
+    if onnx_backend["flavour"] != "ort":
+        pytest.skip("the portable flavour has no fused attention (its masks are tested above)")
+    model = onnx.load(str(gemma_bundle / onnx_backend["graphs"]["decode_full"]["file"]), load_external_data=False)
+    attention = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    windows = [next(a.i for a in n.attribute if a.name == "local_window_size") for n in attention]
+    assert windows == [WINDOW if t == "sliding_attention" else -1 for t in LAYER_TYPES]
+    cos_inputs = {n.input[7] for n in attention}
+    assert len(cos_inputs) == 2
 
 
 def test_static_stack_matches_hf_with_linear_rope_on_full_layers() -> None:
