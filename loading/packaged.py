@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtimes.bundle import sha256_of
 from runtimes.errors import UsageError
 
 CHUNK = 1 << 20
@@ -27,14 +28,6 @@ def package_dirs(package: str) -> list[Path]:
     if found is None or not found.submodule_search_locations:
         return []
     return [Path(folder) for folder in found.submodule_search_locations]
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while block := handle.read(CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def cache_dir() -> Path:
@@ -71,7 +64,7 @@ class PackagedGGUF:
     def _assembled(self) -> Path:
         expected = self._expected_sha256()
         target = cache_dir() / f"{expected[:16]}-{self.file_name}"
-        if target.is_file() and sha256_file(target) == expected:
+        if target.is_file() and sha256_of(target) == expected:
             return target
         parts = [self._chunk(package) for package in self.chunk_packages]
         target.parent.mkdir(parents=True, exist_ok=True)

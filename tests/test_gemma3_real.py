@@ -30,10 +30,10 @@ def gemma_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_assembled_file_matches_the_listed_sha256() -> None:
-    from loading.packaged import sha256_file
+    from runtimes.bundle import sha256_of
 
     path = PACKAGED["gemma3"].gguf_path()
-    assert sha256_file(path) == PACKAGED["gemma3"]._expected_sha256()
+    assert sha256_of(path) == PACKAGED["gemma3"]._expected_sha256()
     assert PACKAGED["gemma3"].gguf_path() == path  # the second call reuses the cached file
 
 

@@ -19,7 +19,7 @@ Gemma 3 (gemma3.py) answers these: QK-norm (`q_norm`/`k_norm`), RMSNorm with
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
@@ -60,7 +60,7 @@ class LayerAttention:
 
 
 class DecoderArchitecture(ABC):
-    """The per-family answers. Only `model_types` and `layer` are required; the defaults are Llama's."""
+    """The per-family answers. Only `model_types` is required; the defaults are Llama's."""
 
     model_types: ClassVar[tuple[str, ...]]
     # tie_word_embeddings when the config does not say (HF's default differs per family)
@@ -86,9 +86,13 @@ class DecoderArchitecture(ABC):
         """(problem, fix) when this config uses something the graphs do not implement, else None."""
         return None
 
-    @abstractmethod
     def layer(self, hf_model: nn.Module, index: int) -> LayerWeights:
-        """The modules of decoder layer `index`."""
+        """The modules of decoder layer `index` (Llama's names: a pre-norm layer without QK-norm)."""
+        layer = hf_model.model.layers[index]
+        attn, mlp = layer.self_attn, layer.mlp
+        return LayerWeights(q=attn.q_proj, k=attn.k_proj, v=attn.v_proj, o=attn.o_proj, gate=mlp.gate_proj, up=mlp.up_proj,
+                            down=mlp.down_proj, act=mlp.act_fn, input_norm=layer.input_layernorm,
+                            pre_mlp_norm=layer.post_attention_layernorm)
 
     def embed(self, hf_model: nn.Module) -> nn.Module:
         return hf_model.model.embed_tokens

@@ -19,6 +19,7 @@ bidirectional attention are refused by `unsupported`.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from graphs.architectures.base import DEFAULT_ROPE, DecoderArchitecture, LayerAttention, LayerWeights
@@ -78,12 +79,10 @@ class Gemma3(DecoderArchitecture):
         return None
 
     def layer(self, hf_model: nn.Module, index: int) -> LayerWeights:
-        layer = hf_model.model.layers[index]
-        attn, mlp = layer.self_attn, layer.mlp
-        return LayerWeights(q=attn.q_proj, k=attn.k_proj, v=attn.v_proj, o=attn.o_proj, gate=mlp.gate_proj, up=mlp.up_proj,
-                            down=mlp.down_proj, act=mlp.act_fn, input_norm=layer.input_layernorm,
-                            pre_mlp_norm=layer.pre_feedforward_layernorm, post_attention_norm=layer.post_attention_layernorm,
-                            post_mlp_norm=layer.post_feedforward_layernorm, q_norm=attn.q_norm, k_norm=attn.k_norm)
+        layer, attn = hf_model.model.layers[index], hf_model.model.layers[index].self_attn
+        return replace(super().layer(hf_model, index), pre_mlp_norm=layer.pre_feedforward_layernorm,
+                       post_attention_norm=layer.post_attention_layernorm, post_mlp_norm=layer.post_feedforward_layernorm,
+                       q_norm=attn.q_norm, k_norm=attn.k_norm)
 
     def embed(self, hf_model: nn.Module) -> nn.Module:
         return _lookup(hf_model.model.embed_tokens)

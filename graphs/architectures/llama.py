@@ -6,12 +6,9 @@ along), full causal attention, unscaled embeddings: the adapter's defaults.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from graphs.architectures.base import DecoderArchitecture, LayerWeights
-
-if TYPE_CHECKING:
-    from torch import nn
+from graphs.architectures.base import DecoderArchitecture
 
 
 class Llama(DecoderArchitecture):
@@ -23,10 +20,3 @@ class Llama(DecoderArchitecture):
             return (f"{model_type} with sliding-window attention is not supported",
                     "use a model without sliding_window, or set it to null in config.json")
         return None
-
-    def layer(self, hf_model: nn.Module, index: int) -> LayerWeights:
-        layer = hf_model.model.layers[index]
-        attn, mlp = layer.self_attn, layer.mlp
-        return LayerWeights(q=attn.q_proj, k=attn.k_proj, v=attn.v_proj, o=attn.o_proj, gate=mlp.gate_proj, up=mlp.up_proj,
-                            down=mlp.down_proj, act=mlp.act_fn, input_norm=layer.input_layernorm,
-                            pre_mlp_norm=layer.post_attention_layernorm)
