@@ -182,10 +182,12 @@ def contender_genai(ref: dict[str, Any], threads: int, new_tokens: int, work: Pa
     import onnxruntime_genai as og
 
     model = og.Model(spec)  # intra_op_num_threads set in its genai_config.json by the parent
+    # a sliding-window model's cache must hold the window (genai refuses a smaller max_length)
+    window = json.loads((Path(spec) / "genai_config.json").read_text())["model"]["decoder"].get("sliding_window") or {}
 
     def generator(length: int) -> Any:
         params = og.GeneratorParams(model)
-        params.set_search_options(do_sample=False, max_length=length)
+        params.set_search_options(do_sample=False, max_length=max(length, int(window.get("window_size", 0))))
         return og.Generator(model, params)
 
     def run(ids: list[int]) -> tuple[float, float, list[int]]:
@@ -356,8 +358,8 @@ def ensure_genai(model: str, work: Path, precision: str, threads: int) -> Path:
         partial = out.with_name(out.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         print(f"building genai-{precision} with onnxruntime_genai.models.builder ...", file=sys.stderr, flush=True)
-        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(partial),
-               "-p", precision, "-e", "cpu", "-c", str(work / "builder-cache")]
+        args = ["-i", str(hf), "-o", str(partial), "-p", precision, "-e", "cpu", "-c", str(work / "builder-cache")]
+        cmd = [sys.executable, "-c", _GENAI_BUILDER_SHIM, *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **OFFLINE}, cwd=work)
         (work / f"genai-{precision}.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
         if proc.returncode != 0 or not (partial / "genai_config.json").exists():
@@ -376,6 +378,28 @@ def ensure_genai(model: str, work: Path, precision: str, threads: int) -> Path:
     if json.dumps(config) != before:
         config_path.write_text(json.dumps(config, indent=4))
     return out
+
+
+# onnxruntime-genai 0.18's Gemma 3 builder reads the transformers 4 config layout
+# (rope_theta, rope_local_base_freq, a flat rope_parameters); transformers 5 nests
+# rope_parameters per layer type. The builder's own config read (its first AutoConfig call)
+# gets the old layout; its weight loading (later calls) gets the config unchanged.
+_GENAI_BUILDER_SHIM = """
+import runpy, sys, transformers
+original, calls = transformers.AutoConfig.from_pretrained, []
+def first_call_flat(*args, **kwargs):
+    config = original(*args, **kwargs)
+    calls.append(1)
+    rope = getattr(config, "rope_parameters", None)
+    if len(calls) == 1 and isinstance(rope, dict) and "full_attention" in rope:
+        config.rope_theta = rope["full_attention"]["rope_theta"]
+        config.rope_local_base_freq = rope.get("sliding_attention", rope["full_attention"])["rope_theta"]
+        config.rope_parameters = dict(rope["full_attention"])
+    return config
+transformers.AutoConfig.from_pretrained = first_call_flat
+sys.argv = ["builder", *sys.argv[1:]]
+runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__")
+"""
 
 
 def quality(result: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:

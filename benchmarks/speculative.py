@@ -1,4 +1,4 @@
-"""Self-speculation on SmolLM2: per draft source and k, acceptance, tokens per round, TPOT,
+"""Self-speculation on any bundle (SmolLM2, Gemma 3, ...): per draft source and k, acceptance, tokens per round, TPOT,
 speed-up over the project's own AR decoding and over HF `assistant_early_exit` at the same E.
 
     python -m benchmarks.speculative --bundle bundles/smollm2-spec [--threads 2]
@@ -81,7 +81,7 @@ def main() -> None:
     if not args.no_hf and exit_layer:
         from loading.model import load_model
 
-        hf_model = load_model("smollm2").hf_model
+        hf_model = load_model(gen.bundle.model.get("source") or "smollm2").hf_model
     rows = []
     for set_name, texts in sets.items():
         ids = [gen.codec.encode(t) for t in texts]
@@ -116,7 +116,8 @@ def main() -> None:
     precision = onnx_entry.get("quantize", "none")
     if precision != "none":
         precision += f" accuracy {(onnx_entry.get('quant_options') or {}).get('accuracy_level')}"
-    print(f"{cpu_model()}, {os.cpu_count()} CPUs; SmolLM2-135M-Instruct {gen.bundle.manifest['dtype']} ({precision}), {args.threads} threads, {NEW_TOKENS} new tokens, {args.prompts} prompts x {args.repeat} (medians), "
+    model = gen.bundle.model
+    print(f"{cpu_model()}, {os.cpu_count()} CPUs; {model.get('source')} ({model['model_type']}, {model['num_layers']} layers) {gen.bundle.manifest['dtype']} ({precision}), {args.threads} threads, {NEW_TOKENS} new tokens, {args.prompts} prompts x {args.repeat} (medians), "
           f"prepack {'decode+verify' if args.prepack else 'runtime default'}; exit adapter at E={exit_layer}: {bool(spec.get('adapter'))}")
     print_table(rows, ["prompts", "mode", "acceptance", "tokens_per_round", "draft_ms_per_round", "verify_ms_per_round", "tpot_ms", "speedup_vs_ar"])
     if args.json:

@@ -14,14 +14,18 @@ token. A source whose verify pass scores the row after the last draft (prompt lo
 precision) emits accepted + 1 tokens every round; otherwise (early exit) the last accepted
 draft becomes `pending` and the next round starts from it.
 
-Gated drafting (`--mode auto`; the gateable sources, prompt lookup and precision): a round
-with drafts costs k draft steps (`draft_cost` T=1 passes each, 0 for lookup) plus one T=k+1
-pass (`verify_cost` T=1 passes), both measured at build time, and yields 1 + accepted
-tokens; so drafting pays only while the running mean of accepted drafts is at least
-k * draft_cost + verify_cost - 1. Below that, rounds are plain T=1 steps
-(the cost of plain decoding) with a probe draft every PROBE_EVERY rounds, so a prompt whose
-answer repeats its context (rewrite, summarise, edit) still gets the speed-up while a chat
-answer decodes at plain speed.
+Gated drafting (`--mode auto`; the gateable sources, prompt lookup and precision) drafts
+only while drafting pays on this machine, now. The runner times its own rounds: a running
+mean of seconds per emitted token over drafting rounds, and of seconds per plain round (a
+T=1 step, one token); it drafts while the first is below the second. Until both are timed
+it goes by the build's measurement instead: a round with drafts costs k draft steps
+(`draft_cost` T=1 passes each, 0 for lookup) plus one T=k+1 pass (`verify_cost` T=1
+passes) and yields 1 + accepted tokens, so drafting pays while the running mean of accepted
+drafts is at least k * draft_cost + verify_cost - 1. A build calibrated on a busy machine,
+or run on another, therefore corrects itself within a few rounds. Plain rounds are probed
+with a draft every PROBE_EVERY rounds, and drafting rounds re-time plain decoding every
+PLAIN_EVERY rounds, so a prompt whose answer repeats its context (rewrite, summarise, edit)
+still gets the speed-up while a chat answer decodes at plain speed.
 """
 from __future__ import annotations
 
@@ -39,8 +43,9 @@ from runtimes.sampling import SamplingParams, choose, probabilities
 
 DEFAULT_LOOKUP_K = 4
 DEFAULT_VERIFY_COST = 1.3  # T=k+1 pass / T=1 pass when the bundle carries no measurement
-PROBE_EVERY = 16  # gated lookup: rounds between probe drafts while drafting does not pay
-EMA_WEIGHT = 0.3  # weight of the newest round in the running mean of accepted drafts
+PROBE_EVERY = 16  # gated drafting: plain rounds between probe drafts while drafting does not pay
+PLAIN_EVERY = 16  # gated drafting: drafting rounds between plain rounds that re-time plain decoding
+EMA_WEIGHT = 0.3  # weight of the newest round in the running means (accepted drafts, round times)
 
 
 def speculation_available(bundle: Bundle, config: dict[str, Any], source: str | None = None) -> bool:
@@ -86,8 +91,12 @@ class SpeculativeRunner:
         # accepted drafts a round must average to beat plain T=1 steps
         self.break_even = self.k * draft_cost + float(costs.get(str(self.k), DEFAULT_VERIFY_COST)) - 1.0
         self.mean_accepted: float | None = None
-        self.since_probe = self.skipped = 0
+        self.since_probe = self.skipped = self.since_plain = 0
         self.draft_s = self.verify_s = 0.0
+        # online gate: running means of a plain round's seconds and of a drafting round's seconds per token
+        self.plain_s: float | None = None
+        self.draft_token_s: float | None = None
+        self.warm: set[bool] = set()  # round kinds (drafted or not) seen once: a first round may create sessions
 
     def tokens(self, seq: Any, max_new_tokens: int, sampling: SamplingParams, rng: np.random.Generator) -> Iterator[int]:
         """Emitted tokens, round after round; the consumer records each in seq.tokens before asking for the next."""
@@ -108,12 +117,14 @@ class SpeculativeRunner:
                 "verify_ms": round(self.verify_s * 1e3, 3),
                 "gated": self.gated,
                 "rounds_without_drafting": self.skipped,
+                "timed_plain_ms": round(self.plain_s * 1e3, 3) if self.plain_s is not None else None,
+                "timed_draft_ms_per_token": round(self.draft_token_s * 1e3, 3) if self.draft_token_s is not None else None,
             }
 
     # ---- one round -------------------------------------------------------------------
     def _round(self, seq: Any, k: int, sampling: SamplingParams, rng: np.random.Generator, context: list[int]) -> Iterator[int]:
         arena, start = seq.arena, seq.arena.length
-        started = time.perf_counter()
+        round_started = started = time.perf_counter()
         if self.gated and not self._worth_drafting():
             drafts, draft_logits = [], None
         else:
@@ -126,9 +137,9 @@ class SpeculativeRunner:
         self.drafted += len(drafts)
         accepted, correction = self._accept(drafts, draft_logits, verify, sampling, rng)
         self.accepted += accepted
-        if drafts and self.gated:
-            self.mean_accepted = accepted if self.mean_accepted is None else (1 - EMA_WEIGHT) * self.mean_accepted + EMA_WEIGHT * accepted
         emitted = drafts[:accepted] + ([correction] if correction is not None else [])
+        if self.gated:
+            self._time_round(bool(drafts), accepted, len(emitted), time.perf_counter() - round_started)
         # inputs pending, d1..d(accepted) now have valid KV in every kept layer
         arena.length = start + (accepted + 1 if correction is not None else accepted)
         for token in emitted:
@@ -136,9 +147,34 @@ class SpeculativeRunner:
             context.append(token)
             yield token
 
+    def _time_round(self, drafted: bool, accepted: int, emitted: int, seconds: float) -> None:
+        """Update the gate's running means with this round (a kind's first round is not timed)."""
+        if drafted:
+            self.mean_accepted = accepted if self.mean_accepted is None else (1 - EMA_WEIGHT) * self.mean_accepted + EMA_WEIGHT * accepted
+        if drafted not in self.warm:
+            self.warm.add(drafted)
+            return
+        if drafted and emitted:
+            self.draft_token_s = _ema(self.draft_token_s, seconds / emitted)
+        elif not drafted:
+            self.plain_s = _ema(self.plain_s, seconds)
+
+    def _pays(self) -> bool:
+        """Whether drafting beats plain steps: timed on this run once both kinds are, else the build's costs."""
+        if self.plain_s is not None and self.draft_token_s is not None:
+            return self.draft_token_s < self.plain_s
+        return self.mean_accepted is None or self.mean_accepted >= self.break_even
+
     def _worth_drafting(self) -> bool:
-        """Gated lookup: draft while accepted drafts pay for the wider verify pass, else probe."""
-        if not self.gated or self.mean_accepted is None or self.mean_accepted >= self.break_even:
+        """Gated drafting: draft while it pays (re-timing plain steps now and then), else plain steps with probes."""
+        if self._pays():
+            self.since_plain += 1
+            # time plain decoding once early (a first round and a timed one), then every PLAIN_EVERY rounds
+            untimed = self.plain_s is None and self.since_plain > 2
+            if untimed or self.since_plain > PLAIN_EVERY:
+                self.since_plain = 0
+                self.skipped += 1
+                return False
             return True
         self.since_probe += 1
         if self.since_probe >= PROBE_EVERY:
@@ -175,3 +211,7 @@ class SpeculativeRunner:
             residual = residual / total if total > 0 else p
             return j, int(rng.choice(residual.size, p=residual))
         return len(drafts), choose(verify[len(drafts)], sampling, rng) if verify.shape[0] > len(drafts) else None
+
+
+def _ema(mean: float | None, value: float) -> float:
+    return value if mean is None else (1 - EMA_WEIGHT) * mean + EMA_WEIGHT * value
