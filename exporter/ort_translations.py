@@ -27,6 +27,10 @@ def _skip_rms_norm(x: FLOAT, skip: FLOAT, weight: FLOAT, eps: float) -> tuple[FL
     return normed, total
 
 
+def _gelu_tanh(x: FLOAT) -> FLOAT:
+    return _MSFT.FastGelu(x)
+
+
 def _gqa(qkv: FLOAT, past_key: FLOAT, past_value: FLOAT, seqlens_k: INT32, total_length: INT32, cos_cache: FLOAT,
          sin_cache: FLOAT, num_heads: int, kv_heads: int, scale: float, local_window_size: int = -1) -> tuple[FLOAT, FLOAT, FLOAT]:
     out, present_key, present_value = _MSFT.GroupQueryAttention(
@@ -41,4 +45,5 @@ def translation_table() -> dict[Any, Any]:
         torch.ops.adaptive_export.rms_norm.default: onnxscript.script(opset=_ONNX, default_opset=_ONNX)(_rms_norm),
         torch.ops.adaptive_export.skip_rms_norm.default: onnxscript.script(opset=_ONNX, default_opset=_ONNX)(_skip_rms_norm),
         torch.ops.adaptive_export.gqa.default: onnxscript.script(opset=_ONNX, default_opset=_ONNX)(_gqa),
+        torch.ops.adaptive_export.gelu_tanh.default: onnxscript.script(opset=_ONNX, default_opset=_ONNX)(_gelu_tanh),
     }

@@ -25,6 +25,9 @@ from graphs.architectures import DEFAULT_ROPE, architecture
 from graphs.span_graph import GraphSpec, ModelParts, trainable_additions
 
 
+GELU_TANH_MODULES = ("GELUTanh", "PytorchGELUTanh")  # transformers 5 / 4 names of gelu_pytorch_tanh
+
+
 @dataclass
 class PackedLayer:
     qkv: Tensor  # [H, (nh + 2 kv) hd]
@@ -108,7 +111,8 @@ class FusedDecoderLayer(nn.Module):
         self.rope = attention.rope
         self.local_window_size = attention.window if attention.window is not None else -1  # HF's window, as ORT counts it
         weights = self.arch.layer(parts.hf_model, layer_id)
-        self.act = weights.act
+        # HF's GELUTanh (gelu_pytorch_tanh) as one fused node; any other activation as HF computes it
+        self.act = ort_ops.gelu_tanh if type(weights.act).__name__ in GELU_TANH_MODULES else weights.act
         for name in ("qkv", "o", "gate_up", "down"):
             self.register_buffer(name, getattr(packed, name), persistent=False)
         if packed.qkv_bias is not None:

@@ -7,6 +7,8 @@ so the graphs of graphs/fused_graph.py stay the one definition and the reference
 
 - rms_norm       -> SimplifiedLayerNormalization (default domain, an ORT contrib op)
 - skip_rms_norm  -> com.microsoft.SkipSimplifiedLayerNormalization: (norm(x + skip), x + skip)
+- gelu_tanh      -> com.microsoft.FastGelu: GELU with the tanh approximation (Gemma's MLP),
+                    one node instead of the eight of its decomposition
 - gqa            -> com.microsoft.GroupQueryAttention over packed QKV, rotary inside, the
                     KV cache a preallocated [1, n_kv, max_len, head_dim] block per layer that
                     is both the past input and the present output (written in place by ORT);
@@ -43,6 +45,16 @@ def skip_rms_norm(x: Tensor, skip: Tensor, weight: Tensor, eps: float) -> tuple[
 @skip_rms_norm.register_fake
 def _(x: Tensor, skip: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("adaptive_export::gelu_tanh", mutates_args=())
+def gelu_tanh(x: Tensor) -> Tensor:
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+@gelu_tanh.register_fake
+def _(x: Tensor) -> Tensor:
+    return torch.empty_like(x)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -44,7 +44,7 @@ ALLOWED_OPS: dict[str, frozenset[str]] = {
     "com.microsoft": frozenset({
         "MatMulNBits",  # exporter/quantize.py (int8 / int4)
         "GroupQueryAttention", "SkipSimplifiedLayerNormalization", "GatherBlockQuantized", "RotaryEmbedding",
-        "SimplifiedLayerNormalization",
+        "SimplifiedLayerNormalization", "FastGelu",
     }),
 }
 _DOMAIN_ALIASES = {"ai.onnx": ""}

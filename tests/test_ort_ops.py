@@ -54,3 +54,22 @@ def test_gqa_matches_group_query_attention(new: int, past: int, local_window_siz
         unwindowed = ort_ops.gqa(*(torch.from_numpy(feeds[k]) for k in ("qkv", "past_key", "past_value", "seqlens_k", "total", "cos", "sin")),
                                  HEADS, KV_HEADS, scale, -1)[0].numpy()
         assert np.abs(unwindowed - theirs[0]).max() > 1e-2
+
+
+def test_gelu_tanh_matches_fast_gelu() -> None:
+    """FastGelu is GELU's tanh approximation, the function HF's gelu_pytorch_tanh computes."""
+    import onnxruntime as ort
+    import torch
+    from onnx import TensorProto, helper
+
+    from graphs import ort_ops
+
+    node = helper.make_node("FastGelu", ["x"], ["y"], domain="com.microsoft")
+    graph = helper.make_graph([node], "gelu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 512])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    x = (np.random.default_rng(0).standard_normal((1, 3, 512)) * 4).astype(np.float32)
+    theirs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    ours = ort_ops.gelu_tanh(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=1e-5)
+    assert np.abs(ours - torch.nn.functional.gelu(torch.from_numpy(x)).numpy()).max() > 1e-5  # not the erf GELU
