@@ -226,3 +226,25 @@ def test_coreml_converts_gemma3(gemma_dir: Path, tmp_path: Path) -> None:
     manifest = json.loads((out / "manifest.json").read_text())
     spec = ct.utils.load_spec(str(out / manifest["backends"]["coreml"]["package"]))
     assert {f.name for f in spec.description.functions} == set(manifest["graphs"])
+
+
+def test_routers_and_speculation_on_gemma3(gemma_dir: Path, tmp_path: Path) -> None:
+    """Router training, skip configurations and early-exit speculation reach Gemma 3 through the
+    same architecture adapter as the graphs: a routed, speculating fused bundle whose every
+    engine and greedy path (plain, each skip configuration, each draft source) passes `check`."""
+    import json
+
+    from tests.conftest import ROUTER_CALIB
+
+    calib, prompts = tmp_path / "calib.jsonl", tmp_path / "prompts.jsonl"
+    calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ROUTER_CALIB))
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
+    out, report = tmp_path / "routed", tmp_path / "r.json"
+    assert main(["build", str(gemma_dir), "-o", str(out), "--max-len", "96", "--routers", "train", "--calib", str(calib),
+                 "--router-lambda", "2.0", "--router-lr", "0.02", "--min-config-agreement", "0", "--speculate", "2:2"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest["configs"]) >= 2, manifest["configs"]  # full plus at least one skip configuration
+    assert main(["check", str(out), "--model", str(gemma_dir), "--report", str(report), "--prompts", str(prompts),
+                 "--new-tokens", str(WINDOW)]) == 0
+    engines = {r["engine"] for r in json.loads(report.read_text())["results"]}
+    assert {"spec:full:early_exit", "spec:full:prompt_lookup"} <= engines, engines
