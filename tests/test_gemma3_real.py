@@ -69,3 +69,13 @@ assert main(['run', {str(gemma_bundle)!r}, '-p', 'The capital of France is', '--
     plain, spec = (json.loads(line) for line in proc.stdout.splitlines()[:2])
     assert plain["prompt_tokens"] == 6  # <bos> + five raw-text tokens: no chat template around it
     assert plain["tokens"] == spec["tokens"] and len(plain["tokens"]) == 8
+
+
+def test_unwritable_cache_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtimes.errors import UsageError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("ADAPTIVE_EXPORT_CACHE", str(blocker / "cache"))  # a path under a regular file
+    with pytest.raises(UsageError, match="ADAPTIVE_EXPORT_CACHE"):
+        PACKAGED["gemma3"].gguf_path()
