@@ -12,10 +12,14 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = ROOT / "samples" / "eval_prompts.jsonl"
 
 
-def bench_parser(doc: str | None, threads_help: str = "ONNX Runtime intra-op threads (default: 2)") -> argparse.ArgumentParser:
-    """The parser every benchmark starts from: its module docstring as help, and --threads."""
+def bench_parser(doc: str | None, threads_help: str = "ONNX Runtime intra-op threads (default: 2)",
+                 bundle: str | None = None, bundle_required: bool = True) -> argparse.ArgumentParser:
+    """The parser every benchmark starts from: its module docstring as help, --threads, and
+    --bundle (the bundle it measures) when `bundle` gives that option's help."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2, help=threads_help)
+    if bundle is not None:
+        parser.add_argument("--bundle", required=bundle_required, default=None, help=bundle)
     return parser
 
 

@@ -20,8 +20,7 @@ from benchmarks.common import DEFAULT_PROMPTS, bench_parser, load_prompts, parse
 
 
 def main() -> None:
-    parser = bench_parser(__doc__)
-    parser.add_argument("--bundle", required=True, help="bundle directory to profile")
+    parser = bench_parser(__doc__, bundle="bundle directory to profile")
     parser.add_argument("--tokens", type=int, default=48, help="new tokens to decode while profiling (default: 48)")
     parser.add_argument("--top", type=int, default=12, help="operator types to list (default: 12)")
     args = parse_and_pin(parser)

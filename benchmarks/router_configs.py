@@ -82,8 +82,8 @@ def config_rows(points: dict[str, dict[str, Any]], num_layers: int) -> tuple[lis
 
 
 def main() -> None:
-    parser = bench_parser(__doc__)
-    parser.add_argument("--bundle", default=None, help="a bundle with skip configurations (default: build a SmolLM2 probe bundle in a temp dir)")
+    parser = bench_parser(__doc__, bundle="a bundle with skip configurations (default: build a SmolLM2 probe bundle in a temp dir)",
+                          bundle_required=False)
     parser.add_argument("--repeat", type=int, default=5, help="timed repetitions per configuration (median), after one warm-up")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per repetition (default: 32)")
     args = parse_and_pin(parser)

@@ -60,8 +60,7 @@ def bench_hf_early_exit(model, prompts: list[list[int]], exit_layer: int, repeat
 
 
 def main() -> None:
-    parser = bench_parser(__doc__)
-    parser.add_argument("--bundle", required=True, help="a bundle built with --speculate (draft/verify engines)")
+    parser = bench_parser(__doc__, bundle="a bundle built with --speculate (draft/verify engines)")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per prompt set")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF assistant_early_exit baseline")
