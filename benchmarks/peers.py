@@ -273,15 +273,12 @@ def compute_reference(model: str, prompts: list[str], new_tokens: int, out: Path
 
     from exporter.check import reference_greedy, top2_margin
     from loading.model import load_model
+    from loading.prompts import hf_prompt_ids
 
     loaded = load_model(model)
     ids = []
     for prompt in prompts:
-        if loaded.tokenizer.chat_template:
-            encoded = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        else:
-            encoded = loaded.tokenizer(prompt, add_special_tokens=True)
-        ids.append([int(t) for t in (encoded["input_ids"] if hasattr(encoded, "keys") else encoded)])
+        ids.append(hf_prompt_ids(loaded.tokenizer, prompt))
     every = list(range(loaded.spec.num_layers))
     tokens, margins = [], []
     for prompt_ids in ids:

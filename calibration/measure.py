@@ -13,7 +13,7 @@ from typing import Any
 from tqdm import tqdm
 
 from calibration.draft_sources import MEASURES
-from loading.prompts import read_prompts
+from loading.prompts import hf_prompt_ids, read_prompts
 from runtimes.errors import UsageError
 
 BUILTIN_CALIB = Path(__file__).resolve().parents[1] / "samples" / "calib_prompts.jsonl"
@@ -38,11 +38,7 @@ def greedy_with_hidden(loaded: Any, prompt: str, new_tokens: int, hidden: bool =
     import torch
 
     tok, model = loaded.tokenizer, loaded.hf_model
-    if getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
-    else:
-        ids = tok(prompt)["input_ids"]
+    ids = hf_prompt_ids(tok, prompt)
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=new_tokens,
                              do_sample=False, pad_token_id=tok.pad_token_id or 0)

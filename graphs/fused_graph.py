@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from graphs import ort_ops
 from graphs.architectures import DEFAULT_ROPE, architecture
+from graphs.layers import Rotary, embed_tokens
 from graphs.span_graph import GraphSpec, ModelParts, trainable_additions
 
 
@@ -54,13 +55,13 @@ class PackedWeights:
                 gate_up=torch.cat([w.gate.weight, w.up.weight]).T.contiguous(),
                 down=w.down.weight.T.contiguous(),
             ))
-        # GroupQueryAttention's cos/sin caches [max_len, hd / 2], one pair per rotary table
+        # GroupQueryAttention's cos/sin caches [max_len, hd / 2] (the first half of each rotate_half
+        # table: its two halves are equal), one pair per rotary table
         self.rotary: dict[str, tuple[Tensor, Tensor]] = {}
-        for key, rotary in arch.rotary(hf).items():
-            inv_freq = rotary.inv_freq.detach().float()
-            scaling = float(getattr(rotary, "attention_scaling", 1.0))
-            freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
-            self.rotary[key] = ((freqs.cos() * scaling).contiguous(), (freqs.sin() * scaling).contiguous())
+        for key, module in arch.rotary(hf).items():
+            cos, sin = Rotary(module)(0, max_len)
+            half = cos.shape[-1] // 2
+            self.rotary[key] = (cos[:, :half].contiguous(), sin[:, :half].contiguous())
 
     @staticmethod
     def sources(num_layers: int) -> dict[str, list[str]]:
@@ -184,9 +185,7 @@ class FusedSpanGraph(nn.Module):
     def forward(self, first: Tensor, logit_rows: Tensor, seqlens_k: Tensor, total_length: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         n = len(self.layers)
         past_keys, past_values = past[:n], past[n:]
-        residual = first  # [1, T, H] hidden states, or token ids embedded here
-        if self.embed is not None:
-            residual = self.embed(first) * self.embed_scale if self.embed_scale is not None else self.embed(first)
+        residual = embed_tokens(self.embed, self.embed_scale, first) if self.embed is not None else first  # [1, T, H]
         delta: Tensor | None = None
         keys, values, scores = [], [], []
         for position, layer in enumerate(self.layers):

@@ -51,6 +51,12 @@ class Rotary(nn.Module):
         return emb.cos() * self.scaling, emb.sin() * self.scaling
 
 
+def embed_tokens(embed: nn.Module, scale: float | None, ids: Tensor) -> Tensor:
+    """Token embeddings, times the family's embedding scale where it has one (Gemma: sqrt(hidden))."""
+    x = embed(ids)
+    return x * scale if scale is not None else x
+
+
 def causal_mask(past_len: int, new_len: int, window: int | None = None) -> Tensor:
     """Additive mask [T, P+T]: query at position P+i sees keys 0..P+i (the last `window` of them
     with a sliding window)."""
@@ -165,8 +171,7 @@ class DecoderStack(nn.Module):
         self.head = Head(hf_model, spec)
 
     def embed_ids(self, ids: Tensor) -> Tensor:
-        x = self.embed(ids)
-        return x * self.embed_scale if self.embed_scale is not None else x
+        return embed_tokens(self.embed, self.embed_scale, ids)
 
     def frame(self, past_len: int, new_len: int) -> list[tuple[Tensor, Tensor, Tensor]]:
         tables = {DEFAULT_ROPE: self.rotary(past_len, new_len)}

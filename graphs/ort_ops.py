@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from graphs.layers import MASK_VALUE
+from graphs.layers import causal_mask
 
 
 @torch.library.custom_op("adaptive_export::rms_norm", mutates_args=())
@@ -94,11 +94,7 @@ def gqa(qkv: Tensor, past_key: Tensor, past_value: Tensor, seqlens_k: Tensor, to
     groups = num_heads // kv_heads
     qg = q.reshape(t, kv_heads, groups, head_dim).permute(1, 2, 0, 3)  # [kv, g, T, hd]
     scores = torch.matmul(qg, keys[:, None].transpose(-1, -2)) * scale  # [kv, g, T, total]
-    key_pos, query_pos = torch.arange(total)[None, :], torch.arange(past, total)[:, None]
-    allowed = key_pos <= query_pos
-    if local_window_size > 0:
-        allowed = allowed & (key_pos > query_pos - local_window_size)
-    scores = scores.masked_fill(~allowed, MASK_VALUE)
+    scores = scores + causal_mask(past, t, local_window_size if local_window_size > 0 else None)
     ctx = torch.matmul(torch.softmax(scores, dim=-1), values[:, None])  # [kv, g, T, hd]
     out = ctx.permute(2, 0, 1, 3).reshape(1, t, num_heads * head_dim)
     return out, present_key, present_value

@@ -2,7 +2,6 @@
 and load it for export."""
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from dataclasses import dataclass

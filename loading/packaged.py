@@ -20,6 +20,7 @@ from runtimes.bundle import sha256_of
 from runtimes.errors import UsageError
 
 CHUNK = 1 << 20
+_VERIFIED: set[Path] = set()  # assembled files whose sha256 this process has checked (a build resolves its model 2-3 times)
 
 
 def package_dirs(package: str) -> list[Path]:
@@ -64,7 +65,10 @@ class PackagedGGUF:
     def _assembled(self) -> Path:
         expected = self._expected_sha256()
         target = cache_dir() / f"{expected[:16]}-{self.file_name}"
+        if target in _VERIFIED and target.is_file():
+            return target
         if target.is_file() and sha256_of(target) == expected:
+            _VERIFIED.add(target)
             return target
         parts = [self._chunk(package) for package in self.chunk_packages]
         try:
@@ -85,6 +89,7 @@ class PackagedGGUF:
                 raise UsageError(f"the chunks of {self.name!r} assemble to sha256 {digest.hexdigest()[:16]}..., not the listed {expected[:16]}...",
                                  f"reinstall them: `{self.pip} --force-reinstall`")
             os.replace(temp, target)
+            _VERIFIED.add(target)
         finally:
             if os.path.exists(temp):
                 os.unlink(temp)

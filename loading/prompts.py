@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from runtimes import limits
 from runtimes.errors import UsageError
@@ -30,6 +31,17 @@ def read_prompts(path: str) -> list[str]:
     if not prompts:
         raise UsageError(f"prompt file {path!r} holds no prompts", "add lines like {\"prompt\": \"...\"}")
     return prompts
+
+
+def hf_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """A prompt as the HF tokenizer encodes it for generation: inside the chat template (with
+    the generation prompt) where the tokenizer has one, else raw text with its special tokens
+    (a base model's BOS). The runtime's TextCodec encodes the same ids from the bundle."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    else:
+        ids = tokenizer(prompt, add_special_tokens=True)
+    return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
 
 
 def read_prompt_file(path: str) -> str:

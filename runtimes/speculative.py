@@ -125,7 +125,7 @@ class SpeculativeRunner:
     def _round(self, seq: Any, k: int, sampling: SamplingParams, rng: np.random.Generator, context: list[int]) -> Iterator[int]:
         arena, start = seq.arena, seq.arena.length
         round_started = started = time.perf_counter()
-        if self.gated and not self._worth_drafting():
+        if (self.gated and not self._worth_drafting()) or k < 1:  # k = 0: the budget leaves only the bonus row
             drafts, draft_logits = [], None
         else:
             drafts, draft_logits = self.drafter.propose(seq.pending, context, k, start, arena, sampling, rng)
@@ -150,7 +150,7 @@ class SpeculativeRunner:
     def _time_round(self, drafted: bool, accepted: int, emitted: int, seconds: float) -> None:
         """Update the gate's running means with this round (a kind's first round is not timed)."""
         if drafted:
-            self.mean_accepted = accepted if self.mean_accepted is None else (1 - EMA_WEIGHT) * self.mean_accepted + EMA_WEIGHT * accepted
+            self.mean_accepted = _ema(self.mean_accepted, accepted)
         if drafted not in self.warm:
             self.warm.add(drafted)
             return
