@@ -105,6 +105,11 @@ def main() -> None:
             for k in sorted({2, 4, int((spec.get("precision") or {}).get("draft_len", 4))}):
                 r = bench_runtime(gen, ids, args.repeat, mode="spec", draft="precision", draft_len=k)
                 rows.append({"prompts": set_name, "mode": f"spec precision ({precision} draft) k={k}", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
+        if "ppd" in full:  # PPD prompt tokens: drafts guessed by the previous verify pass
+            m = gen.bundle.graph(full["ppd"])["prompt_tokens"]
+            for k in range(1, m + 1):
+                r = bench_runtime(gen, ids, args.repeat, mode="spec", draft="ppd", draft_len=k)
+                rows.append({"prompts": set_name, "mode": f"spec ppd (m={m} prompt tokens) k={k}", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
         auto = bench_runtime(gen, ids, args.repeat, mode="auto")
         rows.append({"prompts": set_name, "mode": f"auto ({spec.get('source') if spec.get('auto_enabled') else 'gated prompt_lookup'})", **auto,
                      "speedup_vs_ar": ar / auto["tpot_ms"]})

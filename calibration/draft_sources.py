@@ -191,19 +191,24 @@ class PromptLookupMeasure(DraftMeasure):
         return out
 
 
-class PrecisionMeasure(DraftMeasure):
-    """Precision drafts (runtimes/drafting/precision.py) cannot be simulated on the PyTorch
-    model: what differs from the verifier is exactly the engines' quantized weights and
-    activations. Their acceptance is measured by running the staged engines
-    (calibration/latency.py measure_precision_acceptance) into measured["precision"]."""
-
-    name = "precision"
+class MeasuredElsewhere(DraftMeasure):
+    """A source the greedy HF runs cannot simulate: its measurement lands in measured[name] from
+    where its parts exist (engines built, prompt tokens trained)."""
 
     def observe(self, ids: list[int], continuation: list[int], hidden: Any) -> None:
         return None
 
     def report(self) -> dict[str, Any]:
         return {}
+
+
+class PrecisionMeasure(MeasuredElsewhere):
+    """Precision drafts (runtimes/drafting/precision.py) cannot be simulated on the PyTorch
+    model: what differs from the verifier is exactly the engines' quantized weights and
+    activations. Their acceptance is measured by running the staged engines
+    (calibration/latency.py measure_precision_acceptance) into measured["precision"]."""
+
+    name = "precision"
 
     @staticmethod
     def cost_candidates(measured: dict[str, Any], layers: int, head: float, adapter: float) -> list[Candidate]:
@@ -226,6 +231,35 @@ class PrecisionMeasure(DraftMeasure):
         return out
 
 
-MEASURES: dict[str, type[DraftMeasure]] = {m.name: m for m in (EarlyExitMeasure, PromptLookupMeasure, PrecisionMeasure)}
+class PromptDecodingMeasure(MeasuredElsewhere):
+    """PPD drafts (runtimes/drafting/prompt_decoding.py) need the trained prompt tokens, so they are
+    simulated where those are trained (calibration/prompt_tokens.py measure_prompt_tokens), into
+    measured["ppd"]: tokens per round and the share of rounds that carry drafts."""
+
+    name = "ppd"
+
+    @staticmethod
+    def cost_candidates(measured: dict[str, Any], layers: int, head: float, adapter: float) -> list[Candidate]:
+        """A round is one decode pass (its width ignored by this model), as for prompt lookup."""
+        return [{"source": "ppd", "draft_len": int(k), "tokens_per_round": row["tokens_per_round"], "expected_speedup": round(row["tokens_per_round"], 3)}
+                for k, row in (measured.get("ppd") or {}).get("per_k", {}).items()]
+
+    @staticmethod
+    def latency_candidates(measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None) -> list[Candidate]:
+        """A round with k drafts is one decode pass at T = 1+k+m, a round without at T = 1+m."""
+        ppd = measured.get("ppd") or {}
+        m, step, out = int(ppd.get("prompt_tokens", 0)), latencies["decode_ms"][1], []
+        for k_text, row in ppd.get("per_k", {}).items():
+            k = int(k_text)
+            if 1 + k + m not in latencies["decode_ms"]:
+                continue
+            share = row["draft_round_share"]
+            round_ms = share * latencies["decode_ms"][1 + k + m] + (1 - share) * latencies["decode_ms"][1 + m]
+            out.append({"source": "ppd", "draft_len": k, "tokens_per_round": row["tokens_per_round"], "acceptance": row["acceptance"],
+                        "round_ms": round(round_ms, 3), "expected_speedup": round(row["tokens_per_round"] * step / round_ms, 3)})
+        return out
+
+
+MEASURES: dict[str, type[DraftMeasure]] = {m.name: m for m in (EarlyExitMeasure, PromptLookupMeasure, PrecisionMeasure, PromptDecodingMeasure)}
 if set(MEASURES) != set(SOURCES):  # pragma: no cover - a registration mistake, caught by any import
     raise RuntimeError(f"calibration measures {sorted(MEASURES)} differ from the runtime's draft sources {sorted(SOURCES)}")

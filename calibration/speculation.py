@@ -54,8 +54,12 @@ class SpeculationOptions:
     seed: int = 0
 
 
-def plan_speculation(options: SpeculationOptions, loaded: Any, parts: Any) -> tuple[ExitPlan, dict[str, Any], dict[str, Any], dict[str, bytes]]:
+def plan_speculation(options: SpeculationOptions, loaded: Any, parts: Any, ppd: dict[str, Any] | None = None
+                     ) -> tuple[ExitPlan, dict[str, Any], dict[str, Any], dict[str, bytes]]:
     """ExitPlan, manifest `speculation`, calibration.json entries and extra bundle files.
+
+    `ppd`: trained PPD prompt tokens' simulated rounds (calibration/prompt_tokens.py), a
+    candidate beside the other sources.
 
     With `--exit-adapter fit|FILE` the early-exit candidates are the adapters' exits, their
     drafts are simulated through the adapter, and the chosen exit's adapter is shipped.
@@ -73,6 +77,9 @@ def plan_speculation(options: SpeculationOptions, loaded: Any, parts: Any) -> tu
         manifest = {"source": "early_exit", "exit_layer": exit_layer, "early_exit": {"draft_len": k}, "adapter": adapter,
                     "auto_enabled": False, "chosen_by": "forced with --speculate"}
         calibration: dict[str, Any] = {"forced": manifest}
+        if ppd is not None:
+            manifest["ppd"] = {"draft_len": ppd["prompt_tokens"]}
+            calibration["ppd"] = ppd
         if fit is not None:
             calibration["exit_adapters"] = {**fit.report, "shipped": exit_layer}
         return ExitPlan(exit_layer, k, adapter=adapter), manifest, {"speculation": calibration}, files
@@ -82,6 +89,8 @@ def plan_speculation(options: SpeculationOptions, loaded: Any, parts: Any) -> tu
         runs = greedy_runs(loaded, prompts, DEFAULT_CALIB_TOKENS)
         fit = resolve_exit_adapters(adapter_option, loaded, candidate_exits(spec.num_layers), prompts, runs, options.seed)
     measured = measure_speculation(loaded, parts, prompts, DEFAULT_CALIB_TOKENS, adapters=fit.adapters if fit else None, runs=runs)
+    if ppd is not None:
+        measured["ppd"] = ppd
     choice = choose(measured, spec)
     early = choice["best_early_exit"]  # draft/verify engines are built for the best early exit either way
     adapter, files = ship_adapter(fit, early["exit_layer"], parts)
@@ -151,5 +160,9 @@ def finalize_with_latencies(root: Path, manifest: dict[str, Any], calibration: d
     if "precision" in choice["by_source"]:
         spec["precision"].update(draft_cost=round(as_run["precision_draft_ms"] / as_run["decode_ms"][1], 3),
                                  acceptance=choice["by_source"]["precision"]["acceptance"], **verify)
+    if "ppd" in choice["by_source"]:  # its verify pass also carries the m prompt tokens
+        m = int(calibration["speculation"]["ppd"]["prompt_tokens"])
+        decode = latencies["decode_ms"]
+        spec["ppd"]["verify_cost"] = {str(k): round(decode[1 + k + m] / decode[1], 3) for k in range(1, MAX_DRAFT + 1) if 1 + k + m in decode}
     calibration["speculation"].update(latencies=latencies, latencies_prepacked=prepacked, latencies_as_run=as_run, measured_choice=choice)
     (root / "calibration.json").write_text(json.dumps(calibration, indent=2) + "\n")

@@ -20,6 +20,7 @@ from graphs.span_graph import ModelParts
 from loading.model import load_model, resolve_model_path
 from loading.packaged import PACKAGED
 from loading.prompts import read_prompts
+from runtimes import limits
 from runtimes.errors import UsageError
 
 
@@ -88,11 +89,26 @@ def check_draft_precision(options: BuildOptions, quantize: str) -> str | None:
     return choice
 
 
+def check_prompt_tokens_option(option: str) -> str | None:
+    """`--prompt-tokens N|FILE`: N in 1..MAX_PROMPT_TOKENS, or an existing file; 0/none: None."""
+    if option in ("0", "none", ""):
+        return None
+    if option.isdigit():
+        if not 1 <= int(option) <= limits.MAX_PROMPT_TOKENS:
+            raise UsageError(f"--prompt-tokens {option} is outside 1..{limits.MAX_PROMPT_TOKENS}", "train 2 to 4 prompt tokens, e.g. --prompt-tokens 3")
+        return option
+    if not Path(option).is_file():
+        raise UsageError(f"prompt tokens file {option!r} does not exist",
+                         "pass a number of prompt tokens to train (e.g. --prompt-tokens 3), or a prompt_tokens.safetensors file written by a previous build")
+    return option
+
+
 def run_build(options: BuildOptions) -> dict[str, Any]:
     check_exit_adapter_option(options)
+    prompt_tokens = check_prompt_tokens_option(options.prompt_tokens)
     preflight(options.backends)  # a backend whose tools are missing fails before any work
     output = Path(options.output)
-    protect = tuple(Path(p) for p in (options.model, options.calib, options.routers, options.exit_adapter)
+    protect = tuple(Path(p) for p in (options.model, options.calib, options.routers, options.exit_adapter, prompt_tokens)
                     if p and p not in (*PACKAGED, "train", "fit", "none"))
     check_output_dir(output, options.force, protect)  # fail fast, before minutes of loading and export
     quantize, native_source = resolve_quantize(options.quantize, options.model, options.backends, options.onnx_flavour)
@@ -100,7 +116,7 @@ def run_build(options: BuildOptions) -> dict[str, Any]:
         from exporter.quantize import validate_options
 
         validate_options(options.quant_block, options.quant_accuracy)  # before minutes of loading and export
-    if options.calib and (options.routers or options.speculate):
+    if options.calib and (options.routers or options.speculate or prompt_tokens):
         read_prompts(options.calib)  # a bad calibration file fails before minutes of loading
     draft_precision = check_draft_precision(options, quantize)
     loaded = load_model(options.model)
@@ -116,11 +132,21 @@ def run_build(options: BuildOptions) -> dict[str, Any]:
         parts.routers, configs, calibration["routers"], extra_files = plan_routers(router_options, loaded)
         plan = BuildPlan(num_layers=loaded.spec.num_layers, configs=configs, routers=True, precision_draft=draft_precision)
         calibration["configs"] = calibration["routers"].pop("configs")
+    ppd = None
+    if prompt_tokens:
+        from calibration.measure import calibration_prompts
+        from calibration.prompt_tokens import plan_prompt_tokens
+
+        parts.prompt_tokens, ppd, ppd_files = plan_prompt_tokens(prompt_tokens, loaded, calibration_prompts(options.calib), options.seed)
+        plan.prompt_tokens = int(parts.prompt_tokens.shape[0])
+        extra_files = {**extra_files, **ppd_files}
+        speculation = {"source": None, "auto_enabled": False, "ppd": {"draft_len": plan.prompt_tokens}, "chosen_by": "--prompt-tokens"}
+        calibration["speculation"] = {"ppd": ppd}
     if options.speculate:
         from calibration.speculation import plan_speculation
 
         speculation_options = SpeculationOptions(options.speculate, exit_adapter=options.exit_adapter, calib=options.calib, seed=options.seed)
-        plan.exit, speculation, measured, adapter_files = plan_speculation(speculation_options, loaded, parts)
+        plan.exit, speculation, measured, adapter_files = plan_speculation(speculation_options, loaded, parts, ppd)
         calibration.update(measured)
         extra_files = {**extra_files, **adapter_files}
     after_export = None

@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "float weights (adds about 1/4 / 1/7 of the fp32 weight bytes); native4: a GGUF-exact bundle's own blocks at "
                         "accuracy 4 (shares its blocks; for --quant-accuracy 1 bundles). With --speculate auto, calibration measures it "
                         "on the built engines. ONNX Runtime (ort flavour) only. Default: none")
+    b.add_argument("--prompt-tokens", default="0", metavar="N|FILE",
+                   help="PPD drafts (run --draft ppd): train N prompt-token embeddings (1..%d; 3 is a good start) on the model's own "
+                        "greedy continuations of the calibration prompts, model frozen, fixed --seed; the full decode engine embeds "
+                        "them, so every verify pass also guesses the next round's drafts. They ship as prompt_tokens.safetensors "
+                        "(N x hidden floats, a few KB); FILE reuses such a file. With --speculate auto, calibration measures them "
+                        "beside the other draft sources. Default: 0 (none)" % limits.MAX_PROMPT_TOKENS)
     b.add_argument("--coreml-precision", choices=["float16", "float32"], default="float16", help="CoreML compute precision (default: float16)")
     b.add_argument("--trt-precision", choices=["fp32", "fp16", "int8"], default="fp16", help="TensorRT engine precision flag (default: fp16)")
     b.add_argument("--quant-block", type=_bounded_int(1, 4096), default=32, help="quantization block size along the input dimension (default: 32)")

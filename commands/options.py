@@ -39,6 +39,7 @@ class BuildOptions(Options):
     exit_adapter: str = "none"
     quantize: str = "auto"
     draft_precision: str = "none"
+    prompt_tokens: str = "0"
     coreml_precision: str = "float16"
     trt_precision: str = "fp16"
     quant_block: int = 32

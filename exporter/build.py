@@ -67,6 +67,7 @@ def graph_entry(graph: GraphSpec) -> dict[str, Any]:
         "exit_layer": graph.exit_layer,
         "flavour": graph.flavour,
         "precision": graph.precision,
+        "prompt_tokens": graph.prompt_tokens,
         "inputs": graph.input_names(),
         "outputs": graph.output_names(),
     }
@@ -94,7 +95,7 @@ def _engine_key(graph: GraphSpec) -> tuple[Any, ...]:
     """Graphs with equal keys are the same ONNX model; their engine file is written once."""
     return (graph.flavour, graph.layers, graph.source, graph.router_scores, graph.exit_hidden,
             graph.exit_layer if graph.exit_adapter else None, graph.logits if graph.flavour == "portable" else None,
-            graph.precision)
+            graph.precision, graph.prompt_tokens)
 
 
 def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress: bool, quantize: str = "none",
@@ -121,6 +122,8 @@ def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress
             store.name_parameters((n, t.detach().numpy()) for n, t in packed.named())
         if parts.routers is not None:
             store.name_parameters([("routers.weight", parts.routers.weight.detach().numpy())])
+        if parts.prompt_tokens is not None:
+            store.name_parameters([("ppd.prompt_tokens", parts.prompt_tokens.detach().numpy())])
         for layer, adapter in parts.exit_adapters.items():
             store.name_parameters((f"exit_adapter.{layer}.{n}", p.detach().numpy()) for n, p in adapter.named_parameters())
         for graph in tqdm(graphs, desc="export ONNX", unit="graph", disable=not progress):
@@ -223,9 +226,12 @@ def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: ExportOptions, p
 
 
 def _exit_engines(graphs: list[GraphSpec], config_id: str) -> dict[str, str]:
-    """A configuration's draft engines: early exit's draft/verify pair, a precision draft."""
+    """A configuration's draft engines: early exit's draft/verify pair, a precision draft, and
+    its decode graph again as the PPD engine when that graph embeds prompt tokens."""
     engines: dict[str, str] = {}
     for graph in graphs:
+        if graph.config == config_id and graph.kind == "decode" and graph.prompt_tokens and graph.precision is None:
+            engines["ppd"] = graph.name
         if graph.config == config_id and graph.kind in ("draft", "verify"):
             engines[graph.kind] = graph.name
         elif graph.config == config_id and graph.precision is not None:

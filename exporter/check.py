@@ -115,7 +115,8 @@ def engine_parity(bundle: Bundle, backend: Any, parts: Any, graph_name: str, see
     info = bundle.graph(graph_name)
     spec = GraphSpec(name=graph_name, kind=info["kind"], layers=tuple(info["layers"]), source=info["source"],
                      logits=info["logits"], router_scores=info["router_scores"], exit_hidden=info["exit_hidden"],
-                     exit_adapter=info["exit_adapter"], config=info["config"], exit_layer=info["exit_layer"])
+                     exit_adapter=info["exit_adapter"], config=info["config"], exit_layer=info["exit_layer"],
+                     prompt_tokens=info.get("prompt_tokens", 0))
     rng = np.random.default_rng(seed)
     model = bundle.model
     past_len, count = 7, (9 if info["kind"] == "prefill" else 1 if info["kind"] == "draft" else 4)
@@ -123,6 +124,9 @@ def engine_parity(bundle: Bundle, backend: Any, parts: Any, graph_name: str, see
         past_len = 0
     first = (rng.integers(0, model["vocab_size"], (1, count)) if spec.source == "ids"
              else rng.standard_normal((1, count, model["hidden_size"])).astype(np.float32))
+    if spec.prompt_tokens and spec.source == "ids":  # the last rows are PPD prompt tokens: their embedding is checked too
+        prompts = min(spec.prompt_tokens, count - 1)
+        first[0, count - prompts:] = model["vocab_size"] + np.arange(prompts)
     fused = info.get("flavour", "portable") == "ort"
     # fused engines bind the whole [1, n_kv, max_len, hd] block, so their arena is max_len long
     arena = KVArena(bundle.num_layers, bundle.max_len if fused else past_len + count, model["num_kv_heads"], model["head_dim"],

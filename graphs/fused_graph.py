@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from graphs import ort_ops
 from graphs.architectures import DEFAULT_ROPE, architecture
 from graphs.layers import Rotary, embed_tokens
-from graphs.span_graph import GraphSpec, ModelParts, trainable_additions
+from graphs.span_graph import GraphSpec, ModelParts, prompt_table, trainable_additions
 
 
 GELU_TANH_MODULES = ("GELUTanh", "PytorchGELUTanh")  # transformers 5 / 4 names of gelu_pytorch_tanh
@@ -181,11 +181,13 @@ class FusedSpanGraph(nn.Module):
         self.norm, self.lm_head = self.arch.final_norm(hf), self.arch.lm_head(hf)
         self.eps = parts.spec.rms_norm_eps
         self.routers, self.adapter = trainable_additions(parts, graph)
+        self.vocab = parts.spec.vocab_size
+        self.register_buffer("prompts", prompt_table(parts, graph), persistent=False)
 
     def forward(self, first: Tensor, logit_rows: Tensor, seqlens_k: Tensor, total_length: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         n = len(self.layers)
         past_keys, past_values = past[:n], past[n:]
-        residual = embed_tokens(self.embed, self.embed_scale, first) if self.embed is not None else first  # [1, T, H]
+        residual = embed_tokens(self.embed, self.embed_scale, first, self.prompts, self.vocab) if self.embed is not None else first  # [1, T, H]
         delta: Tensor | None = None
         keys, values, scores = [], [], []
         for position, layer in enumerate(self.layers):

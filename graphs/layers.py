@@ -45,16 +45,32 @@ class Rotary(nn.Module):
         self.scaling = float(getattr(hf_rotary, "attention_scaling", 1.0))
 
     def forward(self, past_len: int, new_len: int) -> tuple[Tensor, Tensor]:
-        positions = torch.arange(past_len, past_len + new_len, dtype=torch.float32)
+        return self.at(torch.arange(past_len, past_len + new_len, dtype=torch.float32))
+
+    def at(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(cos, sin) [N, hd] at arbitrary float positions (PPD training places prompt tokens
+        after many prefixes in one pass)."""
         freqs = positions[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.scaling, emb.sin() * self.scaling
 
 
-def embed_tokens(embed: nn.Module, scale: float | None, ids: Tensor) -> Tensor:
-    """Token embeddings, times the family's embedding scale where it has one (Gemma: sqrt(hidden))."""
-    x = embed(ids)
-    return x * scale if scale is not None else x
+def embed_tokens(embed: nn.Module, scale: float | None, ids: Tensor, prompts: Tensor | None = None, vocab: int = 0) -> Tensor:
+    """Token embeddings, times the family's embedding scale where it has one (Gemma: sqrt(hidden)).
+
+    With PPD `prompts` ([m, H], trained in the scaled space the layers read), ids vocab..vocab+m-1
+    are the prompt tokens: two Gathers and a Where, so one decode graph serves plain steps and
+    PPD verify passes."""
+    if prompts is None:
+        x = embed(ids)
+        return x * scale if scale is not None else x
+    is_prompt = ids >= vocab
+    zero = torch.zeros_like(ids)
+    x = embed(torch.where(is_prompt, zero, ids))
+    if scale is not None:
+        x = x * scale
+    extra = nn.functional.embedding(torch.where(is_prompt, ids - vocab, zero), prompts)
+    return torch.where(is_prompt.unsqueeze(-1), extra, x)
 
 
 def causal_mask(past_len: int, new_len: int, window: int | None = None) -> Tensor:
@@ -169,9 +185,27 @@ class DecoderStack(nn.Module):
         self.attention = [arch.layer_attention(hf_model.config, i) for i in layers]
         self.layers = nn.ModuleList(StaticDecoderLayer(arch, arch.layer(hf_model, i), spec, hf_model.config) for i in layers)
         self.head = Head(hf_model, spec)
+        self.register_buffer("prompts", None, persistent=False)
+
+    def set_prompt_tokens(self, table: Tensor | None) -> None:
+        """Embed ids vocab.. as these PPD prompt tokens (a buffer, so export names it a weight)."""
+        self.prompts = table
 
     def embed_ids(self, ids: Tensor) -> Tensor:
-        return embed_tokens(self.embed, self.embed_scale, ids)
+        return embed_tokens(self.embed, self.embed_scale, ids, self.prompts, self.spec.vocab_size)
+
+    def frame_at(self, query_pos: Tensor, key_pos: Tensor, allowed: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """Each layer's (cos, sin, additive mask) for queries at arbitrary positions over keys at
+        `key_pos`, seeing those `allowed` ([T, K] bool) within the layer's window: PPD training
+        attends many groups of prompt tokens, each after its own prefix, in one pass."""
+        tables = {DEFAULT_ROPE: self.rotary.at(query_pos.float())}
+        tables.update({key: rotary.at(query_pos.float()) for key, rotary in self.rotaries.items()})
+        masks: dict[int | None, Tensor] = {}
+        for layer in self.attention:
+            if layer.window not in masks:
+                seen = allowed if layer.window is None else allowed & (key_pos[None, :] > query_pos[:, None] - layer.window)
+                masks[layer.window] = torch.where(seen, torch.zeros((), dtype=torch.float32), torch.full((), MASK_VALUE))
+        return [(*tables[layer.rope], masks[layer.window]) for layer in self.attention]
 
     def frame(self, past_len: int, new_len: int) -> list[tuple[Tensor, Tensor, Tensor]]:
         tables = {DEFAULT_ROPE: self.rotary(past_len, new_len)}

@@ -37,6 +37,9 @@ class BuildPlan:
     # A draft engine over the same layers and arena at a cheaper weight precision
     # (runtimes/speculative.py, source "precision"); built for the full configuration only.
     precision_draft: str | None = None
+    # PPD: the full model's decode graph also embeds this many trained prompt tokens
+    # (runtimes/drafting/prompt_decoding.py); 0: none.
+    prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not any(c.id == FULL_CONFIG for c in self.configs):
@@ -46,7 +49,8 @@ class BuildPlan:
         every = tuple(range(self.num_layers))
         out = [GraphSpec("prefill", "prefill", every, logits="last", router_scores=self.routers)]
         for config in self.configs:
-            out.append(GraphSpec(f"decode_{config.id}", "decode", config.kept, config=config.id))
+            out.append(GraphSpec(f"decode_{config.id}", "decode", config.kept, config=config.id,
+                                 prompt_tokens=self.prompt_tokens if config.id == FULL_CONFIG else 0))
         if self.exit is not None:
             for config in self.configs:
                 out.extend(exit_graphs(config, self.exit))

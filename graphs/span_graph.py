@@ -40,6 +40,9 @@ class GraphSpec:
     # ("int8"/"int4": RTN of the float weights; "native4": the GGUF's blocks at accuracy 4),
     # drafting for the bundle's own precision on the same arena. None: the bundle's precision.
     precision: str | None = None
+    # PPD (kind "decode"): ids vocab..vocab+m-1 embed as the m trained prompt tokens
+    # (calibration/prompt_tokens.py), so the verify pass also guesses the next round's drafts.
+    prompt_tokens: int = 0
 
     def input_names(self) -> list[str]:
         first = "input_ids" if self.source == "ids" else "exit_hidden"
@@ -64,6 +67,17 @@ class ModelParts:
     spec: ModelSpec
     routers: Routers | None = None
     exit_adapters: dict[int, ExitAdapter] = field(default_factory=dict)
+    prompt_tokens: torch.Tensor | None = None  # PPD's trained [m, hidden] table, in the scaled embedding space
+
+
+def prompt_table(parts: ModelParts, graph: GraphSpec) -> torch.Tensor | None:
+    """The PPD table a graph embeds (its `prompt_tokens` rows), or a clear error if missing."""
+    if not graph.prompt_tokens:
+        return None
+    if parts.prompt_tokens is None or parts.prompt_tokens.shape[0] != graph.prompt_tokens:
+        raise ValueError(f"graph {graph.name!r} embeds {graph.prompt_tokens} PPD prompt tokens, but the model parts hold "
+                         f"{0 if parts.prompt_tokens is None else parts.prompt_tokens.shape[0]}")
+    return parts.prompt_tokens.detach()
 
 
 def trainable_additions(parts: ModelParts, graph: GraphSpec) -> tuple[Routers | None, ExitAdapter | None]:
@@ -86,6 +100,7 @@ class SpanGraph(DecoderStack):
         super().__init__(parts.hf_model, parts.spec, graph.layers, embed=graph.source == "ids")
         self.graph = graph
         self.routers, self.adapter = trainable_additions(parts, graph)
+        self.set_prompt_tokens(prompt_table(parts, graph))
 
     def forward(self, first: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         n = len(self.layers)

@@ -14,6 +14,7 @@ from runtimes.errors import UsageError
 
 ROUTERS_FILE = "routers.safetensors"
 ADAPTERS_FILE = "exit_adapters.safetensors"
+PROMPT_TOKENS_FILE = "prompt_tokens.safetensors"
 
 
 def routers_bytes(routers: Routers) -> bytes:
@@ -82,6 +83,34 @@ def load_adapters(path: str | Path, hidden_size: int, eps: float, num_layers: in
     return adapters
 
 
+def prompt_tokens_bytes(table: Any) -> bytes:
+    from safetensors.torch import save
+
+    return save({"prompt_tokens": table.detach().contiguous()})
+
+
+def load_prompt_tokens(path: str | Path, hidden_size: int) -> Any:
+    """PPD prompt tokens [m, hidden] (calibration/prompt_tokens.py), checked against the model."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from runtimes.limits import MAX_PROMPT_TOKENS
+
+    fix = "train prompt tokens for this model with --prompt-tokens N"
+    if not Path(path).is_file():
+        raise UsageError(f"prompt tokens file {str(path)!r} does not exist", f"{fix}, or pass a prompt_tokens.safetensors file written by a previous build")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise UsageError(f"prompt tokens file {str(path)!r} is not a readable safetensors file ({exc})", fix) from exc
+    table = tensors.get("prompt_tokens")
+    if table is None or table.dim() != 2 or table.shape[1] != hidden_size or not 1 <= table.shape[0] <= MAX_PROMPT_TOKENS:
+        shape = None if table is None else tuple(table.shape)
+        raise UsageError(f"prompt tokens file {str(path)!r} holds prompt_tokens of shape {shape}, this model needs "
+                         f"(1..{MAX_PROMPT_TOKENS}, {hidden_size})", fix)
+    return table.float()
+
+
 def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
     """The HF model the bundle was built from (or `model`), plus the bundle's routers and adapters."""
     from loading.model import DEFAULT_MODEL, load_model
@@ -99,4 +128,6 @@ def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
         parts.routers = load_routers(bundle.path(ROUTERS_FILE), loaded.spec.num_layers, loaded.spec.hidden_size)
     if ADAPTERS_FILE in bundle.manifest["files"]:
         parts.exit_adapters = load_adapters(bundle.path(ADAPTERS_FILE), loaded.spec.hidden_size, loaded.spec.rms_norm_eps, loaded.spec.num_layers)
+    if PROMPT_TOKENS_FILE in bundle.manifest["files"]:
+        parts.prompt_tokens = load_prompt_tokens(bundle.path(PROMPT_TOKENS_FILE), loaded.spec.hidden_size)
     return loaded, parts

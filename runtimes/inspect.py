@@ -64,7 +64,7 @@ def render(info: dict[str, Any]) -> str:
     ]
     for c in info["configs"]:
         share = "" if c["calibration_share"] is None else f", served {c['calibration_share']:.0%} of calibration prompts"
-        lines.append(f"  {c['id']:10} keeps {len(c['kept'])} layers, skips {c['skipped']}{share}; engines: {', '.join(c['engines'].values())}")
+        lines.append(f"  {c['id']:10} keeps {len(c['kept'])} layers, skips {c['skipped']}{share}; engines: {', '.join(f'{role} {name}' for role, name in c['engines'].items())}")
         if c["skipped"]:  # the shorter list says which layers the engine runs
             skipped = sorted(set(range(info["model"]["num_layers"])) - set(c["kept"]))
             lines.append(f"  {'':10} " + (f"skipped: {skipped}" if len(skipped) <= len(c["kept"]) else f"kept: {c['kept']}"))

@@ -22,7 +22,7 @@ _MODEL_INTS = {"num_layers": limits.MAX_LAYERS, "hidden_size": limits.MAX_HIDDEN
                "num_kv_heads": limits.MAX_HEADS, "head_dim": limits.MAX_HEAD_DIM, "vocab_size": limits.MAX_VOCAB}
 _GRAPH_KINDS = ("prefill", "decode", "draft", "verify")
 _KIND_SOURCE = {"prefill": "ids", "decode": "ids", "draft": "ids", "verify": "hidden"}
-_ROLE_KINDS = {"decode": "decode", "draft": "draft", "verify": "verify", "precision_draft": "decode"}
+_ROLE_KINDS = {"decode": "decode", "draft": "draft", "verify": "verify", "precision_draft": "decode", "ppd": "decode"}
 PRECISIONS = ("int8", "int4", "native4")  # a precision draft's weights (graphs/plan.py PRECISION_DRAFTS)
 DTYPE_SIZES = {"<f4": 4, "<f2": 2, "|u1": 1, "|i1": 1, "<i8": 8, "<i4": 4, "<u2": 2}
 DTYPES = ("float32", "float16", "int8", "int4")
@@ -144,6 +144,9 @@ def validate(manifest: Any) -> dict[str, Any]:
             draft = graphs[engines["precision_draft"]]
             _need(draft.get("precision") in PRECISIONS and sorted(draft["layers"]) == sorted(set(kept)),
                   f"config {config['id']!r} has a precision draft that is no draft precision of its decode graph")
+        if "ppd" in engines:
+            _need(engines["ppd"] == engines["decode"] and graphs[engines["ppd"]].get("prompt_tokens", 0) > 0,
+                  f"config {config['id']!r} has a PPD engine that is not its decode graph with prompt tokens")
     _need("full" in ids, "no 'full' configuration")
     full = next(c for c in manifest["configs"] if c["id"] == "full")
     _need(sorted(set(full["kept"])) == list(range(num_layers)), "configuration 'full' must keep every layer")
@@ -257,6 +260,9 @@ def _validate_graph(name: Any, graph: Any, num_layers: int) -> None:
     _need(graph.get("config") is None or isinstance(graph["config"], str), f"graph {name!r} has a bad config")
     _need(graph.get("precision") is None or (kind == "decode" and graph["precision"] in PRECISIONS),
           f"graph {name!r} has a bad precision (a decode graph may have one of {', '.join(PRECISIONS)})")
+    prompt_tokens = graph.get("prompt_tokens", 0)
+    _need(_is_int(prompt_tokens) and 0 <= prompt_tokens <= limits.MAX_PROMPT_TOKENS and (kind == "decode" or not prompt_tokens),
+          f"graph {name!r} has a bad prompt_tokens (a decode graph may embed 0..{limits.MAX_PROMPT_TOKENS} PPD prompt tokens)")
     inputs, outputs = graph["inputs"], graph["outputs"]
     _need(len(set(inputs)) == len(inputs) and len(set(outputs)) == len(outputs), f"graph {name!r} names an input or output twice")
     first = "input_ids" if graph.get("source", "ids") == "ids" else "exit_hidden"

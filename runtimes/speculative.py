@@ -125,10 +125,12 @@ class SpeculativeRunner:
     def _round(self, seq: Any, k: int, sampling: SamplingParams, rng: np.random.Generator, context: list[int]) -> Iterator[int]:
         arena, start = seq.arena, seq.arena.length
         round_started = started = time.perf_counter()
-        if (self.gated and not self._worth_drafting()) or k < 1:  # k = 0: the budget leaves only the bonus row
-            drafts, draft_logits = [], None
-        else:
+        # k = 0: the budget leaves only the bonus row; a gated-out round is a plain T=1 step
+        drafting = k >= 1 and not (self.gated and not self._worth_drafting())
+        if drafting:
             drafts, draft_logits = self.drafter.propose(seq.pending, context, k, start, arena, sampling, rng)
+        else:
+            drafts, draft_logits = [], None
         self.draft_s += time.perf_counter() - started
         started = time.perf_counter()
         verify = self.drafter.verify(seq.pending, drafts, start, arena).logits[0]
@@ -139,7 +141,8 @@ class SpeculativeRunner:
         self.accepted += accepted
         emitted = drafts[:accepted] + ([correction] if correction is not None else [])
         if self.gated:
-            self._time_round(bool(drafts), accepted, len(emitted), time.perf_counter() - round_started)
+            # a round whose verify pass ran T=1 (no drafts, no PPD prompt tokens) was a plain step
+            self._time_round(verify.shape[0] > 1, bool(drafts), accepted, len(emitted), time.perf_counter() - round_started)
         # inputs pending, d1..d(accepted) now have valid KV in every kept layer
         arena.length = start + (accepted + 1 if correction is not None else accepted)
         for token in emitted:
@@ -147,16 +150,18 @@ class SpeculativeRunner:
             context.append(token)
             yield token
 
-    def _time_round(self, drafted: bool, accepted: int, emitted: int, seconds: float) -> None:
-        """Update the gate's running means with this round (a kind's first round is not timed)."""
+    def _time_round(self, drafting: bool, drafted: bool, accepted: int, emitted: int, seconds: float) -> None:
+        """Update the gate's running means with this round (a kind's first round is not timed).
+        `drafting`: its pass was wider than a plain step (drafts, or PPD's prompt tokens after a
+        rejection); a lookup round without an n-gram match was a plain step and times one."""
         if drafted:
             self.mean_accepted = _ema(self.mean_accepted, accepted)
-        if drafted not in self.warm:
-            self.warm.add(drafted)
+        if drafting not in self.warm:
+            self.warm.add(drafting)
             return
-        if drafted and emitted:
+        if drafting and emitted:
             self.draft_token_s = _ema(self.draft_token_s, seconds / emitted)
-        elif not drafted:
+        elif not drafting:
             self.plain_s = _ema(self.plain_s, seconds)
 
     def _pays(self) -> bool:

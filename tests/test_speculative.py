@@ -25,7 +25,8 @@ PROMPTS = ["The quick brown fox", "What is the capital of France?", "Write a sho
 def spec_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("spec")
     model = make_tiny_model(root / "model", "gqa_untied", layers=6, seed=3)
-    assert main(["build", str(model), "-o", str(root / "bundle"), "--max-len", "128", "--speculate", "3:3", "--draft-precision", "int8"]) == 0
+    assert main(["build", str(model), "-o", str(root / "bundle"), "--max-len", "128", "--speculate", "3:3", "--draft-precision", "int8",
+                 "--prompt-tokens", "2"]) == 0
     return root / "bundle"
 
 
@@ -45,7 +46,10 @@ def test_manifest_has_draft_and_verify_engines(spec_bundle: Path) -> None:
     manifest = json.loads((spec_bundle / "manifest.json").read_text())
     full = next(c for c in manifest["configs"] if c["id"] == "full")
     assert full["engines"] == {"decode": "decode_full", "draft": "draft_full_e3", "verify": "verify_full_e3",
-                               "precision_draft": "pdraft_full_int8"}
+                               "precision_draft": "pdraft_full_int8", "ppd": "decode_full"}
+    assert manifest["graphs"]["decode_full"]["prompt_tokens"] == 2
+    assert manifest["speculation"]["ppd"] == {"draft_len": 2}
+    assert "prompt_tokens.safetensors" in manifest["files"]
     assert manifest["graphs"]["pdraft_full_int8"]["precision"] == "int8"
     assert manifest["graphs"]["pdraft_full_int8"]["layers"] == list(range(6))
     assert manifest["graphs"]["draft_full_e3"]["layers"] == [0, 1, 2]
@@ -54,7 +58,7 @@ def test_manifest_has_draft_and_verify_engines(spec_bundle: Path) -> None:
 
 
 @pytest.mark.parametrize("draft,k", [("early_exit", 1), ("early_exit", 3), ("early_exit", 5), ("prompt_lookup", 2), ("prompt_lookup", 4),
-                                     ("precision", 1), ("precision", 4)])
+                                     ("precision", 1), ("precision", 4), ("ppd", 1), ("ppd", 2)])
 def test_greedy_speculation_equals_plain_decoding(spec_bundle: Path, draft: str, k: int) -> None:
     generator = Generator(spec_bundle)
     rounds = 0
@@ -66,7 +70,7 @@ def test_greedy_speculation_equals_plain_decoding(spec_bundle: Path, draft: str,
         spec = result.stats.speculation
         rounds += spec["rounds"]
         assert_same_or_tie(generator, ids, ar, result.tokens)
-        if draft in ("prompt_lookup", "precision") and result.stats.stop_reason == "length":
+        if draft in ("prompt_lookup", "precision", "ppd") and result.stats.stop_reason == "length":
             # every round emits its accepted drafts plus one verifier token (correction or bonus)
             assert spec["accepted"] + spec["rounds"] == result.stats.new_tokens - 1
     assert rounds > 0
@@ -101,6 +105,30 @@ def test_arena_after_rejections_equals_plain_decoding(spec_bundle: Path) -> None
     np.testing.assert_allclose(after, generator.arena.valid_rows(length), atol=2e-5)
 
 
+def test_ppd_runtime_acceptance_matches_calibration(spec_bundle: Path) -> None:
+    """The runtime's PPD rounds on the held-out calibration prompts are the ones calibration
+    simulated in PyTorch (same greedy tokens, same guesses): acceptance within 0.05, and above 0,
+    so PPD drafts that silently stopped being accepted (or guessed from the wrong rows) fail."""
+    from calibration.exit_adapters import is_held_out
+    from calibration.measure import BUILTIN_CALIB
+    from calibration.prompt_tokens import PPD_CALIB_TOKENS
+    from loading.prompts import read_prompts
+
+    simulated = json.loads((spec_bundle / "calibration.json").read_text())["speculation"]["ppd"]["per_k"]["2"]
+    generator = Generator(spec_bundle)
+    rates = []
+    for index, prompt in enumerate(read_prompts(str(BUILTIN_CALIB))):
+        if not is_held_out(index):
+            continue
+        result = generator.generate(generator.codec.encode(prompt), max_new_tokens=PPD_CALIB_TOKENS, mode="spec", draft="ppd", draft_len=2)
+        stats = result.stats.speculation
+        if stats["drafted"]:
+            rates.append(stats["accepted"] / stats["drafted"])
+    measured = sum(rates) / len(rates)
+    assert measured > 0.05, (measured, simulated)
+    assert abs(measured - simulated["acceptance"]) <= 0.05, (measured, simulated)
+
+
 def test_prompt_lookup_proposals() -> None:
     assert lookup_ngram([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]
     assert lookup_ngram([5, 6, 7], 3) == []
@@ -131,7 +159,7 @@ def test_rejection_rule_keeps_the_target_distribution(one_hot_draft: bool) -> No
     assert _chi_square_pvalue(counts, p) > 1e-3
 
 
-@pytest.mark.parametrize("draft", ["early_exit", "precision"])
+@pytest.mark.parametrize("draft", ["early_exit", "precision", "ppd"])
 def test_spec_sampling_matches_plain_sampling_end_to_end(spec_bundle: Path, draft: str) -> None:
     """Distribution of the 2nd and 3rd generated tokens, AR vs speculation, over seeds."""
     from scipy.stats import chi2_contingency

@@ -7,10 +7,11 @@ from __future__ import annotations
 from runtimes.drafting.base import DraftSource
 from runtimes.drafting.early_exit import EarlyExit
 from runtimes.drafting.precision import PrecisionDraft
+from runtimes.drafting.prompt_decoding import PromptDecoding
 from runtimes.drafting.prompt_lookup import PromptLookup, lookup_ngram
 from runtimes.errors import UsageError
 
-SOURCES: dict[str, type[DraftSource]] = {source.name: source for source in (EarlyExit, PromptLookup, PrecisionDraft)}
+SOURCES: dict[str, type[DraftSource]] = {source.name: source for source in (EarlyExit, PromptLookup, PrecisionDraft, PromptDecoding)}
 SOURCE_NAMES = tuple(SOURCES)
 FREE_SOURCE = PromptLookup.name  # needs no engine of its own: the default without calibration, and gated `--mode auto`
 
