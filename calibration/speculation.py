@@ -162,7 +162,8 @@ def finalize_with_latencies(root: Path, manifest: dict[str, Any], calibration: d
                                  acceptance=choice["by_source"]["precision"]["acceptance"], **verify)
     if "ppd" in choice["by_source"]:  # its verify pass also carries the m prompt tokens
         m = int(calibration["speculation"]["ppd"]["prompt_tokens"])
-        decode = latencies["decode_ms"]
-        spec["ppd"]["verify_cost"] = {str(k): round(decode[1 + k + m] / decode[1], 3) for k in range(1, MAX_DRAFT + 1) if 1 + k + m in decode}
+        for key, timed in (("verify_cost", latencies), ("verify_cost_prepacked", prepacked)):
+            decode = timed["decode_ms"]
+            spec["ppd"][key] = {str(k): round(decode[1 + k + m] / decode[1], 3) for k in range(1, MAX_DRAFT + 1) if 1 + k + m in decode}
     calibration["speculation"].update(latencies=latencies, latencies_prepacked=prepacked, latencies_as_run=as_run, measured_choice=choice)
     (root / "calibration.json").write_text(json.dumps(calibration, indent=2) + "\n")

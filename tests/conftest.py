@@ -114,13 +114,16 @@ def build_smollm2(tmp_path_factory: pytest.TempPathFactory, name: str, *flags: s
 @pytest.fixture(scope="session")
 def smol_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2 built once for every integration test: prefill, decode, and early-exit
-    draft/verify engines at E=24 and an int8 precision draft (the plain-decoding path is the
-    same as a build without)."""
+    draft/verify engines at E=24, an int8 precision draft and the shipped PPD prompt tokens
+    (samples/smollm2_prompt_tokens.safetensors, measured on the eval prompts' held-out two;
+    the plain-decoding path is the same as a build without)."""
     from commands.cli import main
 
     out = tmp_path_factory.mktemp("smol") / "bundle"
+    samples = Path(__file__).parents[1] / "samples"
     assert main(["build", "smollm2", "-o", str(out), "--max-len", "512", "--speculate", "24:3", "--quantize", "none",
-                 "--draft-precision", "int8"]) == 0
+                 "--draft-precision", "int8", "--prompt-tokens", str(samples / "smollm2_prompt_tokens.safetensors"),
+                 "--calib", str(samples / "eval_prompts.jsonl")]) == 0
     return out
 
 
