@@ -38,7 +38,7 @@ def test_check_passes_with_reports(smol_bundle: Path, tmp_path: Path) -> None:
     by_engine = {engine: sum(r["engine"] == engine for r in greedy) for engine in {r["engine"] for r in greedy}}
     # plain decoding and speculation with each draft source, each on every prompt
     assert by_engine == {"decode_full": prompts, "spec:full:early_exit": prompts, "spec:full:prompt_lookup": prompts,
-                         "spec:full:precision": prompts}
+                         "spec:full:precision": prompts, "spec:full:ppd": prompts}
     assert all("identical" in r["detail"] or "float tie" in r["detail"] for r in greedy)
     assert {"prefill", "decode_full", "draft_full_e24", "verify_full_e24", "pdraft_full_int8"} <= {r["engine"] for r in data["results"] if r["check"] == "parity"}
     draft_gate = next(r for r in data["results"] if r["engine"] == "pdraft_full_int8" and r["check"] == "quality[mean]")
