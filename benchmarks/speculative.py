@@ -59,12 +59,36 @@ def bench_hf_early_exit(model, prompts: list[list[int]], exit_layer: int, repeat
     return median_of(tpot)
 
 
+def precision_rows(gen, ids: list[list[int]], set_name: str, ar: float, repeat: int, label: str = "") -> list[dict]:
+    """Plain decoding at the precision draft's precision (the fast, lossy setting) and speculation
+    with it at k = 2, 4 and the calibrated k; `label` names a compared bundle's draft."""
+    full = gen.bundle.config("full")["engines"]
+    spec = gen.bundle.manifest.get("speculation") or {}
+    graph = gen.bundle.graph(full["precision_draft"])
+    name = graph["precision"] + (f", head over {graph['draft_vocab']} tokens" if graph.get("draft_vocab") else "") + label
+    # the draft engine as the decode engine of an extra in-memory configuration (prefill stays the bundle's)
+    configs = gen.bundle.manifest["configs"]
+    if not any(c["id"] == "draft_precision" for c in configs):
+        configs.append({"id": "draft_precision", "kept": list(gen.bundle.config("full")["kept"]), "engines": {"decode": full["precision_draft"]}})
+    rows = []
+    if not graph.get("draft_vocab"):  # a reduced head cannot decode on its own: its tokens are a subset
+        r = bench_runtime(gen, ids, repeat, config="draft_precision")
+        rows.append({"prompts": set_name, "mode": f"ar at the draft's precision ({name}, lossy)", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
+    for k in sorted({2, 4, int((spec.get("precision") or {}).get("draft_len", 4))}):
+        r = bench_runtime(gen, ids, repeat, mode="spec", draft="precision", draft_len=k)
+        rows.append({"prompts": set_name, "mode": f"spec precision ({name} draft) k={k}", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
+    return rows
+
+
 def main() -> None:
     parser = bench_parser(__doc__, bundle="a bundle built with --speculate (draft/verify engines)")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per prompt set")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF assistant_early_exit baseline")
     parser.add_argument("--prepack", action="store_true", help="prepack the decode and verify engines (ORT; +1 copy of the weights each); default: the runtime's own choice")
+    parser.add_argument("--compare-draft", default=None, metavar="DIR",
+                        help="another bundle of the same model and verifier (e.g. built without --draft-vocab): its precision draft "
+                             "is measured in the same run, against this bundle's plain decoding")
     parser.add_argument("--json", default=None)
     args = parse_and_pin(parser)
     from runtimes import Generator
@@ -73,6 +97,9 @@ def main() -> None:
     prepack = [full["decode"], full.get("verify", "")] if args.prepack else None
     gen = Generator(Path(args.bundle), threads=args.threads, prepack=prepack)
     gen.codec.eos_ids = set()
+    other = Generator(Path(args.compare_draft), threads=args.threads, prepack=prepack) if args.compare_draft else None
+    if other is not None:
+        other.codec.eos_ids = set()
     spec = gen.bundle.manifest.get("speculation") or {}
     exit_layer = spec.get("exit_layer")
     sets = {"chat": load_prompts(DEFAULT_PROMPTS, args.prompts), "rewrite": rewrite_prompts()[: args.prompts]}
@@ -94,17 +121,9 @@ def main() -> None:
                 r = bench_runtime(gen, ids, args.repeat, mode="spec", draft="early_exit", draft_len=k)
                 rows.append({"prompts": set_name, "mode": f"spec early_exit E={exit_layer} k={k}", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
         if "precision_draft" in full:
-            precision = gen.bundle.manifest["graphs"][full["precision_draft"]]["precision"]
-            # plain decoding at the draft's precision (the fast, lossy setting): the draft engine
-            # as the decode engine of an extra in-memory configuration (prefill stays the bundle's)
-            configs = gen.bundle.manifest["configs"]
-            if not any(c["id"] == "draft_precision" for c in configs):
-                configs.append({"id": "draft_precision", "kept": list(gen.bundle.config("full")["kept"]), "engines": {"decode": full["precision_draft"]}})
-            r = bench_runtime(gen, ids, args.repeat, config="draft_precision")
-            rows.append({"prompts": set_name, "mode": f"ar at the draft's precision ({precision}, lossy)", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
-            for k in sorted({2, 4, int((spec.get("precision") or {}).get("draft_len", 4))}):
-                r = bench_runtime(gen, ids, args.repeat, mode="spec", draft="precision", draft_len=k)
-                rows.append({"prompts": set_name, "mode": f"spec precision ({precision} draft) k={k}", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
+            rows += precision_rows(gen, ids, set_name, ar, args.repeat)
+        if other is not None:
+            rows += precision_rows(other, ids, set_name, ar, args.repeat, label=f" of {Path(args.compare_draft).name}")
         if "ppd" in full:  # PPD prompt tokens: drafts guessed by the previous verify pass
             m = gen.bundle.graph(full["ppd"])["prompt_tokens"]
             for k in range(1, m + 1):

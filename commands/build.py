@@ -89,6 +89,13 @@ def check_draft_precision(options: BuildOptions, quantize: str) -> str | None:
     return choice
 
 
+def check_draft_vocab_option(size: int, draft_precision: str | None) -> None:
+    """`--draft-vocab N` trims a precision draft's head, so it needs one."""
+    if size and draft_precision is None:
+        raise UsageError(f"--draft-vocab {size} trims the precision draft's LM head, and this build has no precision draft",
+                         "add --draft-precision (int8/int4 on a float bundle, native4 on a GGUF-exact one), or drop --draft-vocab")
+
+
 def check_prompt_tokens_option(option: str) -> str | None:
     """`--prompt-tokens N|FILE`: N in 1..MAX_PROMPT_TOKENS, or an existing file; 0/none: None."""
     if option in ("0", "none", ""):
@@ -116,9 +123,10 @@ def run_build(options: BuildOptions) -> dict[str, Any]:
         from exporter.quantize import validate_options
 
         validate_options(options.quant_block, options.quant_accuracy)  # before minutes of loading and export
-    if options.calib and (options.routers or options.speculate or prompt_tokens):
+    if options.calib and (options.routers or options.speculate or prompt_tokens or options.draft_vocab):
         read_prompts(options.calib)  # a bad calibration file fails before minutes of loading
     draft_precision = check_draft_precision(options, quantize)
+    check_draft_vocab_option(options.draft_vocab, draft_precision)
     loaded = load_model(options.model)
     parts = ModelParts(loaded.hf_model, loaded.spec)
     plan = BuildPlan(num_layers=loaded.spec.num_layers, precision_draft=draft_precision)
@@ -132,6 +140,12 @@ def run_build(options: BuildOptions) -> dict[str, Any]:
         parts.routers, configs, calibration["routers"], extra_files = plan_routers(router_options, loaded)
         plan = BuildPlan(num_layers=loaded.spec.num_layers, configs=configs, routers=True, precision_draft=draft_precision)
         calibration["configs"] = calibration["routers"].pop("configs")
+    if options.draft_vocab:
+        from calibration.draft_vocab import plan_draft_vocab
+        from calibration.measure import calibration_prompts
+
+        parts.draft_vocab, calibration["draft_vocab"] = plan_draft_vocab(loaded, calibration_prompts(options.calib), options.draft_vocab)
+        plan.draft_vocab = options.draft_vocab
     ppd = None
     if prompt_tokens:
         from calibration.measure import calibration_prompts

@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "them, so every verify pass also guesses the next round's drafts. They ship as prompt_tokens.safetensors "
                         "(N x hidden floats, a few KB); FILE reuses such a file. With --speculate auto, calibration measures them "
                         "beside the other draft sources. Default: 0 (none)" % limits.MAX_PROMPT_TOKENS)
+    b.add_argument("--draft-vocab", type=_bounded_int(0, limits.MAX_VOCAB), default=0, metavar="N",
+                   help="VocabTrim: the precision draft's LM head scores only N tokens (the special tokens, then the model's own "
+                        "greedy continuations of the calibration prompts by frequency, then the prompts', then the lowest ids), "
+                        "so a draft step no longer pays the whole head (28M of SmolLM2's 135M parameters, 168M of Gemma 3's 270M). "
+                        "The verifier keeps the full head, so output is unchanged; a draft is accepted only when the verifier's "
+                        "token is among the N. Ships the ids as draft_vocab.bin; calibration.json draft_vocab holds the held-out "
+                        "coverage. Needs --draft-precision. Default: 0 (the full head)")
     b.add_argument("--coreml-precision", choices=["float16", "float32"], default="float16", help="CoreML compute precision (default: float16)")
     b.add_argument("--trt-precision", choices=["fp32", "fp16", "int8"], default="fp16", help="TensorRT engine precision flag (default: fp16)")
     b.add_argument("--quant-block", type=_bounded_int(1, 4096), default=32, help="quantization block size along the input dimension (default: 32)")

@@ -40,6 +40,7 @@ class BuildOptions(Options):
     quantize: str = "auto"
     draft_precision: str = "none"
     prompt_tokens: str = "0"
+    draft_vocab: int = 0
     coreml_precision: str = "float16"
     trt_precision: str = "fp16"
     quant_block: int = 32

@@ -16,7 +16,7 @@ from exporter.tokenizer_export import chat_format, save_tokenizer, special_token
 from exporter.weights import WeightStore, canonicalize_names, externalize
 from graphs.fused_graph import packed_weights
 from graphs.plan import FULL_CONFIG, BuildPlan
-from graphs.span_graph import GraphSpec, ModelParts
+from graphs.span_graph import GraphSpec, ModelParts, draft_head
 from loading.model import LoadedModel
 from runtimes.errors import UsageError
 from runtimes.manifest import FORMAT, SCHEMA_VERSION
@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_LEN = 2048
 WEIGHTS_FILE = "weights.bin"
+DRAFT_VOCAB_FILE = "draft_vocab.bin"  # VocabTrim's token ids, little-endian int32, ascending
 ONNX_FLAVOURS = ("ort", "portable")
 
 
@@ -68,6 +69,7 @@ def graph_entry(graph: GraphSpec) -> dict[str, Any]:
         "flavour": graph.flavour,
         "precision": graph.precision,
         "prompt_tokens": graph.prompt_tokens,
+        "draft_vocab": graph.draft_vocab,
         "inputs": graph.input_names(),
         "outputs": graph.output_names(),
     }
@@ -95,7 +97,7 @@ def _engine_key(graph: GraphSpec) -> tuple[Any, ...]:
     """Graphs with equal keys are the same ONNX model; their engine file is written once."""
     return (graph.flavour, graph.layers, graph.source, graph.router_scores, graph.exit_hidden,
             graph.exit_layer if graph.exit_adapter else None, graph.logits if graph.flavour == "portable" else None,
-            graph.precision, graph.prompt_tokens)
+            graph.precision, graph.prompt_tokens, graph.draft_vocab)
 
 
 def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress: bool, quantize: str = "none",
@@ -124,6 +126,10 @@ def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress
             store.name_parameters([("routers.weight", parts.routers.weight.detach().numpy())])
         if parts.prompt_tokens is not None:
             store.name_parameters([("ppd.prompt_tokens", parts.prompt_tokens.detach().numpy())])
+        if parts.draft_vocab is not None:
+            rows = next((draft_head(parts, g) for g in graphs if g.draft_vocab), None)
+            if rows is not None:
+                store.name_parameters([("draft_head.weight", rows.numpy())])
         for layer, adapter in parts.exit_adapters.items():
             store.name_parameters((f"exit_adapter.{layer}.{n}", p.detach().numpy()) for n, p in adapter.named_parameters())
         for graph in tqdm(graphs, desc="export ONNX", unit="graph", disable=not progress):
@@ -160,6 +166,10 @@ def _apply_precision(model: onnx.ModelProto, graph: GraphSpec, quantize: str, qu
         from exporter.native_quant import apply_native
 
         apply_native(model, native, 4)
+        if graph.draft_vocab:  # the reduced head is no GGUF tensor: int8 at accuracy 4, like a float bundle's draft
+            from exporter.quantize import quantize as quantize_model
+
+            return quantize_model(model, "int8", block_size=quant_options.get("block_size", 32), accuracy_level=4)
         return model
     if graph.precision is not None:
         from exporter.quantize import quantize as quantize_model
@@ -209,7 +219,10 @@ def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: ExportOptions, p
             "graphs": {g.name: graph_entry(g) for g in graphs},
             "backends": backends,
             "calibration": "calibration.json" if options.calibration is not None else None,
+            "draft_vocab": {"file": DRAFT_VOCAB_FILE, "size": plan.draft_vocab} if plan.draft_vocab else None,
         }
+        if plan.draft_vocab:
+            (root / DRAFT_VOCAB_FILE).write_bytes(draft_vocab_bytes(parts))
         if options.calibration is not None:
             (root / "calibration.json").write_text(json.dumps(options.calibration, indent=2) + "\n")
         for name, data in options.extra_files.items():
@@ -223,6 +236,15 @@ def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: ExportOptions, p
                 manifest["backends"][backend] = compile_backend(root, manifest, parts, plan, options)
         write_manifest(root, manifest)
     return manifest
+
+
+def draft_vocab_bytes(parts: ModelParts) -> bytes:
+    """The reduced draft vocabulary's ids as the runtime reads them (runtimes/bundle.py)."""
+    import numpy as np
+
+    if parts.draft_vocab is None:
+        raise ValueError("the plan drafts over a reduced vocabulary, but the model parts hold no token ids")
+    return np.ascontiguousarray(parts.draft_vocab.numpy(), dtype="<i4").tobytes()
 
 
 def _exit_engines(graphs: list[GraphSpec], config_id: str) -> dict[str, str]:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from graphs import ort_ops
 from graphs.architectures import DEFAULT_ROPE, architecture
 from graphs.layers import Rotary, embed_tokens
-from graphs.span_graph import GraphSpec, ModelParts, prompt_table, trainable_additions
+from graphs.span_graph import GraphSpec, ModelParts, draft_head, prompt_table, trainable_additions
 
 
 GELU_TANH_MODULES = ("GELUTanh", "PytorchGELUTanh")  # transformers 5 / 4 names of gelu_pytorch_tanh
@@ -183,6 +183,7 @@ class FusedSpanGraph(nn.Module):
         self.routers, self.adapter = trainable_additions(parts, graph)
         self.vocab = parts.spec.vocab_size
         self.register_buffer("prompts", prompt_table(parts, graph), persistent=False)
+        self.register_buffer("draft_head", draft_head(parts, graph), persistent=False)
 
     def forward(self, first: Tensor, logit_rows: Tensor, seqlens_k: Tensor, total_length: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         n = len(self.layers)
@@ -203,7 +204,8 @@ class FusedSpanGraph(nn.Module):
             head_in = ort_ops.rms_norm(self.adapter(hidden.index_select(1, logit_rows)), self.arch.norm_weight(self.norm), self.eps)
         else:
             head_in = ort_ops.rms_norm(hidden.index_select(1, logit_rows), self.arch.norm_weight(self.norm), self.eps)
-        outputs: list[Tensor] = [torch.nn.functional.linear(head_in[0], self.lm_head.weight)[None]]
+        head = self.lm_head.weight if self.draft_head is None else self.draft_head
+        outputs: list[Tensor] = [torch.nn.functional.linear(head_in[0], head)[None]]
         if self.routers is not None:
             outputs.append(torch.stack(scores))
         if self.graph.exit_hidden:

@@ -161,8 +161,10 @@ class Head(nn.Module):
         self.lm_head = self.arch.lm_head(hf_model)
         self.eps = spec.rms_norm_eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.lm_head(rms_norm(x, self.arch.norm_weight(self.norm), self.eps))
+    def forward(self, x: Tensor, rows: Tensor | None = None) -> Tensor:
+        """Logits over the vocabulary, or over a draft vocabulary's head `rows` (VocabTrim)."""
+        normed = rms_norm(x, self.arch.norm_weight(self.norm), self.eps)
+        return self.lm_head(normed) if rows is None else nn.functional.linear(normed, rows)
 
 
 class DecoderStack(nn.Module):

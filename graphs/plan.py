@@ -40,6 +40,8 @@ class BuildPlan:
     # PPD: the full model's decode graph also embeds this many trained prompt tokens
     # (runtimes/drafting/prompt_decoding.py); 0: none.
     prompt_tokens: int = 0
+    # VocabTrim: the precision draft's head scores only this many token ids (0: all).
+    draft_vocab: int = 0
 
     def __post_init__(self) -> None:
         if not any(c.id == FULL_CONFIG for c in self.configs):
@@ -55,20 +57,21 @@ class BuildPlan:
             for config in self.configs:
                 out.extend(exit_graphs(config, self.exit))
         if self.precision_draft is not None:
-            out.append(precision_draft_graph(self.num_layers, self.precision_draft))
+            out.append(precision_draft_graph(self.num_layers, self.precision_draft, self.draft_vocab))
         return out
 
 
 PRECISION_DRAFTS = ("int8", "int4", "native4")
 
 
-def precision_draft_graph(num_layers: int, precision: str) -> GraphSpec:
+def precision_draft_graph(num_layers: int, precision: str, draft_vocab: int = 0) -> GraphSpec:
     """The full model's decode graph with its weights at `precision`: drafts token ids T=1,
-    writing every layer's KV rows, which the verifier's pass then overwrites."""
+    writing every layer's KV rows, which the verifier's pass then overwrites. With
+    `draft_vocab`, its head scores only that many frequent tokens (VocabTrim)."""
     if precision not in PRECISION_DRAFTS:
         raise ValueError(f"draft precision {precision!r} is not one of {PRECISION_DRAFTS}")
     return GraphSpec(f"pdraft_{FULL_CONFIG}_{precision}", "decode", tuple(range(num_layers)), config=FULL_CONFIG,
-                     precision=precision)
+                     precision=precision, draft_vocab=draft_vocab)
 
 
 def exit_graphs(config: SkipConfig, plan: ExitPlan) -> list[GraphSpec]:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from graphs.adaptive import ExitAdapter, Routers
+from graphs.architectures import architecture
 from graphs.layers import DecoderStack
 from graphs.spec import ModelSpec
 
@@ -43,6 +44,10 @@ class GraphSpec:
     # PPD (kind "decode"): ids vocab..vocab+m-1 embed as the m trained prompt tokens
     # (calibration/prompt_tokens.py), so the verify pass also guesses the next round's drafts.
     prompt_tokens: int = 0
+    # VocabTrim (a precision draft): the head scores only the bundle's `draft_vocab` token ids
+    # (draft_vocab.bin), so logits are [.., draft_vocab] and the runtime maps row j to id ids[j].
+    # 0: the full vocabulary.
+    draft_vocab: int = 0
 
     def input_names(self) -> list[str]:
         first = "input_ids" if self.source == "ids" else "exit_hidden"
@@ -68,6 +73,7 @@ class ModelParts:
     routers: Routers | None = None
     exit_adapters: dict[int, ExitAdapter] = field(default_factory=dict)
     prompt_tokens: torch.Tensor | None = None  # PPD's trained [m, hidden] table, in the scaled embedding space
+    draft_vocab: torch.Tensor | None = None  # VocabTrim: the sorted token ids a draft head scores (int64)
 
 
 def prompt_table(parts: ModelParts, graph: GraphSpec) -> torch.Tensor | None:
@@ -78,6 +84,22 @@ def prompt_table(parts: ModelParts, graph: GraphSpec) -> torch.Tensor | None:
         raise ValueError(f"graph {graph.name!r} embeds {graph.prompt_tokens} PPD prompt tokens, but the model parts hold "
                          f"{0 if parts.prompt_tokens is None else parts.prompt_tokens.shape[0]}")
     return parts.prompt_tokens.detach()
+
+
+def draft_head(parts: ModelParts, graph: GraphSpec) -> torch.Tensor | None:
+    """The LM head rows a graph's reduced draft vocabulary scores (the same tensor for every graph
+    and flavour, so the weight store keeps one copy), or a clear error if the ids are missing."""
+    if not graph.draft_vocab:
+        return None
+    ids = parts.draft_vocab
+    if ids is None or ids.numel() != graph.draft_vocab:
+        raise ValueError(f"graph {graph.name!r} drafts over {graph.draft_vocab} token ids, but the model parts hold "
+                         f"{0 if ids is None else ids.numel()}")
+    cache: dict[int, torch.Tensor] = parts.__dict__.setdefault("_draft_head", {})
+    if graph.draft_vocab not in cache:
+        weight = architecture(parts.spec.model_type).lm_head(parts.hf_model).weight.detach()
+        cache[graph.draft_vocab] = weight.index_select(0, ids).contiguous()
+    return cache[graph.draft_vocab]
 
 
 def trainable_additions(parts: ModelParts, graph: GraphSpec) -> tuple[Routers | None, ExitAdapter | None]:
@@ -101,6 +123,7 @@ class SpanGraph(DecoderStack):
         self.graph = graph
         self.routers, self.adapter = trainable_additions(parts, graph)
         self.set_prompt_tokens(prompt_table(parts, graph))
+        self.register_buffer("draft_head", draft_head(parts, graph), persistent=False)
 
     def forward(self, first: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         n = len(self.layers)
@@ -119,7 +142,7 @@ class SpanGraph(DecoderStack):
         head_in = x[-1:] if self.graph.logits == "last" else x
         if self.adapter is not None:
             head_in = self.adapter(head_in)
-        outputs: list[Tensor] = [self.head(head_in)[None]]
+        outputs: list[Tensor] = [self.head(head_in, self.draft_head)[None]]
         if self.routers is not None:
             outputs.append(torch.stack(scores))
         if self.graph.exit_hidden:

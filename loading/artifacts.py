@@ -130,4 +130,8 @@ def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
         parts.exit_adapters = load_adapters(bundle.path(ADAPTERS_FILE), loaded.spec.hidden_size, loaded.spec.rms_norm_eps, loaded.spec.num_layers)
     if PROMPT_TOKENS_FILE in bundle.manifest["files"]:
         parts.prompt_tokens = load_prompt_tokens(bundle.path(PROMPT_TOKENS_FILE), loaded.spec.hidden_size)
+    if bundle.draft_vocab_ids is not None:
+        import torch
+
+        parts.draft_vocab = torch.from_numpy(bundle.draft_vocab_ids.copy())
     return loaded, parts

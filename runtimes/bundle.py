@@ -10,8 +10,11 @@ import json
 import os
 import stat
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from runtimes.errors import UsageError
 from runtimes import limits
@@ -40,6 +43,23 @@ class Bundle:
     def graph(self, name: str) -> dict[str, Any]:
         return self.manifest["graphs"][name]
 
+    @cached_property
+    def draft_vocab_ids(self) -> np.ndarray | None:
+        """VocabTrim's token ids (a reduced draft head's row j scores id ids[j]), read once and
+        checked, since a hostile file could otherwise map drafts outside the vocabulary."""
+        entry = self.manifest.get("draft_vocab")
+        if not entry:
+            return None
+        size, vocab = entry["size"], int(self.model["vocab_size"])
+        data = read_listed(self, entry["file"], 4 * size)
+        fix = "rebuild the bundle with --draft-vocab"
+        if len(data) != 4 * size:
+            raise UsageError(f"draft vocabulary file {entry['file']!r} holds {len(data)} bytes, not {size} int32 ids", fix)
+        ids = np.frombuffer(data, dtype="<i4").astype(np.int64)
+        if ids[0] < 0 or ids[-1] >= vocab or (size > 1 and not bool(np.all(np.diff(ids) > 0))):
+            raise UsageError(f"draft vocabulary file {entry['file']!r} is not ascending unique token ids within 0..{vocab - 1}", fix)
+        return ids
+
     def config(self, config_id: str) -> dict[str, Any]:
         for config in self.manifest["configs"]:
             if config["id"] == config_id:
@@ -58,6 +78,11 @@ class Bundle:
             raise UsageError(f"backend {backend!r} is not in this bundle (it has: {present})",
                              f"choose one of them, or rebuild with --backend {backend}")
         return entry
+
+
+def logits_width(graph: dict[str, Any], model: dict[str, Any]) -> int:
+    """Columns of a graph's logits: the vocabulary, or a reduced draft head's token count."""
+    return int(graph.get("draft_vocab") or model["vocab_size"])
 
 
 def confined_path(root: Path, relative: str) -> Path:

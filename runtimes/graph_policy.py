@@ -26,6 +26,7 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any
 
+from runtimes.bundle import logits_width
 from runtimes.errors import UsageError
 
 # domain -> op types. "" is the default ONNX domain (also spelled "ai.onnx").
@@ -100,7 +101,7 @@ def _dims_of(graph_entry: dict[str, Any], model: dict[str, Any], max_len: int | 
     # fused ("ort") graphs choose their logit rows with the `logit_rows` input: dynamic for every kind
     fixed_rows = graph_entry.get("logits", "all") == "last" and graph_entry.get("flavour", "portable") != "ort"
     return {"kv_heads": model["num_kv_heads"], "head_dim": model["head_dim"], "hidden": model["hidden_size"],
-            "vocab": model["vocab_size"], "layers": len(graph_entry["layers"]), "max_len": max_len,
+            "vocab": logits_width(graph_entry, model), "layers": len(graph_entry["layers"]), "max_len": max_len,
             "logit_rows": 1 if fixed_rows else None}
 
 

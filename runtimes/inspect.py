@@ -40,7 +40,9 @@ def describe(directory: str) -> dict[str, Any]:
         "weight_bytes": weight_bytes,
         "size_ratio": round(total / weight_bytes, 4) if weight_bytes else None,
         "backends": {name: sorted(entry["graphs"]) for name, entry in m["backends"].items()},
-        "graphs": {name: {"kind": g["kind"], "layers": len(g["layers"]), "config": g.get("config"), "exit_layer": g.get("exit_layer")} for name, g in m["graphs"].items()},
+        "graphs": {name: {"kind": g["kind"], "layers": len(g["layers"]), "config": g.get("config"), "exit_layer": g.get("exit_layer"),
+                          "precision": g.get("precision"), "prompt_tokens": g.get("prompt_tokens", 0), "draft_vocab": g.get("draft_vocab", 0)}
+                   for name, g in m["graphs"].items()},
         "configs": [{"id": c["id"], "kept": c["kept"], "skipped": m["model"]["num_layers"] - len(c["kept"]),
                      "engines": c["engines"], "calibration_share": shares.get(c["id"])} for c in m["configs"]],
         "routers": bool(m["graphs"]["prefill"].get("router_scores")),
@@ -72,5 +74,7 @@ def render(info: dict[str, Any]) -> str:
     lines.append(f"speculation {json.dumps(spec) if spec else 'none'}")
     lines.append("graphs:")
     for name, g in info["graphs"].items():
-        lines.append(f"  {name:24} {g['kind']:8} {g['layers']:3} layers")
+        extras = [f"{g['precision']} weights" if g.get("precision") else "", f"{g['prompt_tokens']} PPD prompt tokens" if g.get("prompt_tokens") else "",
+                  f"head over {g['draft_vocab']} tokens" if g.get("draft_vocab") else ""]
+        lines.append(f"  {name:24} {g['kind']:8} {g['layers']:3} layers" + "".join(f", {e}" for e in extras if e))
     return "\n".join(lines)

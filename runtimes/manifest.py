@@ -165,6 +165,7 @@ def validate(manifest: Any) -> dict[str, Any]:
         _need(isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64
               and all(c in "0123456789abcdef" for c in entry["sha256"]) and _is_int(entry.get("bytes")) and entry["bytes"] >= 0,
               f"files entry {ascii(path)} lacks a sha256 hex digest or a byte count")
+    _validate_draft_vocab(manifest.get("draft_vocab"), graphs, model["vocab_size"])
     _validate_speculation(manifest.get("speculation"), graphs)
     _need(manifest.get("calibration") is None or isinstance(manifest["calibration"], str), "key 'calibration' has the wrong type")
     for path in referenced_files(manifest):
@@ -178,6 +179,8 @@ def referenced_files(manifest: dict[str, Any]) -> list[str]:
     paths = [manifest["tokenizer"]["file"]]
     if manifest.get("calibration"):
         paths.append(manifest["calibration"])
+    if manifest.get("draft_vocab"):
+        paths.append(manifest["draft_vocab"]["file"])
     for entry in manifest["backends"].values():
         if isinstance(entry.get("weights"), str):
             paths.append(entry["weights"])
@@ -186,6 +189,18 @@ def referenced_files(manifest: dict[str, Any]) -> list[str]:
                 if key in engine:
                     paths.append(engine[key])
     return paths
+
+
+def _validate_draft_vocab(entry: Any, graphs: dict[str, Any], vocab_size: int) -> None:
+    """VocabTrim: one reduced draft vocabulary per bundle, {file, size}, sized as every graph
+    that scores it (the ids themselves are checked when read: runtimes/bundle.py)."""
+    sizes = {graph.get("draft_vocab", 0) for graph in graphs.values()} - {0}
+    if entry is None:
+        _need(not sizes, "a graph drafts over a reduced vocabulary, but the manifest has no 'draft_vocab' file")
+        return
+    _need(isinstance(entry, dict) and isinstance(entry.get("file"), str) and _is_int(entry.get("size"))
+          and 0 < entry["size"] < vocab_size, f"key 'draft_vocab' must be {{file, size}} with size in 1..{vocab_size - 1}")
+    _need(sizes <= {entry["size"]}, f"a graph's draft_vocab differs from the bundle's draft_vocab size {entry['size']}")
 
 
 def _validate_speculation(speculation: Any, graphs: dict[str, Any]) -> None:
@@ -263,6 +278,9 @@ def _validate_graph(name: Any, graph: Any, num_layers: int) -> None:
     prompt_tokens = graph.get("prompt_tokens", 0)
     _need(_is_int(prompt_tokens) and 0 <= prompt_tokens <= limits.MAX_PROMPT_TOKENS and (kind == "decode" or not prompt_tokens),
           f"graph {name!r} has a bad prompt_tokens (a decode graph may embed 0..{limits.MAX_PROMPT_TOKENS} PPD prompt tokens)")
+    draft_vocab = graph.get("draft_vocab", 0)
+    _need(_is_int(draft_vocab) and 0 <= draft_vocab <= limits.MAX_VOCAB and (graph.get("precision") is not None or not draft_vocab),
+          f"graph {name!r} has a bad draft_vocab (a precision draft may score 1..vocab_size-1 token ids, other graphs 0)")
     inputs, outputs = graph["inputs"], graph["outputs"]
     _need(len(set(inputs)) == len(inputs) and len(set(outputs)) == len(outputs), f"graph {name!r} names an input or output twice")
     first = "input_ids" if graph.get("source", "ids") == "ids" else "exit_hidden"

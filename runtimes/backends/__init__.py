@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtimes.backends.base import Backend, StepOutputs
-from runtimes.bundle import Bundle
+from runtimes.bundle import Bundle, logits_width
 from runtimes.errors import UsageError
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def _engine_errors_are_usage_errors(bundle: Bundle, run: Any) -> Any:
                              "the bundle's engines do not match its manifest: rebuild it with `adaptive-export build`") from None
         info = bundle.graph(graph)
         rows = 1 if info["logits"] == "last" else first.shape[1]
-        expected = (1, rows, bundle.model["vocab_size"])
+        expected = (1, rows, logits_width(info, bundle.model))
         if getattr(out.logits, "shape", None) != expected:
             raise UsageError(f"engine {graph!r} returned logits of shape {getattr(out.logits, 'shape', None)}, the manifest implies {expected}",
                              "the bundle's engines do not match its manifest: rebuild it with `adaptive-export build`")

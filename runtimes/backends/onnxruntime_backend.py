@@ -34,7 +34,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from runtimes.backends.base import Backend, StepOutputs
-from runtimes.bundle import Bundle
+from runtimes.bundle import Bundle, logits_width
 from runtimes.errors import UsageError
 from runtimes.graph_policy import checked_engine_bytes
 from runtimes.kv_arena import KVArena
@@ -72,7 +72,7 @@ class FusedBinding:
         self.last_only = info["logits"] == "last"
         self.router_scores = bool(info["router_scores"])
         self.exit_hidden = bool(info["exit_hidden"])
-        self.vocab, self.hidden = int(model["vocab_size"]), int(model["hidden_size"])
+        self.vocab, self.hidden = logits_width(info, model), int(model["hidden_size"])
         self.seqlens = np.zeros(1, dtype=np.int32)
         self.total = np.zeros((), dtype=np.int32)
         self.binding.bind_cpu_input("seqlens_k", self.seqlens)
@@ -278,7 +278,7 @@ class OnnxRuntimeBackend(Backend):
                 binding.bind_cpu_input(f"past_{kind}_{layer}", arena.prefix(layer, kv, start))
                 rows = arena.rows(layer, kv, start, count)
                 binding.bind_output(f"new_{kind}_{layer}", "cpu", 0, np.float32, rows.shape, rows.ctypes.data)
-        logits = self._buffer(graph, "logits", (1, 1 if info["logits"] == "last" else count, model["vocab_size"]))
+        logits = self._buffer(graph, "logits", (1, 1 if info["logits"] == "last" else count, logits_width(info, model)))
         binding.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
         scores = hidden = None
         if info["router_scores"]:

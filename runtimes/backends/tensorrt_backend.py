@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from runtimes.backends.base import Backend, StepOutputs
-from runtimes.bundle import Bundle
+from runtimes.bundle import Bundle, logits_width
 from runtimes.errors import UsageError
 from runtimes.graph_policy import checked_engine_bytes
 from runtimes.kv_arena import KVArena
@@ -189,7 +189,7 @@ class TensorRTBackend(Backend):
                 context.set_tensor_address(f"new_{kind}_{layer}", offset + start * row)
         host: dict[str, np.ndarray] = {}
         model = self.bundle.model
-        shapes = {"logits": (1, 1 if info["logits"] == "last" else count, model["vocab_size"]),
+        shapes = {"logits": (1, 1 if info["logits"] == "last" else count, logits_width(info, model)),
                   "router_scores": (len(info["layers"]),), "exit_hidden": (1, count, model["hidden_size"])}
         for name in info["outputs"]:
             if name in shapes:

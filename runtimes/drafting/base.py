@@ -60,6 +60,7 @@ def engine_drafts(backend: Any, graph: str, pending: int, k: int, start: int, ar
     `on_step(j, outputs)` sees every step's outputs (early exit keeps its exit hidden state)."""
     token = np.empty((1, 1), dtype=np.int64)
     token[0, 0] = pending
+    ids = backend.bundle.draft_vocab_ids if backend.bundle.graph(graph).get("draft_vocab") else None
     drafts: list[int] = []
     rows: list[np.ndarray] | None = None if sampling.greedy else []
     for j in range(k):
@@ -68,12 +69,25 @@ def engine_drafts(backend: Any, graph: str, pending: int, k: int, start: int, ar
             on_step(j, out)
         logits = out.logits[0, -1]
         if rows is None:
-            drafts.append(int(np.argmax(logits)))
+            best = int(np.argmax(logits))
+            drafts.append(best if ids is None else int(ids[best]))
         else:
-            rows.append(logits.copy())  # the backend reuses its output buffer next step
-            drafts.append(int(rng.choice(logits.size, p=probabilities(logits, sampling))))
+            # the backend reuses its output buffer next step, so keep a copy (over the whole vocabulary)
+            row = logits.copy() if ids is None else full_vocabulary_row(logits, ids, int(backend.bundle.model["vocab_size"]))
+            rows.append(row)
+            drafts.append(int(rng.choice(row.size, p=probabilities(row, sampling))))
         token[0, 0] = drafts[-1]
     return drafts, rows
+
+
+def full_vocabulary_row(logits: np.ndarray, ids: np.ndarray, vocab: int) -> np.ndarray:
+    """A reduced draft head's logits spread over the vocabulary. Tokens outside it get a logit
+    1e4 below the row's minimum: a finite value (the sampler refuses infinities) whose
+    probability underflows to zero at any usual temperature. The draft samples from this same
+    row, so the rejection rule stays exact whatever that remainder is."""
+    row = np.full(vocab, float(logits.min()) - 1e4, dtype=np.float32)
+    row[ids] = logits
+    return row
 
 
 def decode_engine_verify(backend: Any, config: dict[str, Any], pending: int, drafts: list[int], start: int, arena: Any) -> Any:
