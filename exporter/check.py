@@ -299,11 +299,19 @@ def quality_check(generator: Any, parts: Any, prompt: str, new_tokens: int, engi
     logits = teacher_forced_logits(generator, prompt_ids, reference, engine=engine)
     # a draft engine never predicts the first token (prefill does): its rows start at 1
     first = 1 if engine is not None else 0
-    agreement = float(np.mean(logits[first:].argmax(-1) == np.asarray(reference[first:])))
+    predicted, expected = logits[first:].argmax(-1), np.asarray(reference[first:])
+    agreement = float(np.mean(predicted == expected))
     if engine is not None:
+        detail = f"top-1 agreement {agreement:.3f} of the draft's forced rows with the fp32 greedy tokens"
+        if generator.bundle.graph(engine).get("draft_vocab"):
+            # a reduced head cannot name tokens outside its vocabulary: the gate judges the draft's
+            # weights on the tokens it can name, and the coverage is reported beside it
+            named = np.isin(expected, generator.bundle.draft_vocab_ids)
+            agreement = float(np.mean(predicted[named] == expected[named])) if named.any() else 1.0
+            detail = (f"top-1 agreement {agreement:.3f} with the fp32 greedy tokens on the {named.mean():.0%} of rows whose "
+                      f"token the reduced head can name")
         return CheckResult(generator.backend.name, engine, f"quality[{prompt[:32]}]", True, max_abs=1.0 - agreement,
-                           seconds=time.perf_counter() - started,
-                           detail=f"top-1 agreement {agreement:.3f} of the draft's forced rows with the fp32 greedy tokens")
+                           seconds=time.perf_counter() - started, detail=detail)
 
     def nll(matrix: np.ndarray) -> float:
         shifted = matrix.astype(np.float64) - matrix.max(-1, keepdims=True)
