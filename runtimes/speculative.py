@@ -15,17 +15,18 @@ precision) emits accepted + 1 tokens every round; otherwise (early exit) the las
 draft becomes `pending` and the next round starts from it.
 
 Gated drafting (`--mode auto`; the gateable sources, prompt lookup and precision) drafts
-only while drafting pays on this machine, now. The runner times its own rounds: a running
-mean of seconds per emitted token over drafting rounds, and of seconds per plain round (a
-T=1 step, one token); it drafts while the first is below the second. Until both are timed
-it goes by the build's measurement instead: a round with drafts costs k draft steps
-(`draft_cost` T=1 passes each, 0 for lookup) plus one T=k+1 pass (`verify_cost` T=1
-passes) and yields 1 + accepted tokens, so drafting pays while the running mean of accepted
-drafts is at least k * draft_cost + verify_cost - 1. A build calibrated on a busy machine,
-or run on another, therefore corrects itself within a few rounds. Plain rounds are probed
-with a draft every PROBE_EVERY rounds, and drafting rounds re-time plain decoding every
-PLAIN_EVERY rounds, so a prompt whose answer repeats its context (rewrite, summarise, edit)
-still gets the speed-up while a chat answer decodes at plain speed.
+only while drafting pays on this machine, now. The runner keeps running means of the tokens a
+drafting round emits, of a drafting round's seconds and of a plain round's seconds (a T=1
+step, one token), and drafts while a drafting round's seconds per token are below a plain
+step's. Until both are timed it prices a drafting round with the build's measurement: k draft
+steps (`draft_cost` T=1 passes each, 0 for lookup) plus one T=k+1 pass (`verify_cost` T=1
+passes). A build calibrated on a busy machine, or run on another, therefore corrects itself
+within a few rounds. Prompt lookup's proposals cost nothing, so plain rounds score them too
+(under greedy decoding the tokens plain decoding emits are exactly those verification would
+accept): a chat answer that never repeats its context decodes at plain speed without paying
+for drafting rounds to find that out, and a rewrite starts drafting as soon as its proposals
+would be accepted. Other sources probe with a draft every PROBE_EVERY plain rounds, and
+drafting rounds re-time plain decoding every PLAIN_EVERY rounds.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ DEFAULT_LOOKUP_K = 4
 DEFAULT_VERIFY_COST = 1.3  # T=k+1 pass / T=1 pass when the bundle carries no measurement
 PROBE_EVERY = 16  # gated drafting: plain rounds between probe drafts while drafting does not pay
 PLAIN_EVERY = 16  # gated drafting: drafting rounds between plain rounds that re-time plain decoding
+PROBE_MIN_EMITTED = 1.5  # free proposals: probe only while plain rounds score them at least this well
 EMA_WEIGHT = 0.3  # weight of the newest round in the running means (accepted drafts, round times)
 
 
@@ -88,15 +90,23 @@ class SpeculativeRunner:
         prepacked = config["engines"]["decode"] in getattr(backend, "prepack", ())  # ORT: T > 1 passes much cheaper
         costs = calibrated.get("verify_cost_prepacked" if prepacked else "verify_cost") or {}
         draft_cost = float(calibrated.get("draft_cost", 0.0))  # a draft engine's T=1 step in T=1 decode passes (lookup: none)
-        # accepted drafts a round must average to beat plain T=1 steps
-        self.break_even = self.k * draft_cost + float(costs.get(str(self.k), DEFAULT_VERIFY_COST)) - 1.0
-        self.mean_accepted: float | None = None
+        # a drafting round in T=1 passes by the build's measurement: k draft steps and one T=k+1 pass
+        self.round_passes = self.k * draft_cost + float(costs.get(str(self.k), DEFAULT_VERIFY_COST))
         self.since_probe = self.skipped = self.since_plain = 0
         self.draft_s = self.verify_s = 0.0
-        # online gate: running means of a plain round's seconds and of a drafting round's seconds per token
+        # online gate: running means of tokens per drafting round, of a plain round's seconds and
+        # of a drafting round's seconds
+        self.mean_emitted: float | None = None
         self.plain_s: float | None = None
-        self.draft_token_s: float | None = None
+        self.draft_round_s: float | None = None
         self.warm: set[bool] = set()  # round kinds (drafted or not) seen once: a first round may create sessions
+        # a source whose proposals cost nothing (prompt lookup) is scored on plain rounds too: its
+        # proposal is compared with the tokens plain decoding then emits, which under greedy decoding
+        # are exactly the tokens verification would accept, so a prompt whose drafts would not pay
+        # never pays for a drafting round to find out
+        self.shadowing = self.gated and source_class.free_proposals
+        self.shadow: list[int] = []
+        self.shadow_hits = 0
 
     def tokens(self, seq: Any, max_new_tokens: int, sampling: SamplingParams, rng: np.random.Generator) -> Iterator[int]:
         """Emitted tokens, round after round; the consumer records each in seq.tokens before asking for the next."""
@@ -118,7 +128,8 @@ class SpeculativeRunner:
                 "gated": self.gated,
                 "rounds_without_drafting": self.skipped,
                 "timed_plain_ms": round(self.plain_s * 1e3, 3) if self.plain_s is not None else None,
-                "timed_draft_ms_per_token": round(self.draft_token_s * 1e3, 3) if self.draft_token_s is not None else None,
+                "timed_draft_ms_per_token": (round(self.draft_round_s / self.mean_emitted * 1e3, 3)
+                                             if self.draft_round_s is not None and self.mean_emitted else None),
             }
 
     # ---- one round -------------------------------------------------------------------
@@ -128,9 +139,12 @@ class SpeculativeRunner:
         # k = 0: the budget leaves only the bonus row; a gated-out round is a plain T=1 step
         drafting = k >= 1 and not (self.gated and not self._worth_drafting())
         if drafting:
+            self.shadow, self.shadow_hits = [], 0
             drafts, draft_logits = self.drafter.propose(seq.pending, context, k, start, arena, sampling, rng)
         else:
             drafts, draft_logits = [], None
+            if self.shadowing and not self.shadow and k >= 1:
+                self.shadow = self.drafter.propose(seq.pending, context, k, start, arena, sampling, rng)[0]
         self.draft_s += time.perf_counter() - started
         started = time.perf_counter()
         verify = self.drafter.verify(seq.pending, drafts, start, arena).logits[0]
@@ -142,7 +156,9 @@ class SpeculativeRunner:
         emitted = drafts[:accepted] + ([correction] if correction is not None else [])
         if self.gated:
             # a round whose verify pass ran T=1 (no drafts, no PPD prompt tokens) was a plain step
-            self._time_round(verify.shape[0] > 1, bool(drafts), accepted, len(emitted), time.perf_counter() - round_started)
+            self._time_round(verify.shape[0] > 1, len(emitted), time.perf_counter() - round_started)
+            if self.shadow and not drafts:
+                self._score_shadow(emitted[0])
         # inputs pending, d1..d(accepted) now have valid KV in every kept layer
         arena.length = start + (accepted + 1 if correction is not None else accepted)
         for token in emitted:
@@ -150,28 +166,43 @@ class SpeculativeRunner:
             context.append(token)
             yield token
 
-    def _time_round(self, drafting: bool, drafted: bool, accepted: int, emitted: int, seconds: float) -> None:
+    def _time_round(self, drafting: bool, emitted: int, seconds: float) -> None:
         """Update the gate's running means with this round (a kind's first round is not timed).
         `drafting`: its pass was wider than a plain step (drafts, or PPD's prompt tokens after a
         rejection); a lookup round without an n-gram match was a plain step and times one."""
-        if drafted:
-            self.mean_accepted = _ema(self.mean_accepted, accepted)
+        if drafting:
+            self.mean_emitted = _ema(self.mean_emitted, emitted)
         if drafting not in self.warm:
             self.warm.add(drafting)
             return
-        if drafting and emitted:
-            self.draft_token_s = _ema(self.draft_token_s, seconds / emitted)
-        elif not drafting:
+        if drafting:
+            self.draft_round_s = _ema(self.draft_round_s, seconds)
+        else:
             self.plain_s = _ema(self.plain_s, seconds)
 
+    def _score_shadow(self, token: int) -> None:
+        """A plain round emitted `token`: score the pending free proposal as the drafting round
+        at its position would have fared (accepted drafts + the verifier's own token)."""
+        if token == self.shadow[self.shadow_hits]:
+            self.shadow_hits += 1
+            if self.shadow_hits < len(self.shadow):
+                return
+        self.mean_emitted = _ema(self.mean_emitted, self.shadow_hits + 1)
+        self.shadow, self.shadow_hits = [], 0
+
     def _pays(self) -> bool:
-        """Whether drafting beats plain steps: timed on this run once both kinds are, else the build's costs."""
-        if self.plain_s is not None and self.draft_token_s is not None:
-            return self.draft_token_s < self.plain_s
-        return self.mean_accepted is None or self.mean_accepted >= self.break_even
+        """Whether drafting beats plain steps: a drafting round's seconds per token it emits against
+        a plain step's seconds, each timed on this run once it can be, else the build's costs."""
+        if self.mean_emitted is None:
+            return not self.shadowing  # unknown: draft to find out, unless plain rounds can score proposals
+        if self.plain_s is None:
+            return self.mean_emitted >= self.round_passes
+        round_s = self.draft_round_s if self.draft_round_s is not None else self.plain_s * self.round_passes
+        return round_s / self.mean_emitted < self.plain_s
 
     def _worth_drafting(self) -> bool:
-        """Gated drafting: draft while it pays (re-timing plain steps now and then), else plain steps with probes."""
+        """Gated drafting: draft while it pays (re-timing plain steps now and then), else plain steps
+        with a probe draft now and then (for free proposals only while they get accepted at all)."""
         if self._pays():
             self.since_plain += 1
             # time plain decoding once early (a first round and a timed one), then every PLAIN_EVERY rounds
@@ -182,7 +213,8 @@ class SpeculativeRunner:
                 return False
             return True
         self.since_probe += 1
-        if self.since_probe >= PROBE_EVERY:
+        hopeless = self.shadowing and (self.mean_emitted or 0.0) < PROBE_MIN_EMITTED
+        if self.since_probe >= PROBE_EVERY and not hopeless:
             self.since_probe = 0
             return True
         self.skipped += 1

@@ -118,12 +118,41 @@ def test_gated_drafting_follows_the_round_times_it_measures(auto_bundle: Path, m
     cheap, expensive = runs["plain"], runs["drafting"]
     assert expensive["timed_draft_ms_per_token"] > expensive["timed_plain_ms"], expensive
     assert cheap["timed_draft_ms_per_token"] < cheap["timed_plain_ms"], cheap
-    # expensive: 2 drafting + 2 plain rounds time both kinds, then drafting only on probes
+    # expensive: plain rounds score lookup's proposals, 2 drafting rounds time a drafting round,
+    # then drafting only on probes
     drafting_rounds = expensive["rounds"] - expensive["rounds_without_drafting"]
     assert drafting_rounds <= 4 + expensive["rounds"] // PROBE_EVERY, expensive
-    # cheap: plain rounds only to time plain decoding (2 early, then one per PLAIN_EVERY drafting rounds)
-    assert cheap["rounds_without_drafting"] <= 2 + cheap["rounds"] // PLAIN_EVERY, cheap
+    # cheap: plain rounds only while the first lookup proposal is scored and plain decoding timed
+    # (a warm-up round, then up to k rounds), then one per PLAIN_EVERY drafting rounds
+    assert cheap["rounds_without_drafting"] <= 1 + cheap["draft_len"] + cheap["rounds"] // PLAIN_EVERY, cheap
     assert expensive["drafted"] * 3 <= cheap["drafted"], (expensive, cheap)
+
+
+def test_gated_lookup_scores_proposals_on_plain_rounds(auto_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompt lookup's proposals are free, so plain rounds score them: when every proposal
+    would be rejected, gated lookup never pays for a drafting round (no probes either); when
+    proposals are the very tokens plain decoding emits, it drafts."""
+    from runtimes.drafting.prompt_lookup import PromptLookup
+
+    generator = Generator(auto_bundle)
+    spec = generator.bundle.manifest["speculation"]
+    spec["auto_enabled"] = False  # auto = gated prompt lookup
+    for key in ("verify_cost", "verify_cost_prepacked"):  # a drafting round costs more than a plain step, as on any CPU
+        spec["prompt_lookup"][key] = {str(k): 1.3 for k in range(1, 10)}
+    ids = generator.codec.encode("the sea the sea the sea and the sky the sea", raw=True)
+    plain = generator.generate(ids, max_new_tokens=40).tokens
+    never = next(t for t in range(generator.bundle.model["vocab_size"]) if t not in plain)
+    monkeypatch.setattr(PromptLookup, "propose", lambda self, pending, context, k, *rest: ([never] * k, None))
+    wrong = generator.generate(ids, max_new_tokens=40, mode="auto")
+    assert wrong.tokens == plain and wrong.stats.speculation["drafted"] == 0, wrong.stats.speculation
+
+    def oracle(self, pending, context, k, *rest):  # noqa: ANN001, ANN202
+        done = len(context) - len(ids)
+        return plain[done:done + k], None
+
+    monkeypatch.setattr(PromptLookup, "propose", oracle)
+    right = generator.generate(ids, max_new_tokens=40, mode="auto").stats.speculation
+    assert right["acceptance"] == 1.0 and right["drafted"] >= right["draft_len"], right
 
 
 def test_simulated_acceptance_matches_the_runtime(auto_bundle: Path) -> None:

@@ -27,6 +27,9 @@ class DraftSource(ABC):
     # a round may skip drafting cheaply (its verify pass then is a plain decode step), so
     # `--mode auto` can gate it to draft only while drafts pay
     gateable: ClassVar[bool] = False
+    # proposing costs nothing (no engine runs), so a gated plain round can score a proposal
+    # against the tokens plain decoding emits (runtimes/speculative.py)
+    free_proposals: ClassVar[bool] = False
 
     def __init__(self, backend: Any, config: dict[str, Any], model: dict[str, Any], k: int) -> None:
         self.backend, self.config, self.k = backend, config, k

@@ -30,6 +30,7 @@ class PromptLookup(DraftSource):
     name = "prompt_lookup"
     bonus = True
     gateable = True
+    free_proposals = True
 
     def propose(self, pending: int, context: list[int], k: int, start: int, arena: Any, sampling: SamplingParams,
                 rng: np.random.Generator) -> tuple[list[int], None]:
