@@ -185,20 +185,25 @@ class SpeculativeRunner:
         at its position would have fared (accepted drafts + the verifier's own token)."""
         if token == self.shadow[self.shadow_hits]:
             self.shadow_hits += 1
-            if self.shadow_hits < len(self.shadow):
+            # still matching: wait for the rest, unless the hits so far already pay for a round
+            if self.shadow_hits < len(self.shadow) and not self._would_pay(self.shadow_hits + 1):
                 return
         self.mean_emitted = _ema(self.mean_emitted, self.shadow_hits + 1)
         self.shadow, self.shadow_hits = [], 0
 
+    def _would_pay(self, emitted: float) -> bool:
+        """Whether drafting rounds emitting `emitted` tokens each beat plain steps: a drafting round's
+        seconds per token against a plain step's seconds, timed on this run once they can be, else
+        the build's costs."""
+        if self.plain_s is None:
+            return emitted >= self.round_passes
+        round_s = self.draft_round_s if self.draft_round_s is not None else self.plain_s * self.round_passes
+        return round_s / emitted < self.plain_s
+
     def _pays(self) -> bool:
-        """Whether drafting beats plain steps: a drafting round's seconds per token it emits against
-        a plain step's seconds, each timed on this run once it can be, else the build's costs."""
         if self.mean_emitted is None:
             return not self.shadowing  # unknown: draft to find out, unless plain rounds can score proposals
-        if self.plain_s is None:
-            return self.mean_emitted >= self.round_passes
-        round_s = self.draft_round_s if self.draft_round_s is not None else self.plain_s * self.round_passes
-        return round_s / self.mean_emitted < self.plain_s
+        return self._would_pay(self.mean_emitted)
 
     def _worth_drafting(self) -> bool:
         """Gated drafting: draft while it pays (re-timing plain steps now and then), else plain steps
