@@ -1,19 +1,25 @@
 """Shared benchmark helpers: prompts, medians, thread pinning, table printing."""
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = ROOT / "samples" / "eval_prompts.jsonl"
 
 
-def bench_parser(doc: str | None, threads_help: str = "ONNX Runtime intra-op threads (default: 2)",
-                 bundle: str | None = None, bundle_required: bool = True) -> argparse.ArgumentParser:
+def bench_parser(
+    doc: str | None,
+    threads_help: str = "ONNX Runtime intra-op threads (default: 2)",
+    bundle: str | None = None,
+    bundle_required: bool = True,
+) -> argparse.ArgumentParser:
     """The parser every benchmark starts from: its module docstring as help, --threads, and
     --bundle (the bundle it measures) when `bundle` gives that option's help."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,8 +110,15 @@ def hf_generate_timer(model: Any, new_tokens: int) -> Callable[[list[int]], tupl
             model(input_ids=x, attention_mask=mask)
             prefill = time.perf_counter() - started
             started = time.perf_counter()
-            out = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)
-            return prefill, time.perf_counter() - started, out[0, len(prompt_ids):].tolist()
+            out = model.generate(
+                input_ids=x,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+            return prefill, time.perf_counter() - started, out[0, len(prompt_ids) :].tolist()
 
     return run

@@ -6,10 +6,10 @@ Both sides decode the same chat-formatted prompt ids greedily for the same numbe
 new tokens (EOS ignored by forcing min_new_tokens), with the same thread count.
 Prints medians over repetitions (one warm-up excluded) and the ratio bundle / HF.
 """
+
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 from benchmarks.common import hf_generate_timer, load_prompts, pin_threads, print_table, timed_runs
@@ -45,13 +45,17 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2", help="HF model for the baseline (default: smollm2)")
     parser.add_argument("--threads", type=int, default=2, help="threads for every contender (default: 2)")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions per prompt (median), after one warm-up")
-    parser.add_argument("--prompts", type=int, default=3, help="how many prompts of samples/eval_prompts.jsonl (default: 3)")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="timed repetitions per prompt (median), after one warm-up"
+    )
+    parser.add_argument(
+        "--prompts", type=int, default=3, help="how many prompts of samples/eval_prompts.jsonl (default: 3)"
+    )
     args = parser.parse_args()
     pin_threads(args.threads)
 
-    from loading.model import load_model
-    from runtimes import Generator
+    from adaptive_export.loading.model import load_model
+    from adaptive_export.runtimes import Generator
 
     generator = Generator(Path(args.bundle), threads=args.threads)
     loaded = load_model(args.model)
@@ -60,13 +64,24 @@ def main() -> None:
         ids = generator.codec.encode(prompt)
         hf = bench_hf(loaded.hf_model, ids, args.new_tokens, args.repeat)
         ours = bench_bundle(generator, ids, args.new_tokens, args.repeat, config="full")
-        rows.append({"prompt": prompt[:28], "tokens": len(ids), "hf_prefill_ms": hf["prefill_ms"], "bundle_prefill_ms": ours["prefill_ms"],
-                     "hf_tpot_ms": hf["tpot_ms"], "bundle_tpot_ms": ours["tpot_ms"], "tpot_ratio": ours["tpot_ms"] / hf["tpot_ms"]})
+        rows.append(
+            {
+                "prompt": prompt[:28],
+                "tokens": len(ids),
+                "hf_prefill_ms": hf["prefill_ms"],
+                "bundle_prefill_ms": ours["prefill_ms"],
+                "hf_tpot_ms": hf["tpot_ms"],
+                "bundle_tpot_ms": ours["tpot_ms"],
+                "tpot_ratio": ours["tpot_ms"] / hf["tpot_ms"],
+            }
+        )
     from benchmarks.common import median_of
 
     rows.append({"prompt": "MEDIAN", **{k: median_of([r[k] for r in rows]) for k in rows[0] if k != "prompt"}})
     print(f"threads={args.threads}, new_tokens={args.new_tokens}, repeat={args.repeat} (medians), fp32")
-    print_table(rows, ["prompt", "tokens", "hf_prefill_ms", "bundle_prefill_ms", "hf_tpot_ms", "bundle_tpot_ms", "tpot_ratio"])
+    print_table(
+        rows, ["prompt", "tokens", "hf_prefill_ms", "bundle_prefill_ms", "hf_tpot_ms", "bundle_tpot_ms", "tpot_ratio"]
+    )
 
 
 if __name__ == "__main__":

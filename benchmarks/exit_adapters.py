@@ -9,6 +9,7 @@ every 5th prompt held out. The speculation columns simulate greedy early-exit dr
 the HELD-OUT prompts only (tokens per round, best k, expected speed-up with the build's
 layer-equivalent cost model), raw exit vs through the adapter.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,14 +22,20 @@ from benchmarks.common import ROOT, pin_threads, print_table
 
 
 def parse_args() -> argparse.Namespace:
-    from calibration.exit_adapters import DEFAULT_EPOCHS, DEFAULT_RANK
+    from adaptive_export.calibration.exit_adapters import DEFAULT_EPOCHS, DEFAULT_RANK
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="model directory, .gguf, or 'smollm2' (default)")
-    parser.add_argument("--calib", default=str(ROOT / "samples" / "calib_prompts.jsonl"), help="JSONL prompts (default: samples/calib_prompts.jsonl)")
+    parser.add_argument(
+        "--calib",
+        default=str(ROOT / "samples" / "calib_prompts.jsonl"),
+        help="JSONL prompts (default: samples/calib_prompts.jsonl)",
+    )
     parser.add_argument("--exits", default="15,20,24,28", help="comma-separated exit layers E (default: 15,20,24,28)")
     parser.add_argument("--rank", type=int, default=DEFAULT_RANK, help=f"adapter rank (default: {DEFAULT_RANK})")
-    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS, help=f"epochs per exit (default: {DEFAULT_EPOCHS})")
+    parser.add_argument(
+        "--epochs", type=int, default=DEFAULT_EPOCHS, help=f"epochs per exit (default: {DEFAULT_EPOCHS})"
+    )
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt (default: 32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
@@ -38,11 +45,21 @@ def parse_args() -> argparse.Namespace:
 
 def best_speedup(measured: dict[str, Any], exit_layer: int, layers: int) -> tuple[int, float, float]:
     """(k, tokens per round, expected speed-up) of the best draft length at this exit."""
-    from calibration.draft_sources import early_exit_speedup
+    from adaptive_export.calibration.draft_sources import early_exit_speedup
 
-    rows = [(int(key.split(":")[1]), tokens) for key, tokens in measured["early_exit_tokens_per_round"].items()
-            if int(key.split(":")[0]) == exit_layer]
-    scored = [(k, t, early_exit_speedup(t, exit_layer, k, layers, measured["head_cost_layers"], measured["adapter_cost_layers"])) for k, t in rows]
+    rows = [
+        (int(key.split(":")[1]), tokens)
+        for key, tokens in measured["early_exit_tokens_per_round"].items()
+        if int(key.split(":")[0]) == exit_layer
+    ]
+    scored = [
+        (
+            k,
+            t,
+            early_exit_speedup(t, exit_layer, k, layers, measured["head_cost_layers"], measured["adapter_cost_layers"]),
+        )
+        for k, t in rows
+    ]
     return max(scored, key=lambda r: r[2])
 
 
@@ -52,10 +69,10 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from calibration.exit_adapters import fit_exit_adapters, greedy_runs, is_held_out
-    from calibration.measure import measure_speculation
-    from loading.prompts import read_prompts
-    from loading.model import load_model
+    from adaptive_export.calibration.exit_adapters import fit_exit_adapters, greedy_runs, is_held_out
+    from adaptive_export.calibration.measure import measure_speculation
+    from adaptive_export.loading.model import load_model
+    from adaptive_export.loading.prompts import read_prompts
 
     loaded = load_model(args.model)
     layers = loaded.spec.num_layers
@@ -64,10 +81,21 @@ def main() -> None:
     started = time.perf_counter()
     runs = greedy_runs(loaded, prompts, args.new_tokens)
     generate_s = time.perf_counter() - started
-    fit = fit_exit_adapters(loaded, prompts, exits, rank=args.rank, epochs=args.epochs, seed=args.seed, new_tokens=args.new_tokens, runs=runs)
+    fit = fit_exit_adapters(
+        loaded,
+        prompts,
+        exits,
+        rank=args.rank,
+        epochs=args.epochs,
+        seed=args.seed,
+        new_tokens=args.new_tokens,
+        runs=runs,
+    )
     held = [i for i in range(len(prompts)) if is_held_out(i)]
     held_prompts, held_runs = [prompts[i] for i in held], [runs[i] for i in held]
-    raw = measure_speculation(loaded, None, held_prompts, args.new_tokens, adapters={e: _identity(loaded) for e in exits}, runs=held_runs)
+    raw = measure_speculation(
+        loaded, None, held_prompts, args.new_tokens, adapters={e: _identity(loaded) for e in exits}, runs=held_runs
+    )
     adapted = measure_speculation(loaded, None, held_prompts, args.new_tokens, adapters=fit.adapters, runs=held_runs)
     raw["adapter_cost_layers"] = 0.0
     rows = []
@@ -75,21 +103,47 @@ def main() -> None:
         r = fit.report["per_exit"][str(e)]
         k0, t0, s0 = best_speedup(raw, e, layers)
         k1, t1, s1 = best_speedup(adapted, e, layers)
-        rows.append({"E": e, "params": r["params"], "held_before": r["held_out"]["before"], "held_after": r["held_out"]["after"],
-                     "train_before": r["train"]["before"], "train_after": r["train"]["after"], "fit_s": r["seconds"],
-                     "raw_best_k": k0, "raw_tok/round": t0, "raw_speedup": s0, "ad_best_k": k1, "ad_tok/round": t1, "ad_speedup": s1})
+        rows.append(
+            {
+                "E": e,
+                "params": r["params"],
+                "held_before": r["held_out"]["before"],
+                "held_after": r["held_out"]["after"],
+                "train_before": r["train"]["before"],
+                "train_after": r["train"]["after"],
+                "fit_s": r["seconds"],
+                "raw_best_k": k0,
+                "raw_tok/round": t0,
+                "raw_speedup": s0,
+                "ad_best_k": k1,
+                "ad_tok/round": t1,
+                "ad_speedup": s1,
+            }
+        )
     positions = fit.report["positions"]
-    print(f"{args.model}: {len(prompts)} prompts ({len(held)} held out), {args.new_tokens} greedy tokens, positions {positions}, "
-          f"rank {args.rank}, {args.epochs} epochs, {args.threads} threads; generation {generate_s:.0f} s")
+    print(
+        f"{args.model}: {len(prompts)} prompts ({len(held)} held out), {args.new_tokens} greedy tokens, positions {positions}, "
+        f"rank {args.rank}, {args.epochs} epochs, {args.threads} threads; generation {generate_s:.0f} s"
+    )
     table = print_table(rows, list(rows[0]))
     if args.json:
-        Path(args.json).write_text(json.dumps({"report": fit.report, "table": rows, "generate_seconds": round(generate_s, 1),
-                                               "held_out_simulation": {"raw": raw, "adapted": adapted}, "text": table}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "report": fit.report,
+                    "table": rows,
+                    "generate_seconds": round(generate_s, 1),
+                    "held_out_simulation": {"raw": raw, "adapted": adapted},
+                    "text": table,
+                },
+                indent=2,
+            )
+        )
 
 
 def _identity(loaded: Any) -> Any:
     """An untrained adapter is the identity (`up` is zero): the raw exit at the same cost accounting."""
-    from graphs.adaptive import ExitAdapter
+    from adaptive_export.graphs.adaptive import ExitAdapter
 
     return ExitAdapter(loaded.spec.hidden_size, 1, loaded.spec.rms_norm_eps).eval()
 

@@ -10,6 +10,7 @@ Contenders (each a one-linear ONNX graph, x [1, T, K]):
 Reports median / p10 microseconds per run and the max relative error against x @ W^T with W
 the GGUF's own dequantized weights, at accuracy levels 1 (fp32) and 4 (int8 activations).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,8 @@ def main() -> None:
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from exporter import gguf_native as gn
-    from loading.model import smollm2_gguf_path
+    from adaptive_export.exporter import gguf_native as gn
+    from adaptive_export.loading.model import smollm2_gguf_path
 
     reader = gguf.GGUFReader(smollm2_gguf_path())
     nl = gn.native_linear(reader, [args.tensor], [None])
@@ -46,13 +47,24 @@ def main() -> None:
     x = np.random.default_rng(0).standard_normal((1, args.tokens, nl.k)).astype(np.float32)
     reference = x.astype(np.float64) @ w.astype(np.float64).T
     minimum = nl.correction.T - 8 * nl.scales  # approximately m: timing only, the error column says how close
-    zp0 = dataclasses.replace(nl, zero_points=np.zeros(nl.scales.shape, np.uint8), correction=np.ascontiguousarray(minimum.T, dtype=np.float32))
+    zp0 = dataclasses.replace(
+        nl,
+        zero_points=np.zeros(nl.scales.shape, np.uint8),
+        correction=np.ascontiguousarray(minimum.T, dtype=np.float32),
+    )
     float_zp = (-minimum / nl.scales).astype(np.float32)
 
     def session(nodes, inits):
-        graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, nl.k])],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=gn.unique_initializers(inits))
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(gn.MS_DOMAIN, 1)])
+        graph = helper.make_graph(
+            nodes,
+            "linear",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, nl.k])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+            initializer=gn.unique_initializers(inits),
+        )
+        model = helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(gn.MS_DOMAIN, 1)]
+        )
         model.ir_version = 10
         options = ort.SessionOptions()
         options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
@@ -64,10 +76,28 @@ def main() -> None:
         plain = gn.matmul_nbits_nodes("x", "y", "w", dataclasses.replace(nl, correction=None), level, None)
         exact = gn.matmul_nbits_nodes("x", "y", "w", nl, level, "x_bs")
         zero = gn.matmul_nbits_nodes("x", "y", "w", zp0, level, "x_bs")
-        floats = ([helper.make_node("MatMulNBits", ["x", "w.qweight", "w.scales", "zpf"], ["y"], domain=gn.MS_DOMAIN, K=nl.k, N=nl.n,
-                                    bits=4, block_size=32, accuracy_level=level)], plain[1] + [numpy_helper.from_array(float_zp, "zpf")])
-        contenders = {"symmetric, no correction": plain, "symmetric + block sums": (bs_nodes + exact[0], bs_inits + exact[1]),
-                      "uint8 zero point 0 + sums": (bs_nodes + zero[0], bs_inits + zero[1]), "float zero points": floats}
+        floats = (
+            [
+                helper.make_node(
+                    "MatMulNBits",
+                    ["x", "w.qweight", "w.scales", "zpf"],
+                    ["y"],
+                    domain=gn.MS_DOMAIN,
+                    K=nl.k,
+                    N=nl.n,
+                    bits=4,
+                    block_size=32,
+                    accuracy_level=level,
+                )
+            ],
+            plain[1] + [numpy_helper.from_array(float_zp, "zpf")],
+        )
+        contenders = {
+            "symmetric, no correction": plain,
+            "symmetric + block sums": (bs_nodes + exact[0], bs_inits + exact[1]),
+            "uint8 zero point 0 + sums": (bs_nodes + zero[0], bs_inits + zero[1]),
+            "float zero points": floats,
+        }
         sessions = {name: session(nodes, inits) for name, (nodes, inits) in contenders.items()}
         samples: dict[str, list[float]] = {name: [] for name in sessions}
         for name, sess in sessions.items():
@@ -85,8 +115,15 @@ def main() -> None:
             y = sess.run(None, {"x": x})[0]
             error = float(np.abs(y - reference).max() / np.abs(reference).max())
             times = np.array(samples[name])
-            rows.append({"accuracy": level, "form": name, "median us": f"{np.median(times) * 1e6:.1f}",
-                         "p10 us": f"{np.percentile(times, 10) * 1e6:.1f}", "max rel. error": f"{error:.1e}"})
+            rows.append(
+                {
+                    "accuracy": level,
+                    "form": name,
+                    "median us": f"{np.median(times) * 1e6:.1f}",
+                    "p10 us": f"{np.percentile(times, 10) * 1e6:.1f}",
+                    "max rel. error": f"{error:.1e}",
+                }
+            )
     print(f"{args.tensor}: N={nl.n} K={nl.k} T={args.tokens} threads={args.threads}")
     print_table(rows, ["accuracy", "form", "median us", "p10 us", "max rel. error"])
 

@@ -47,6 +47,7 @@ each contender's argmax compared at every position, mean over positions). The HF
 reference (prompt ids, greedy tokens, margins) is computed once per prompt set and cached.
 A contender whose package is missing or whose preparation fails is listed with the reason.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -67,13 +69,21 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import cpu_model, hf_generate_timer, load_prompts, median_of, pin_threads  # noqa: E402
 
 FIXED = ("hf-eager", "optimum-ort", "llama.cpp", "genai-fp32", "genai-int8", "genai-int4")
-PRECISION = {"hf-eager": "fp32", "optimum-ort": "fp32", "llama.cpp": "int4",
-             "genai-fp32": "fp32", "genai-int8": "int8", "genai-int4": "int4"}
+PRECISION = {
+    "hf-eager": "fp32",
+    "optimum-ort": "fp32",
+    "llama.cpp": "int4",
+    "genai-fp32": "fp32",
+    "genai-int8": "int8",
+    "genai-int4": "int4",
+}
 BUNDLE_DTYPES = {"float32": "fp32", "float16": "fp16", "int8": "int8", "int4": "int4"}
 WORK_ROOT = ROOT / "bundles"
 # packaged model -> (title, prompt file): chat prompts for an instruct model, raw text for a base model
-MODELS = {"smollm2": ("SmolLM2-135M-Instruct (Q4_1 GGUF)", ROOT / "samples" / "eval_prompts.jsonl"),
-          "gemma3": ("Gemma 3 270M base (Q4_K_M GGUF)", ROOT / "samples" / "heldout_text.jsonl")}
+MODELS = {
+    "smollm2": ("SmolLM2-135M-Instruct (Q4_1 GGUF)", ROOT / "samples" / "eval_prompts.jsonl"),
+    "gemma3": ("Gemma 3 270M base (Q4_K_M GGUF)", ROOT / "samples" / "heldout_text.jsonl"),
+}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 
 # A contender: run(ids) -> (prefill_s, total_s, tokens) for exactly new_tokens greedy tokens,
@@ -99,8 +109,13 @@ def _measure(run: Runner, forced: Forced, ref: dict[str, Any], repeat: int, new_
                 tokens.append([int(t) for t in toks])
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     argmax = [[int(t) for t in forced(ids, cont)] for ids, cont in zip(ids_all, ref["tokens"])]
-    return {"prefill_ms": median_of(prefill), "tpot_ms": median_of(tpot), "peak_rss_mb": rss,
-            "greedy_tokens": tokens, "forced_argmax": argmax}
+    return {
+        "prefill_ms": median_of(prefill),
+        "tpot_ms": median_of(tpot),
+        "peak_rss_mb": rss,
+        "greedy_tokens": tokens,
+        "forced_argmax": argmax,
+    }
 
 
 def _hf_runner(model: Any, new_tokens: int) -> tuple[Runner, Forced]:
@@ -112,7 +127,7 @@ def _hf_runner(model: Any, new_tokens: int) -> tuple[Runner, Forced]:
     def forced(ids: list[int], cont: list[int]) -> list[int]:
         x = torch.tensor([ids + cont[:-1]])
         with torch.no_grad():
-            logits = model(input_ids=x, attention_mask=torch.ones_like(x)).logits[0, len(ids) - 1:]
+            logits = model(input_ids=x, attention_mask=torch.ones_like(x)).logits[0, len(ids) - 1 :]
         return logits.argmax(-1).tolist()
 
     return run, forced
@@ -121,16 +136,18 @@ def _hf_runner(model: Any, new_tokens: int) -> tuple[Runner, Forced]:
 def contender_hf(ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str) -> tuple[Runner, Forced]:
     import torch
 
-    from loading.model import load_model
+    from adaptive_export.loading.model import load_model
 
     torch.set_num_threads(threads)
     return _hf_runner(load_model(ref["model"]).hf_model, new_tokens)
 
 
-def contender_optimum(ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str) -> tuple[Runner, Forced]:
-    from optimum.onnxruntime import ORTModelForCausalLM
+def contender_optimum(
+    ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str
+) -> tuple[Runner, Forced]:
     import onnxruntime
     import torch
+    from optimum.onnxruntime import ORTModelForCausalLM
 
     torch.set_num_threads(threads)
     cache = work / "optimum-fp32"
@@ -141,14 +158,23 @@ def contender_optimum(ref: dict[str, Any], threads: int, new_tokens: int, work: 
     return _hf_runner(ORTModelForCausalLM.from_pretrained(cache, session_options=options), new_tokens)
 
 
-def contender_llamacpp(ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str) -> tuple[Runner, Forced]:
+def contender_llamacpp(
+    ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str
+) -> tuple[Runner, Forced]:
     import numpy as np
     from llama_cpp import Llama
 
-    from loading.packaged import PACKAGED
+    from adaptive_export.loading.packaged import PACKAGED
 
     path = str(PACKAGED[ref["model"]].gguf_path())
-    common = {"model_path": path, "n_ctx": 1024, "n_threads": threads, "n_threads_batch": threads, "n_batch": 512, "verbose": False}
+    common = {
+        "model_path": path,
+        "n_ctx": 1024,
+        "n_threads": threads,
+        "n_threads_batch": threads,
+        "n_batch": 512,
+        "verbose": False,
+    }
     llm = Llama(**common)  # logits_all=False: llama.cpp's own sampler picks the greedy token
 
     def run(ids: list[int]) -> tuple[float, float, list[int]]:
@@ -172,7 +198,7 @@ def contender_llamacpp(ref: dict[str, Any], threads: int, new_tokens: int, work:
         s = scorer[0]
         s.reset()
         s.eval(ids + cont[:-1])
-        return np.asarray(s.scores[len(ids) - 1: len(ids) - 1 + len(cont)]).argmax(-1).tolist()
+        return np.asarray(s.scores[len(ids) - 1 : len(ids) - 1 + len(cont)]).argmax(-1).tolist()
 
     return run, forced
 
@@ -218,14 +244,16 @@ def contender_genai(ref: dict[str, Any], threads: int, new_tokens: int, work: Pa
                 gen.append_tokens(np.asarray([token], dtype=np.int32))
                 rows.append(np.asarray(gen.get_logits()).reshape(-1))
             logits = np.stack(rows)
-        return logits[-len(cont):].argmax(-1).tolist()
+        return logits[-len(cont) :].argmax(-1).tolist()
 
     return run, forced
 
 
-def contender_bundle(ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str) -> tuple[Runner, Forced]:
-    from exporter.check import teacher_forced_logits
-    from runtimes import Generator
+def contender_bundle(
+    ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str
+) -> tuple[Runner, Forced]:
+    from adaptive_export.exporter.check import teacher_forced_logits
+    from adaptive_export.runtimes import Generator
 
     path, _, mode = spec.partition("@")  # DIR or DIR@auto|spec: the run mode (speculation)
     gen = Generator(path, threads=threads)
@@ -242,19 +270,27 @@ def contender_bundle(ref: dict[str, Any], threads: int, new_tokens: int, work: P
     return run, forced
 
 
-CONTENDERS = {"hf-eager": contender_hf, "optimum-ort": contender_optimum, "llama.cpp": contender_llamacpp,
-              "genai-fp32": contender_genai, "genai-int8": contender_genai, "genai-int4": contender_genai}
+CONTENDERS = {
+    "hf-eager": contender_hf,
+    "optimum-ort": contender_optimum,
+    "llama.cpp": contender_llamacpp,
+    "genai-fp32": contender_genai,
+    "genai-int8": contender_genai,
+    "genai-int4": contender_genai,
+}
 
 
-def run_one(name: str, spec: str, threads: int, repeat: int, new_tokens: int, work: Path, ref_path: Path) -> dict[str, Any]:
+def run_one(
+    name: str, spec: str, threads: int, repeat: int, new_tokens: int, work: Path, ref_path: Path
+) -> dict[str, Any]:
     pin_threads(threads)
     ref = json.loads(ref_path.read_text())
     factory = contender_bundle if name.startswith("bundle-") else CONTENDERS[name]
     run, forced = factory(ref, threads, new_tokens, work, spec)
     result = _measure(run, forced, ref, repeat, new_tokens)
     if name.startswith("bundle-"):
-        from runtimes.bundle import load_bundle
-        from runtimes.text import TextCodec
+        from adaptive_export.runtimes.bundle import load_bundle
+        from adaptive_export.runtimes.text import TextCodec
 
         bundle = load_bundle(spec.partition("@")[0], verify="size")
         codec = TextCodec(bundle)
@@ -271,9 +307,9 @@ def compute_reference(model: str, prompts: list[str], new_tokens: int, out: Path
     where the tokenizer has a template, else raw text with its special tokens (BOS)."""
     import transformers
 
-    from exporter.check import reference_greedy, top2_margin
-    from loading.model import load_model
-    from loading.prompts import hf_prompt_ids
+    from adaptive_export.exporter.check import reference_greedy, top2_margin
+    from adaptive_export.loading.model import load_model
+    from adaptive_export.loading.prompts import hf_prompt_ids
 
     loaded = load_model(model)
     ids = []
@@ -285,8 +321,19 @@ def compute_reference(model: str, prompts: list[str], new_tokens: int, out: Path
         toks, steps = reference_greedy(loaded, prompt_ids, new_tokens, set(), every)
         tokens.append(toks)
         margins.append([top2_margin(s) for s in steps])
-    out.write_text(json.dumps({"model": model, "prompts": prompts, "new_tokens": new_tokens, "ids": ids, "tokens": tokens, "margins": margins,
-                               "transformers": transformers.__version__}))
+    out.write_text(
+        json.dumps(
+            {
+                "model": model,
+                "prompts": prompts,
+                "new_tokens": new_tokens,
+                "ids": ids,
+                "tokens": tokens,
+                "margins": margins,
+                "transformers": transformers.__version__,
+            }
+        )
+    )
 
 
 def save_hf_dir(model: str, out: Path) -> None:
@@ -294,7 +341,7 @@ def save_hf_dir(model: str, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from loading.model import resolve_model_path
+    from adaptive_export.loading.model import resolve_model_path
 
     directory, gguf = resolve_model_path(model)
     tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf, local_files_only=True)
@@ -312,9 +359,17 @@ def save_hf_dir(model: str, out: Path) -> None:
 # ---------------------------------------------------------------------------------------
 # in the parent
 # ---------------------------------------------------------------------------------------
-def _child(model: str, args: list[str], python: str = sys.executable, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([python, __file__, "--model", model, *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, **OFFLINE, "PYTHONPATH": str(ROOT)}, timeout=timeout)
+def _child(
+    model: str, args: list[str], python: str = sys.executable, timeout: float | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [python, __file__, "--model", model, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **OFFLINE, "PYTHONPATH": str(ROOT)},
+        timeout=timeout,
+    )
 
 
 def _last_error(proc: subprocess.CompletedProcess[str]) -> str:
@@ -327,7 +382,9 @@ def ensure_reference(model: str, work: Path, prompts: list[str], new_tokens: int
     path = work / f"reference-{key}.json"
     if not path.exists():
         print("computing the HF fp32 reference ...", file=sys.stderr, flush=True)
-        proc = _child(model, ["--reference-out", str(path), "--prompts", str(len(prompts)), "--new-tokens", str(new_tokens)])
+        proc = _child(
+            model, ["--reference-out", str(path), "--prompts", str(len(prompts)), "--new-tokens", str(new_tokens)]
+        )
         if proc.returncode != 0:
             sys.exit(f"HF fp32 reference failed: {_last_error(proc)}")
     return path
@@ -401,7 +458,7 @@ runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__")
 
 def quality(result: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     """Greedy identity (ties counted) and teacher-forced top-1 agreement against the HF reference."""
-    from exporter.check import greedy_verdict
+    from adaptive_export.exporter.check import greedy_verdict
 
     identical = ties = 0
     divergence = []
@@ -414,20 +471,29 @@ def quality(result: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     for argmax, expected in zip(result["forced_argmax"], ref["tokens"]):
         hits += sum(a == b for a, b in zip(argmax, expected))
         total += len(expected)
-    return {"greedy_identical": identical, "greedy_ties": ties, "prompts": len(ref["tokens"]),
-            "first_divergence": divergence, "top1_agreement": hits / total if total else None}
+    return {
+        "greedy_identical": identical,
+        "greedy_ties": ties,
+        "prompts": len(ref["tokens"]),
+        "first_divergence": divergence,
+        "top1_agreement": hits / total if total else None,
+    }
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     def f(value: Any, digits: int = 2) -> str:
         return "" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
-    lines = ["| contender | prefill ms | TPOT ms | TPOT vs genai (same precision) | peak RSS MB | greedy identical (k/N, ties) | top-1 agreement | note |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| contender | prefill ms | TPOT ms | TPOT vs genai (same precision) | peak RSS MB | greedy identical (k/N, ties) | top-1 agreement | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         greedy = f"{r['greedy_identical']}/{r['prompts']} ({r['greedy_ties']} ties)" if "greedy_identical" in r else ""
-        lines.append(f"| {r['contender']} | {f(r.get('prefill_ms'), 1)} | {f(r.get('tpot_ms'))} | {f(r.get('tpot_vs_genai'))} | "
-                     f"{f(r.get('peak_rss_mb'), 0)} | {greedy} | {f(r.get('top1_agreement'), 3)} | {r.get('note', '')} |")
+        lines.append(
+            f"| {r['contender']} | {f(r.get('prefill_ms'), 1)} | {f(r.get('tpot_ms'))} | {f(r.get('tpot_vs_genai'))} | "
+            f"{f(r.get('peak_rss_mb'), 0)} | {greedy} | {f(r.get('top1_agreement'), 3)} | {r.get('note', '')} |"
+        )
     return "\n".join(lines)
 
 
@@ -440,27 +506,65 @@ def select(names: list[str], wanted: str, skip: str) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bundles", default="", metavar="NAME=DIR,...",
-                        help="comma-separated name=dir pairs of bundles to include, each as contender bundle-NAME "
-                             "(any bundle directory; its precision is read from its manifest)")
-    parser.add_argument("--contenders", default="", metavar="LIST",
-                        help=f"comma-separated contenders (or prefixes: genai, bundle) to run; default all: {', '.join(FIXED)}, bundle-*")
+    parser.add_argument(
+        "--bundles",
+        default="",
+        metavar="NAME=DIR,...",
+        help="comma-separated name=dir pairs of bundles to include, each as contender bundle-NAME "
+        "(any bundle directory; its precision is read from its manifest)",
+    )
+    parser.add_argument(
+        "--contenders",
+        default="",
+        metavar="LIST",
+        help=f"comma-separated contenders (or prefixes: genai, bundle) to run; default all: {', '.join(FIXED)}, bundle-*",
+    )
     parser.add_argument("--skip", default="", metavar="LIST", help="comma-separated contenders to leave out")
-    parser.add_argument("--threads", type=int, default=2, help="threads for every contender (torch, ORT intra-op, llama.cpp, genai) (default: 2)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions per prompt, after one warm-up run (default: 3)")
-    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2",
-                        help="packaged model every contender runs: smollm2 (default; chat prompts of samples/eval_prompts.jsonl) "
-                             "or gemma3 (base model; raw-text prompts of samples/heldout_text.jsonl)")
-    parser.add_argument("--prompts", type=int, default=10, help="how many prompts of the model's prompt file (default: 10)")
-    parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per run; TPOT is over the last N-1 (default: 32)")
-    parser.add_argument("--work-dir", default=None,
-                        help="cache for the HF fp32 reference, the fp32 HF directory and the genai models; reused when present "
-                             f"(default: {WORK_ROOT.relative_to(ROOT)}/peers-cache-MODEL)")
-    parser.add_argument("--python", action="append", default=[], metavar="NAME=PATH",
-                        help="run contender NAME with another interpreter (e.g. optimum-ort from a venv with optimum-onnx "
-                             "and the older transformers it pins)")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds allowed per contender process (default: 3600)")
-    parser.add_argument("--json", default=None, metavar="FILE", help="also write the raw results (rows, per-prompt tokens, setting) as JSON here")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="threads for every contender (torch, ORT intra-op, llama.cpp, genai) (default: 2)",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="timed repetitions per prompt, after one warm-up run (default: 3)"
+    )
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="smollm2",
+        help="packaged model every contender runs: smollm2 (default; chat prompts of samples/eval_prompts.jsonl) "
+        "or gemma3 (base model; raw-text prompts of samples/heldout_text.jsonl)",
+    )
+    parser.add_argument(
+        "--prompts", type=int, default=10, help="how many prompts of the model's prompt file (default: 10)"
+    )
+    parser.add_argument(
+        "--new-tokens", type=int, default=32, help="greedy tokens per run; TPOT is over the last N-1 (default: 32)"
+    )
+    parser.add_argument(
+        "--work-dir",
+        default=None,
+        help="cache for the HF fp32 reference, the fp32 HF directory and the genai models; reused when present "
+        f"(default: {WORK_ROOT.relative_to(ROOT)}/peers-cache-MODEL)",
+    )
+    parser.add_argument(
+        "--python",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="run contender NAME with another interpreter (e.g. optimum-ort from a venv with optimum-onnx "
+        "and the older transformers it pins)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=3600, help="seconds allowed per contender process (default: 3600)"
+    )
+    parser.add_argument(
+        "--json",
+        default=None,
+        metavar="FILE",
+        help="also write the raw results (rows, per-prompt tokens, setting) as JSON here",
+    )
     parser.add_argument("--one", nargs=2, metavar=("NAME", "SPEC"), help=argparse.SUPPRESS)  # internal: child process
     parser.add_argument("--reference", default=None, help=argparse.SUPPRESS)  # internal
     parser.add_argument("--reference-out", default=None, help=argparse.SUPPRESS)  # internal
@@ -478,7 +582,13 @@ def main() -> None:
         save_hf_dir(args.model, Path(args.save_hf))
         return
     if args.one:
-        print(json.dumps(run_one(args.one[0], args.one[1], args.threads, args.repeat, args.new_tokens, work, Path(args.reference))))
+        print(
+            json.dumps(
+                run_one(
+                    args.one[0], args.one[1], args.threads, args.repeat, args.new_tokens, work, Path(args.reference)
+                )
+            )
+        )
         return
 
     work.mkdir(parents=True, exist_ok=True)
@@ -509,9 +619,28 @@ def main() -> None:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         try:
-            proc = _child(args.model, ["--one", name, spec or "-", "--threads", str(args.threads), "--repeat", str(args.repeat),
-                           "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens), "--work-dir", str(work),
-                           "--reference", str(ref_path)], python=interpreters.get(name, sys.executable), timeout=args.timeout)
+            proc = _child(
+                args.model,
+                [
+                    "--one",
+                    name,
+                    spec or "-",
+                    "--threads",
+                    str(args.threads),
+                    "--repeat",
+                    str(args.repeat),
+                    "--prompts",
+                    str(args.prompts),
+                    "--new-tokens",
+                    str(args.new_tokens),
+                    "--work-dir",
+                    str(work),
+                    "--reference",
+                    str(ref_path),
+                ],
+                python=interpreters.get(name, sys.executable),
+                timeout=args.timeout,
+            )
         except subprocess.TimeoutExpired:
             rows.append({**row, "note": f"timed out after {args.timeout:.0f} s"})
             continue
@@ -531,13 +660,20 @@ def main() -> None:
         elif name in ("hf-eager", "optimum-ort"):
             notes.append(_version(interpreters.get(name, sys.executable), "transformers"))
         elif name.startswith("bundle-"):
-            notes.append(f"{row['precision']}, {Path(spec.partition('@')[0]).name}" + (f", --mode {spec.partition('@')[2]}" if "@" in spec else ""))
+            notes.append(
+                f"{row['precision']}, {Path(spec.partition('@')[0]).name}"
+                + (f", --mode {spec.partition('@')[2]}" if "@" in spec else "")
+            )
             if not row.get("codec_ids_match", True):
                 notes.append("bundle codec's prompt ids differ from HF's (HF's are used)")
         row["note"] = ", ".join(n for n in notes if n)
         rows.append(row)
-        print(f"{name}: prefill {row['prefill_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms, RSS {row['peak_rss_mb']:.0f} MB, "
-              f"greedy {row['greedy_identical']}/{row['prompts']}, agreement {row['top1_agreement']:.3f}", file=sys.stderr, flush=True)
+        print(
+            f"{name}: prefill {row['prefill_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms, RSS {row['peak_rss_mb']:.0f} MB, "
+            f"greedy {row['greedy_identical']}/{row['prompts']}, agreement {row['top1_agreement']:.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
     genai = {r["precision"]: r["tpot_ms"] for r in rows if r["contender"].startswith("genai-") and "tpot_ms" in r}
     hf = next((r["tpot_ms"] for r in rows if r["contender"] == "hf-eager" and "tpot_ms" in r), None)
     for r in rows:
@@ -545,13 +681,24 @@ def main() -> None:
             r["tpot_vs_genai"] = r["tpot_ms"] / genai[r["precision"]]
         if "tpot_ms" in r and hf:
             r["tpot_vs_hf"] = r["tpot_ms"] / hf
-    setting = {"model": args.model, "cpu": cpu_model(), "cpus": os.cpu_count(), "machine": os.uname().machine, "threads": args.threads,
-               "prompts": len(prompts), "repeat": args.repeat, "new_tokens": args.new_tokens, "reference": ref_path.name,
-               "reference_transformers": ref.get("transformers")}
+    setting = {
+        "model": args.model,
+        "cpu": cpu_model(),
+        "cpus": os.cpu_count(),
+        "machine": os.uname().machine,
+        "threads": args.threads,
+        "prompts": len(prompts),
+        "repeat": args.repeat,
+        "new_tokens": args.new_tokens,
+        "reference": ref_path.name,
+        "reference_transformers": ref.get("transformers"),
+    }
     print(f"CPU: {setting['cpu']} ({setting['cpus']} CPUs, {setting['machine']}); threads: {args.threads}")
     kind = "chat" if prompt_file.name == "eval_prompts.jsonl" else "raw-text"
-    print(f"{title}, {len(prompts)} {kind} prompts x {args.repeat} (medians after a warm-up), greedy, "
-          f"{args.new_tokens} new tokens; quality against HF transformers {ref.get('transformers')} fp32")
+    print(
+        f"{title}, {len(prompts)} {kind} prompts x {args.repeat} (medians after a warm-up), greedy, "
+        f"{args.new_tokens} new tokens; quality against HF transformers {ref.get('transformers')} fp32"
+    )
     print()
     print(markdown_table(rows))
     if args.json:
@@ -559,8 +706,11 @@ def main() -> None:
 
 
 def _version(python: str, module: str) -> str:
-    proc = subprocess.run([python, "-c", f"import importlib.metadata as m; print(m.version({_DIST[module]!r}))"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [python, "-c", f"import importlib.metadata as m; print(m.version({_DIST[module]!r}))"],
+        capture_output=True,
+        text=True,
+    )
     return f"{_DIST[module]} {proc.stdout.strip()}" if proc.returncode == 0 else ""
 
 

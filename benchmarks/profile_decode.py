@@ -8,6 +8,7 @@ ORT operator types (summed node times of the decode engine), ORT's own per-call 
 (sampling, arena bookkeeping, IO binding). That split shows what a faster kernel, fewer
 nodes, or a leaner loop could still win.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48, help="new tokens to decode while profiling (default: 48)")
     parser.add_argument("--top", type=int, default=12, help="operator types to list (default: 12)")
     args = parse_and_pin(parser)
-    from runtimes import Generator
+    from adaptive_export.runtimes import Generator
 
     prefix = str(Path(tempfile.mkdtemp()) / "ort")
     gen = Generator(Path(args.bundle), threads=args.threads, profile_prefix=prefix)
@@ -52,13 +53,23 @@ def main() -> None:
     tpot = result.stats.tpot_ms
     nodes_ms = sum(node_us.values()) / 1e3 / steps
     run_ms = run_us / 1e3 / steps
-    rows = [{"part": f"op {op}", "ms_per_token": us / 1e3 / steps, "share": us / 1e3 / steps / tpot}
-            for op, us in sorted(node_us.items(), key=lambda kv: -kv[1])[: args.top]]
+    rows = [
+        {"part": f"op {op}", "ms_per_token": us / 1e3 / steps, "share": us / 1e3 / steps / tpot}
+        for op, us in sorted(node_us.items(), key=lambda kv: -kv[1])[: args.top]
+    ]
     rows.append({"part": "all ORT nodes", "ms_per_token": nodes_ms, "share": nodes_ms / tpot})
-    rows.append({"part": "ORT run overhead (run - nodes)", "ms_per_token": run_ms - nodes_ms, "share": (run_ms - nodes_ms) / tpot})
+    rows.append(
+        {
+            "part": "ORT run overhead (run - nodes)",
+            "ms_per_token": run_ms - nodes_ms,
+            "share": (run_ms - nodes_ms) / tpot,
+        }
+    )
     rows.append({"part": "Python runtime (TPOT - run)", "ms_per_token": tpot - run_ms, "share": (tpot - run_ms) / tpot})
-    print(f"{args.bundle}: decode engine {graph}, {args.threads} threads, {steps} profiled steps; "
-          f"TPOT {tpot:.2f} ms (wall {wall_ms:.0f} ms for {args.tokens} tokens incl. prefill)")
+    print(
+        f"{args.bundle}: decode engine {graph}, {args.threads} threads, {steps} profiled steps; "
+        f"TPOT {tpot:.2f} ms (wall {wall_ms:.0f} ms for {args.tokens} tokens incl. prefill)"
+    )
     print_table(rows, ["part", "ms_per_token", "share"])
 
 

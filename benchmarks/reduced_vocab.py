@@ -15,6 +15,7 @@ when the full model's token lies inside the reduced set. Measured here, per N:
 - head cost in decoder-layer equivalents (parameters), the unit of calibration's cost model.
 Coverage bounds the acceptance a reduced draft head can keep.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,15 +46,17 @@ def head_ms(weight, rows: int, repeat: int = 200) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="2048,4096,8192,16384", help="reduced vocabulary sizes N to measure (comma-separated)")
+    parser.add_argument(
+        "--sizes", default="2048,4096,8192,16384", help="reduced vocabulary sizes N to measure (comma-separated)"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads for the head timing (default: 2)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args()
     pin_threads(args.threads)
     import torch
 
-    from calibration.measure import greedy_sequence
-    from loading.model import load_model
+    from adaptive_export.calibration.measure import greedy_sequence
+    from adaptive_export.loading.model import load_model
 
     torch.set_num_threads(args.threads)
     loaded = load_model("smollm2")
@@ -78,10 +81,19 @@ def main() -> None:
             rank += 1
         coverage = sum(t in chosen for t in held_out) / len(held_out)
         ms = head_ms(weight, len(chosen)) if size < vocab else full_ms
-        rows.append({"vocab": len(chosen), "coverage": coverage, "head_ms": ms, "head_vs_full": ms / full_ms,
-                     "head_layers": len(chosen) * weight.shape[1] / layer_params})
-    print(f"SmolLM2-135M LM head: {vocab} x {weight.shape[1]}; {len(held_out)} held-out greedy tokens; "
-          f"{len(seen)} distinct tokens in the calibration sequences; {args.threads} threads")
+        rows.append(
+            {
+                "vocab": len(chosen),
+                "coverage": coverage,
+                "head_ms": ms,
+                "head_vs_full": ms / full_ms,
+                "head_layers": len(chosen) * weight.shape[1] / layer_params,
+            }
+        )
+    print(
+        f"SmolLM2-135M LM head: {vocab} x {weight.shape[1]}; {len(held_out)} held-out greedy tokens; "
+        f"{len(seen)} distinct tokens in the calibration sequences; {args.threads} threads"
+    )
     print_table(rows, ["vocab", "coverage", "head_ms", "head_vs_full", "head_layers"])
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -15,6 +15,7 @@ nothing per configuration. The line's intercept is the part of a step no configu
 can skip (embedding, final norm, LM head, the runtime); its share of full TPOT bounds the
 first ratio at 1 - share.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -32,9 +33,9 @@ PROBE_KEPT = (24, 18, 12, 1)
 
 def build_probe_bundle(out: Path, max_len: int = 512) -> Path:
     """A SmolLM2 bundle with configurations keeping the first k layers, for k in PROBE_KEPT."""
-    from exporter.build import ExportOptions, build_bundle
-    from loading.model import load_model
-    from graphs.plan import BuildPlan, SkipConfig
+    from adaptive_export.exporter.build import ExportOptions, build_bundle
+    from adaptive_export.graphs.plan import BuildPlan, SkipConfig
+    from adaptive_export.loading.model import load_model
 
     loaded = load_model("smollm2")
     configs = [SkipConfig(f"k{k}", tuple(range(k))) for k in PROBE_KEPT]
@@ -44,7 +45,7 @@ def build_probe_bundle(out: Path, max_len: int = 512) -> Path:
 
 def config_tpot(bundle: Path, threads: int, repeat: int = 5, new_tokens: int = 32) -> dict[str, dict[str, Any]]:
     """{config id: {kept, tpot_ms}}: median TPOT per configuration, repetitions interleaved."""
-    from runtimes import Generator
+    from adaptive_export.runtimes import Generator
 
     gen = Generator(bundle, threads=threads)
     gen.codec.eos_ids = set()  # decode exactly new_tokens in every configuration
@@ -75,30 +76,50 @@ def config_rows(points: dict[str, dict[str, Any]], num_layers: int) -> tuple[lis
     for config, p in points.items():
         skipped = num_layers - p["kept"]
         cut = 1 - p["tpot_ms"] / full
-        rows.append({"config": config, "kept": p["kept"], "skipped": skipped, "tpot_ms": p["tpot_ms"], "vs_full": p["tpot_ms"] / full,
-                     "cut_per_skip_share": cut / (skipped / num_layers) if skipped else None,
-                     "per_layer_efficiency": (full - p["tpot_ms"]) / (skipped * slope) if skipped else None})
+        rows.append(
+            {
+                "config": config,
+                "kept": p["kept"],
+                "skipped": skipped,
+                "tpot_ms": p["tpot_ms"],
+                "vs_full": p["tpot_ms"] / full,
+                "cut_per_skip_share": cut / (skipped / num_layers) if skipped else None,
+                "per_layer_efficiency": (full - p["tpot_ms"]) / (skipped * slope) if skipped else None,
+            }
+        )
     return rows, intercept, slope
 
 
 def main() -> None:
-    parser = bench_parser(__doc__, bundle="a bundle with skip configurations (default: build a SmolLM2 probe bundle in a temp dir)",
-                          bundle_required=False)
-    parser.add_argument("--repeat", type=int, default=5, help="timed repetitions per configuration (median), after one warm-up")
+    parser = bench_parser(
+        __doc__,
+        bundle="a bundle with skip configurations (default: build a SmolLM2 probe bundle in a temp dir)",
+        bundle_required=False,
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=5, help="timed repetitions per configuration (median), after one warm-up"
+    )
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per repetition (default: 32)")
     args = parse_and_pin(parser)
     bundle = Path(args.bundle) if args.bundle else build_probe_bundle(Path(tempfile.mkdtemp()) / "probe")
     points = config_tpot(bundle, args.threads, args.repeat, args.new_tokens)
-    from runtimes.bundle import load_bundle
+    from adaptive_export.runtimes.bundle import load_bundle
 
     num_layers = load_bundle(bundle, verify="size").num_layers
     rows, intercept, slope = config_rows(points, num_layers)
-    print(f"{bundle}: threads={args.threads}, {args.new_tokens} tokens, median of {args.repeat}; "
-          f"fit: {slope:.3f} ms per layer + {intercept:.2f} ms fixed ({intercept / points['full']['tpot_ms']:.0%} of full TPOT)")
+    print(
+        f"{bundle}: threads={args.threads}, {args.new_tokens} tokens, median of {args.repeat}; "
+        f"fit: {slope:.3f} ms per layer + {intercept:.2f} ms fixed ({intercept / points['full']['tpot_ms']:.0%} of full TPOT)"
+    )
     print_table(rows, ["config", "kept", "skipped", "tpot_ms", "vs_full", "cut_per_skip_share", "per_layer_efficiency"])
-    if len({p["kept"] for p in points.values()}) < 3 or min((r["skipped"] for r in rows if r["skipped"]), default=0) * slope < 0.05 * points["full"]["tpot_ms"]:
-        print("note: fewer than three layer counts, or a configuration saving under 5% of a step: ratios of such small "
-              "differences are within run-to-run noise; the probe bundle (no --bundle) gives the per-layer cost")
+    if (
+        len({p["kept"] for p in points.values()}) < 3
+        or min((r["skipped"] for r in rows if r["skipped"]), default=0) * slope < 0.05 * points["full"]["tpot_ms"]
+    ):
+        print(
+            "note: fewer than three layer counts, or a configuration saving under 5% of a step: ratios of such small "
+            "differences are within run-to-run noise; the probe bundle (no --bundle) gives the per-layer cost"
+        )
 
 
 if __name__ == "__main__":

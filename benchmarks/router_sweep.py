@@ -13,6 +13,7 @@ and TPOT estimated from ONNX Runtime decode engines measured in the same run (a 
 of TPOT over kept layers, from engines with 30, 24, 18, 12 and 1 layers; the per-engine
 table of benchmarks/router_configs.py is printed too). The first row is the full model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,51 +25,77 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from adaptive_export.calibration.measure import calibration_prompts, greedy_sequence
+from adaptive_export.calibration.routers import (
+    THRESHOLD,
+    GatedModel,
+    TrainingSequence,
+    continuation_agreement,
+    kept_by_routers,
+    skipping_logits,
+    train_routers,
+)
 from benchmarks.common import DEFAULT_PROMPTS, ROOT, load_prompts, pin_threads, print_table
 from benchmarks.router_configs import build_probe_bundle, config_rows, config_tpot
-from calibration.measure import calibration_prompts, greedy_sequence
-from calibration.routers import (THRESHOLD, GatedModel, TrainingSequence, continuation_agreement, kept_by_routers, skipping_logits,
-                                 train_routers)
 
 
-def evaluate(loaded, model: GatedModel, routers, held: list[TrainingSequence], texts: list[list[int]]) -> dict[str, float]:
+def evaluate(
+    loaded, model: GatedModel, routers, held: list[TrainingSequence], texts: list[list[int]]
+) -> dict[str, float]:
     skipped, agreement, nll = [], [], []
     every = set(range(loaded.spec.num_layers))
     for seq in held:
         kept = kept_by_routers(loaded, routers, seq.ids[: seq.prompt_len])
         skipped.append(len(every) - len(kept))
         logits = skipping_logits(model, seq.ids, seq.prompt_len, kept)[seq.prompt_len - 1 : -1]
-        agreement.append(float((logits.argmax(-1) == torch.tensor(seq.ids[seq.prompt_len:])).float().mean()))
+        agreement.append(float((logits.argmax(-1) == torch.tensor(seq.ids[seq.prompt_len :])).float().mean()))
     for ids in texts:
         half = len(ids) // 2
         kept = kept_by_routers(loaded, routers, ids[:half])
         logits = skipping_logits(model, ids, half, kept)[half - 1 : -1]
         nll.append(float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[half:]))))
-    return {"mean_skipped": statistics.mean(skipped), "top1_agreement": statistics.mean(agreement), "perplexity": float(np.exp(np.mean(nll)))}
+    return {
+        "mean_skipped": statistics.mean(skipped),
+        "top1_agreement": statistics.mean(agreement),
+        "perplexity": float(np.exp(np.mean(nll))),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lambdas", default="0.0,0.01,0.02,0.05,0.1,0.2", help="router sparsity weights to train and evaluate (comma-separated)")
+    parser.add_argument(
+        "--lambdas",
+        default="0.0,0.01,0.02,0.05,0.1,0.2",
+        help="router sparsity weights to train and evaluate (comma-separated)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--plot", default=str(ROOT / "docs" / "router_sweep.png"))
     parser.add_argument("--json", default=None)
-    parser.add_argument("--single-layers", action="store_true",
-                        help="only print the teacher-forced top-1 agreement on the calibration prompts when decoding skips each single layer")
+    parser.add_argument(
+        "--single-layers",
+        action="store_true",
+        help="only print the teacher-forced top-1 agreement on the calibration prompts when decoding skips each single layer",
+    )
     args = parser.parse_args()
     pin_threads(args.threads)
-    from loading.model import load_model
+    from adaptive_export.loading.model import load_model
 
     loaded = load_model("smollm2")
     model = GatedModel(loaded).eval()
     train = [TrainingSequence(*greedy_sequence(loaded, p, 24)) for p in calibration_prompts(None)]
     if args.single_layers:
         every = set(range(loaded.spec.num_layers))
-        costs = [{"skipped_layer": i, "top1_agreement": continuation_agreement(model, train, every - {i})} for i in sorted(every)]
+        costs = [
+            {"skipped_layer": i, "top1_agreement": continuation_agreement(model, train, every - {i})}
+            for i in sorted(every)
+        ]
         print_table(costs, ["skipped_layer", "top1_agreement"])
         return
     held = [TrainingSequence(*greedy_sequence(loaded, p, 32)) for p in load_prompts(DEFAULT_PROMPTS)]
-    texts = [loaded.tokenizer(p, add_special_tokens=False)["input_ids"] for p in load_prompts(ROOT / "samples" / "heldout_text.jsonl")]
+    texts = [
+        loaded.tokenizer(p, add_special_tokens=False)["input_ids"]
+        for p in load_prompts(ROOT / "samples" / "heldout_text.jsonl")
+    ]
     n = loaded.spec.num_layers
     points = config_tpot(build_probe_bundle(Path(tempfile.mkdtemp()) / "probe"), args.threads)
     config_table, intercept, slope = config_rows(points, n)
@@ -79,9 +106,15 @@ def main() -> None:
         result = train_routers(loaded, train, lam=lam, seed=0)
         metrics = evaluate(loaded, model, result.routers, held, texts)
         tpot = intercept + slope * (n - metrics["mean_skipped"])
-        rows.append({"lambda": lam, **metrics, "tpot_ms": tpot, "tpot_vs_full": tpot / full_tpot, "train_s": result.seconds})
-    print(f"decode engines by kept layers (threads={args.threads}); fit: {slope:.3f} ms per layer + {intercept:.2f} ms fixed")
-    print_table(config_table, ["config", "kept", "skipped", "tpot_ms", "vs_full", "cut_per_skip_share", "per_layer_efficiency"])
+        rows.append(
+            {"lambda": lam, **metrics, "tpot_ms": tpot, "tpot_vs_full": tpot / full_tpot, "train_s": result.seconds}
+        )
+    print(
+        f"decode engines by kept layers (threads={args.threads}); fit: {slope:.3f} ms per layer + {intercept:.2f} ms fixed"
+    )
+    print_table(
+        config_table, ["config", "kept", "skipped", "tpot_ms", "vs_full", "cut_per_skip_share", "per_layer_efficiency"]
+    )
     print(f"SmolLM2 router sweep, threshold {THRESHOLD}")
     print_table(rows, ["lambda", "mean_skipped", "top1_agreement", "perplexity", "tpot_ms", "tpot_vs_full", "train_s"])
     if args.json:
@@ -98,10 +131,13 @@ def main() -> None:
     ax[0].plot([r["mean_skipped"] for r in rows], [r["top1_agreement"] for r in rows], "o-")
     for r in rows[1:]:
         ax[0].annotate(f"λ={r['lambda']}", (r["mean_skipped"], r["top1_agreement"]))
-    ax[0].set_xlabel("mean layers skipped (of 30)"); ax[0].set_ylabel("top-1 agreement with full model")
+    ax[0].set_xlabel("mean layers skipped (of 30)")
+    ax[0].set_ylabel("top-1 agreement with full model")
     ax[1].plot([r["tpot_ms"] for r in rows], [r["perplexity"] for r in rows], "o-")
-    ax[1].set_xlabel("TPOT ms (ONNX Runtime, 2 threads)"); ax[1].set_ylabel("held-out perplexity")
-    fig.suptitle("SmolLM2-135M FiRST routers: lambda sweep"); fig.tight_layout()
+    ax[1].set_xlabel("TPOT ms (ONNX Runtime, 2 threads)")
+    ax[1].set_ylabel("held-out perplexity")
+    fig.suptitle("SmolLM2-135M FiRST routers: lambda sweep")
+    fig.tight_layout()
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.plot, dpi=110)
     print(f"plot: {args.plot}")

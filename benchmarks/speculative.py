@@ -7,6 +7,7 @@ Chat prompts (samples/eval_prompts.jsonl) and rewrite/repeat prompts (the rewrit
 samples/spec_prompts.jsonl, where prompt lookup should shine) are reported separately.
 Medians over prompts x repetitions, one warm-up excluded.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,16 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks.common import DEFAULT_PROMPTS, ROOT, bench_parser, cpu_model, load_prompts, median_of, parse_and_pin, print_table
+from benchmarks.common import (
+    DEFAULT_PROMPTS,
+    ROOT,
+    bench_parser,
+    cpu_model,
+    load_prompts,
+    median_of,
+    parse_and_pin,
+    print_table,
+)
 
 NEW_TOKENS = 32
 REWRITE_WORDS = ("Rewrite", "Summarize", "Repeat", "Fix", "Copy", "Make this", "Turn this", "Edit this")
@@ -38,10 +48,13 @@ def bench_runtime(gen, prompts: list[list[int]], repeat: int, **kwargs) -> dict[
                 per_round.append((stats.new_tokens - 1) / rounds)
                 draft_ms.append(spec["draft_ms"] / rounds)
                 verify_ms.append(spec["verify_ms"] / rounds)
-    return {"tpot_ms": median_of(tpot), "acceptance": median_of(acceptance) if acceptance else None,
-            "tokens_per_round": median_of(per_round) if per_round else None,
-            "draft_ms_per_round": median_of(draft_ms) if draft_ms else None,
-            "verify_ms_per_round": median_of(verify_ms) if verify_ms else None}
+    return {
+        "tpot_ms": median_of(tpot),
+        "acceptance": median_of(acceptance) if acceptance else None,
+        "tokens_per_round": median_of(per_round) if per_round else None,
+        "draft_ms_per_round": median_of(draft_ms) if draft_ms else None,
+        "verify_ms_per_round": median_of(verify_ms) if verify_ms else None,
+    }
 
 
 def bench_hf_early_exit(model, prompts: list[list[int]], exit_layer: int, repeat: int) -> float:
@@ -53,8 +66,15 @@ def bench_hf_early_exit(model, prompts: list[list[int]], exit_layer: int, repeat
         for _ in range(repeat):
             with torch.no_grad():
                 started = time.perf_counter()
-                model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                               assistant_early_exit=exit_layer, pad_token_id=0)
+                model.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    max_new_tokens=NEW_TOKENS,
+                    min_new_tokens=NEW_TOKENS,
+                    do_sample=False,
+                    assistant_early_exit=exit_layer,
+                    pad_token_id=0,
+                )
                 tpot.append((time.perf_counter() - started) * 1e3 / NEW_TOKENS)
     return median_of(tpot)
 
@@ -65,18 +85,40 @@ def precision_rows(gen, ids: list[list[int]], set_name: str, ar: float, repeat: 
     full = gen.bundle.config("full")["engines"]
     spec = gen.bundle.manifest.get("speculation") or {}
     graph = gen.bundle.graph(full["precision_draft"])
-    name = graph["precision"] + (f", head over {graph['draft_vocab']} tokens" if graph.get("draft_vocab") else "") + label
+    name = (
+        graph["precision"] + (f", head over {graph['draft_vocab']} tokens" if graph.get("draft_vocab") else "") + label
+    )
     # the draft engine as the decode engine of an extra in-memory configuration (prefill stays the bundle's)
     configs = gen.bundle.manifest["configs"]
     if not any(c["id"] == "draft_precision" for c in configs):
-        configs.append({"id": "draft_precision", "kept": list(gen.bundle.config("full")["kept"]), "engines": {"decode": full["precision_draft"]}})
+        configs.append(
+            {
+                "id": "draft_precision",
+                "kept": list(gen.bundle.config("full")["kept"]),
+                "engines": {"decode": full["precision_draft"]},
+            }
+        )
     rows = []
     if not graph.get("draft_vocab"):  # a reduced head cannot decode on its own: its tokens are a subset
         r = bench_runtime(gen, ids, repeat, config="draft_precision")
-        rows.append({"prompts": set_name, "mode": f"ar at the draft's precision ({name}, lossy)", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
+        rows.append(
+            {
+                "prompts": set_name,
+                "mode": f"ar at the draft's precision ({name}, lossy)",
+                **r,
+                "speedup_vs_ar": ar / r["tpot_ms"],
+            }
+        )
     for k in sorted({2, 4, int((spec.get("precision") or {}).get("draft_len", 4))}):
         r = bench_runtime(gen, ids, repeat, mode="spec", draft="precision", draft_len=k)
-        rows.append({"prompts": set_name, "mode": f"spec precision ({name} draft) k={k}", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
+        rows.append(
+            {
+                "prompts": set_name,
+                "mode": f"spec precision ({name} draft) k={k}",
+                **r,
+                "speedup_vs_ar": ar / r["tpot_ms"],
+            }
+        )
     return rows
 
 
@@ -85,13 +127,21 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per prompt set")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF assistant_early_exit baseline")
-    parser.add_argument("--prepack", action="store_true", help="prepack the decode and verify engines (ORT; +1 copy of the weights each); default: the runtime's own choice")
-    parser.add_argument("--compare-draft", default=None, metavar="DIR",
-                        help="another bundle of the same model and verifier (e.g. built without --draft-vocab): its precision draft "
-                             "is measured in the same run, against this bundle's plain decoding")
+    parser.add_argument(
+        "--prepack",
+        action="store_true",
+        help="prepack the decode and verify engines (ORT; +1 copy of the weights each); default: the runtime's own choice",
+    )
+    parser.add_argument(
+        "--compare-draft",
+        default=None,
+        metavar="DIR",
+        help="another bundle of the same model and verifier (e.g. built without --draft-vocab): its precision draft "
+        "is measured in the same run, against this bundle's plain decoding",
+    )
     parser.add_argument("--json", default=None)
     args = parse_and_pin(parser)
-    from runtimes import Generator
+    from adaptive_export.runtimes import Generator
 
     full = Generator(Path(args.bundle), verify="size").bundle.config("full")["engines"]
     prepack = [full["decode"], full.get("verify", "")] if args.prepack else None
@@ -105,7 +155,7 @@ def main() -> None:
     sets = {"chat": load_prompts(DEFAULT_PROMPTS, args.prompts), "rewrite": rewrite_prompts()[: args.prompts]}
     hf_model = None
     if not args.no_hf and exit_layer:
-        from loading.model import load_model
+        from adaptive_export.loading.model import load_model
 
         hf_model = load_model(gen.bundle.model.get("source") or "smollm2").hf_model
     rows = []
@@ -115,11 +165,20 @@ def main() -> None:
         rows.append({"prompts": set_name, "mode": "ar (project)", "tpot_ms": ar, "speedup_vs_ar": 1.0})
         for k in (2, 4):
             r = bench_runtime(gen, ids, args.repeat, mode="spec", draft="prompt_lookup", draft_len=k)
-            rows.append({"prompts": set_name, "mode": f"spec prompt_lookup k={k}", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
+            rows.append(
+                {"prompts": set_name, "mode": f"spec prompt_lookup k={k}", **r, "speedup_vs_ar": ar / r["tpot_ms"]}
+            )
         if exit_layer:
             for k in (2, 4):  # k=1 yields one token a round by construction (no bonus token)
                 r = bench_runtime(gen, ids, args.repeat, mode="spec", draft="early_exit", draft_len=k)
-                rows.append({"prompts": set_name, "mode": f"spec early_exit E={exit_layer} k={k}", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
+                rows.append(
+                    {
+                        "prompts": set_name,
+                        "mode": f"spec early_exit E={exit_layer} k={k}",
+                        **r,
+                        "speedup_vs_ar": ar / r["tpot_ms"],
+                    }
+                )
         if "precision_draft" in full:
             rows += precision_rows(gen, ids, set_name, ar, args.repeat)
         if other is not None:
@@ -128,21 +187,55 @@ def main() -> None:
             m = gen.bundle.graph(full["ppd"])["prompt_tokens"]
             for k in range(1, m + 1):
                 r = bench_runtime(gen, ids, args.repeat, mode="spec", draft="ppd", draft_len=k)
-                rows.append({"prompts": set_name, "mode": f"spec ppd (m={m} prompt tokens) k={k}", **r, "speedup_vs_ar": ar / r["tpot_ms"]})
+                rows.append(
+                    {
+                        "prompts": set_name,
+                        "mode": f"spec ppd (m={m} prompt tokens) k={k}",
+                        **r,
+                        "speedup_vs_ar": ar / r["tpot_ms"],
+                    }
+                )
         auto = bench_runtime(gen, ids, args.repeat, mode="auto")
-        rows.append({"prompts": set_name, "mode": f"auto ({spec.get('source') if spec.get('auto_enabled') else 'gated prompt_lookup'})", **auto,
-                     "speedup_vs_ar": ar / auto["tpot_ms"]})
+        rows.append(
+            {
+                "prompts": set_name,
+                "mode": f"auto ({spec.get('source') if spec.get('auto_enabled') else 'gated prompt_lookup'})",
+                **auto,
+                "speedup_vs_ar": ar / auto["tpot_ms"],
+            }
+        )
         if hf_model is not None:
             hf = bench_hf_early_exit(hf_model, ids, exit_layer, 1)
-            rows.append({"prompts": set_name, "mode": f"HF assistant_early_exit={exit_layer}", "tpot_ms": hf, "speedup_vs_ar": ar / hf})
+            rows.append(
+                {
+                    "prompts": set_name,
+                    "mode": f"HF assistant_early_exit={exit_layer}",
+                    "tpot_ms": hf,
+                    "speedup_vs_ar": ar / hf,
+                }
+            )
     onnx_entry = gen.bundle.manifest["backends"]["onnx"]
     precision = onnx_entry.get("quantize", "none")
     if precision != "none":
         precision += f" accuracy {(onnx_entry.get('quant_options') or {}).get('accuracy_level')}"
     model = gen.bundle.model
-    print(f"{cpu_model()}, {os.cpu_count()} CPUs; {model.get('source')} ({model['model_type']}, {model['num_layers']} layers) {gen.bundle.manifest['dtype']} ({precision}), {args.threads} threads, {NEW_TOKENS} new tokens, {args.prompts} prompts x {args.repeat} (medians), "
-          f"prepack {'decode+verify' if args.prepack else 'runtime default'}; exit adapter at E={exit_layer}: {bool(spec.get('adapter'))}")
-    print_table(rows, ["prompts", "mode", "acceptance", "tokens_per_round", "draft_ms_per_round", "verify_ms_per_round", "tpot_ms", "speedup_vs_ar"])
+    print(
+        f"{cpu_model()}, {os.cpu_count()} CPUs; {model.get('source')} ({model['model_type']}, {model['num_layers']} layers) {gen.bundle.manifest['dtype']} ({precision}), {args.threads} threads, {NEW_TOKENS} new tokens, {args.prompts} prompts x {args.repeat} (medians), "
+        f"prepack {'decode+verify' if args.prepack else 'runtime default'}; exit adapter at E={exit_layer}: {bool(spec.get('adapter'))}"
+    )
+    print_table(
+        rows,
+        [
+            "prompts",
+            "mode",
+            "acceptance",
+            "tokens_per_round",
+            "draft_ms_per_round",
+            "verify_ms_per_round",
+            "tpot_ms",
+            "speedup_vs_ar",
+        ],
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

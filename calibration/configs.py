@@ -13,11 +13,12 @@ has a histogram where it does). With `acceptable` (the quality floor), a candida
 chosen if it passes, so a failing set gives way to the best passing one rather than
 leaving its prompts on the full model.
 """
+
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Iterable
 from itertools import combinations
-from typing import Callable, Iterable
 
 KeptSet = frozenset[int]
 # Each pick measures at most this many candidates against the quality floor, best first:
@@ -35,8 +36,9 @@ def layers_saved(histogram: Counter[KeptSet], compiled: Iterable[KeptSet], num_l
     return total
 
 
-def choose_configs(histogram: Counter[KeptSet], num_layers: int, max_configs: int,
-                   acceptable: Callable[[KeptSet], bool] | None = None) -> list[KeptSet]:
+def choose_configs(
+    histogram: Counter[KeptSet], num_layers: int, max_configs: int, acceptable: Callable[[KeptSet], bool] | None = None
+) -> list[KeptSet]:
     """At most max_configs kept sets (besides full) that save the most layers; each passes `acceptable`."""
     full = frozenset(range(num_layers))
     observed = [k for k in histogram if k != full]
@@ -58,8 +60,13 @@ def choose_configs(histogram: Counter[KeptSet], num_layers: int, max_configs: in
     return _improve_by_swaps(histogram, chosen, candidates, num_layers, passes)
 
 
-def _improve_by_swaps(histogram: Counter[KeptSet], chosen: list[KeptSet], candidates: set[KeptSet], num_layers: int,
-                      passes: Callable[[KeptSet], bool]) -> list[KeptSet]:
+def _improve_by_swaps(
+    histogram: Counter[KeptSet],
+    chosen: list[KeptSet],
+    candidates: set[KeptSet],
+    num_layers: int,
+    passes: Callable[[KeptSet], bool],
+) -> list[KeptSet]:
     best_total = layers_saved(histogram, chosen, num_layers)
     improved = True
     while improved:

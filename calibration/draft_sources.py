@@ -8,14 +8,16 @@ with the layer-equivalent cost model (before the engines exist) and with the eng
 measured latencies (calibration/latency.py). A new source is one class here plus its line in
 MEASURES, beside its runtime module.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import numpy as np
 
-from runtimes.drafting import SOURCES, lookup_ngram
+from adaptive_export.runtimes.drafting import SOURCES, lookup_ngram
 
 MAX_DRAFT = 8
 EARLY_EXIT_KS = (1, 2, 3, 4, 6, 8)
@@ -44,8 +46,12 @@ def simulate_rounds(drafts_at: Any, truth: list[int], k: int, bonus: bool = Fals
         accepted += good
         i += good + (1 if good < len(drafts) or bonus else 0)
     produced = len(truth) - 1
-    return {"rounds": rounds, "tokens_per_round": produced / max(rounds, 1), "acceptance": accepted / max(drafted, 1),
-            "hit_rate": hits / max(rounds, 1)}
+    return {
+        "rounds": rounds,
+        "tokens_per_round": produced / max(rounds, 1),
+        "acceptance": accepted / max(drafted, 1),
+        "hit_rate": hits / max(rounds, 1),
+    }
 
 
 def _mean(rows: list[dict[str, float]], key: str) -> float:
@@ -75,11 +81,15 @@ class DraftMeasure(ABC):
 
     @staticmethod
     @abstractmethod
-    def latency_candidates(measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None) -> list[Candidate]:
+    def latency_candidates(
+        measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None
+    ) -> list[Candidate]:
         """Expected speed-ups from the staged engines' measured milliseconds."""
 
 
-def early_exit_speedup(tokens_per_round: float, exit_layer: int, k: int, layers: int, head: float, adapter: float = 0.0) -> float:
+def early_exit_speedup(
+    tokens_per_round: float, exit_layer: int, k: int, layers: int, head: float, adapter: float = 0.0
+) -> float:
     """Tokens per round over the round's cost, k draft steps (E layers + adapter + head) and one
     verify pass (L - E layers + head), against a full step (L layers + head)."""
     cost = k * (exit_layer + head + adapter) + (layers - exit_layer + head)
@@ -94,14 +104,16 @@ class EarlyExitMeasure(DraftMeasure):
 
     def __init__(self, loaded: Any, adapters: dict[int, Any] | None) -> None:
         super().__init__(loaded, adapters)
-        from graphs.layers import Head
+        from adaptive_export.graphs.layers import Head
 
         spec = loaded.spec
         self.head = Head(loaded.hf_model, spec)
         self.candidates = sorted(adapters) if adapters else list(range(max(1, spec.num_layers // 3), spec.num_layers))
         self.draft_in: Callable[[int, Any], Any] = (lambda e, h: adapters[e](h)) if adapters else (lambda e, h: h)
         self.per_exit: dict[int, list[float]] = {e: [] for e in self.candidates}
-        self.rounds: dict[tuple[int, int], list[dict[str, float]]] = {(e, k): [] for e in self.candidates for k in EARLY_EXIT_KS}
+        self.rounds: dict[tuple[int, int], list[dict[str, float]]] = {
+            (e, k): [] for e in self.candidates for k in EARLY_EXIT_KS
+        }
 
     def observe(self, ids: list[int], continuation: list[int], hidden: Any) -> None:
         start, truth = len(ids) - 1, continuation  # position `start` predicts continuation[0]
@@ -120,7 +132,9 @@ class EarlyExitMeasure(DraftMeasure):
             "early_exit_agreement": agreement,
             "early_exit_through_adapter": bool(self.adapters),
             "best_exit_layer": int(max(agreement, key=agreement.get)) if agreement else self.loaded.spec.num_layers - 1,
-            "early_exit_tokens_per_round": {f"{e}:{k}": _mean(v, "tokens_per_round") for (e, k), v in self.rounds.items()},
+            "early_exit_tokens_per_round": {
+                f"{e}:{k}": _mean(v, "tokens_per_round") for (e, k), v in self.rounds.items()
+            },
         }
 
     @staticmethod
@@ -128,12 +142,21 @@ class EarlyExitMeasure(DraftMeasure):
         out = []
         for key, tokens in measured["early_exit_tokens_per_round"].items():
             e, k = (int(x) for x in key.split(":"))
-            out.append({"source": "early_exit", "exit_layer": e, "draft_len": k, "tokens_per_round": tokens,
-                        "expected_speedup": early_exit_speedup(tokens, e, k, layers, head, adapter)})
+            out.append(
+                {
+                    "source": "early_exit",
+                    "exit_layer": e,
+                    "draft_len": k,
+                    "tokens_per_round": tokens,
+                    "expected_speedup": early_exit_speedup(tokens, e, k, layers, head, adapter),
+                }
+            )
         return out
 
     @staticmethod
-    def latency_candidates(measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None) -> list[Candidate]:
+    def latency_candidates(
+        measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None
+    ) -> list[Candidate]:
         """k draft calls plus one verify pass at T = k, on the exit layer whose engines were built."""
         if exit_layer is None or "draft_ms" not in latencies:
             return []
@@ -143,8 +166,16 @@ class EarlyExitMeasure(DraftMeasure):
             if e != exit_layer or k not in latencies["verify_ms"]:
                 continue
             round_ms = k * latencies["draft_ms"] + latencies["verify_ms"][k]
-            out.append({"source": "early_exit", "exit_layer": e, "draft_len": k, "tokens_per_round": tokens,
-                        "round_ms": round(round_ms, 3), "expected_speedup": round(tokens * step / round_ms, 3)})
+            out.append(
+                {
+                    "source": "early_exit",
+                    "exit_layer": e,
+                    "draft_len": k,
+                    "tokens_per_round": tokens,
+                    "round_ms": round(round_ms, 3),
+                    "expected_speedup": round(tokens * step / round_ms, 3),
+                }
+            )
         return out
 
 
@@ -160,7 +191,9 @@ class PromptLookupMeasure(DraftMeasure):
     def observe(self, ids: list[int], continuation: list[int], hidden: Any) -> None:
         context, truth = list(ids), continuation
         for k in self.rounds:
-            self.rounds[k].append(simulate_rounds(lambda i, kk: lookup_ngram(context + truth[: i + 1], kk), truth, k, bonus=True))
+            self.rounds[k].append(
+                simulate_rounds(lambda i, kk: lookup_ngram(context + truth[: i + 1], kk), truth, k, bonus=True)
+            )
 
     def report(self) -> dict[str, Any]:
         return {
@@ -172,11 +205,21 @@ class PromptLookupMeasure(DraftMeasure):
     @staticmethod
     def cost_candidates(measured: dict[str, Any], layers: int, head: float, adapter: float) -> list[Candidate]:
         """A round is one decode pass (its width ignored by this model)."""
-        return [{"source": "prompt_lookup", "exit_layer": None, "draft_len": int(k_text), "tokens_per_round": tokens,
-                 "expected_speedup": round(tokens, 3)} for k_text, tokens in measured["prompt_lookup_tokens_per_round"].items()]
+        return [
+            {
+                "source": "prompt_lookup",
+                "exit_layer": None,
+                "draft_len": int(k_text),
+                "tokens_per_round": tokens,
+                "expected_speedup": round(tokens, 3),
+            }
+            for k_text, tokens in measured["prompt_lookup_tokens_per_round"].items()
+        ]
 
     @staticmethod
-    def latency_candidates(measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None) -> list[Candidate]:
+    def latency_candidates(
+        measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None
+    ) -> list[Candidate]:
         """A round with drafts costs one decode pass at T = k + 1 (drafts plus the bonus position),
         a round without costs a T = 1 pass."""
         step, out = latencies["decode_ms"][1], []
@@ -186,8 +229,15 @@ class PromptLookupMeasure(DraftMeasure):
             if k + 1 not in latencies["decode_ms"]:
                 continue
             round_ms = hits * latencies["decode_ms"][k + 1] + (1 - hits) * step
-            out.append({"source": "prompt_lookup", "draft_len": k, "tokens_per_round": tokens, "round_ms": round(round_ms, 3),
-                        "expected_speedup": round(tokens * step / round_ms, 3)})
+            out.append(
+                {
+                    "source": "prompt_lookup",
+                    "draft_len": k,
+                    "tokens_per_round": tokens,
+                    "round_ms": round(round_ms, 3),
+                    "expected_speedup": round(tokens * step / round_ms, 3),
+                }
+            )
         return out
 
 
@@ -215,7 +265,9 @@ class PrecisionMeasure(MeasuredElsewhere):
         return []  # no engines yet, so no acceptance: decided once they are built
 
     @staticmethod
-    def latency_candidates(measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None) -> list[Candidate]:
+    def latency_candidates(
+        measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None
+    ) -> list[Candidate]:
         """k precision-draft calls plus one decode pass at T = k + 1 (drafts plus the bonus position)."""
         if "precision_draft_ms" not in latencies:
             return []
@@ -226,8 +278,16 @@ class PrecisionMeasure(MeasuredElsewhere):
                 continue
             round_ms = k * latencies["precision_draft_ms"] + latencies["decode_ms"][k + 1]
             tokens = measured_k["tokens_per_round"]
-            out.append({"source": "precision", "draft_len": k, "tokens_per_round": tokens, "acceptance": measured_k["acceptance"],
-                        "round_ms": round(round_ms, 3), "expected_speedup": round(tokens * step / round_ms, 3)})
+            out.append(
+                {
+                    "source": "precision",
+                    "draft_len": k,
+                    "tokens_per_round": tokens,
+                    "acceptance": measured_k["acceptance"],
+                    "round_ms": round(round_ms, 3),
+                    "expected_speedup": round(tokens * step / round_ms, 3),
+                }
+            )
         return out
 
 
@@ -241,11 +301,20 @@ class PromptDecodingMeasure(MeasuredElsewhere):
     @staticmethod
     def cost_candidates(measured: dict[str, Any], layers: int, head: float, adapter: float) -> list[Candidate]:
         """A round is one decode pass (its width ignored by this model), as for prompt lookup."""
-        return [{"source": "ppd", "draft_len": int(k), "tokens_per_round": row["tokens_per_round"], "expected_speedup": round(row["tokens_per_round"], 3)}
-                for k, row in (measured.get("ppd") or {}).get("per_k", {}).items()]
+        return [
+            {
+                "source": "ppd",
+                "draft_len": int(k),
+                "tokens_per_round": row["tokens_per_round"],
+                "expected_speedup": round(row["tokens_per_round"], 3),
+            }
+            for k, row in (measured.get("ppd") or {}).get("per_k", {}).items()
+        ]
 
     @staticmethod
-    def latency_candidates(measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None) -> list[Candidate]:
+    def latency_candidates(
+        measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None
+    ) -> list[Candidate]:
         """A round with k drafts is one decode pass at T = 1+k+m, a round without at T = 1+m."""
         ppd = measured.get("ppd") or {}
         m, step, out = int(ppd.get("prompt_tokens", 0)), latencies["decode_ms"][1], []
@@ -255,11 +324,23 @@ class PromptDecodingMeasure(MeasuredElsewhere):
                 continue
             share = row["draft_round_share"]
             round_ms = share * latencies["decode_ms"][1 + k + m] + (1 - share) * latencies["decode_ms"][1 + m]
-            out.append({"source": "ppd", "draft_len": k, "tokens_per_round": row["tokens_per_round"], "acceptance": row["acceptance"],
-                        "round_ms": round(round_ms, 3), "expected_speedup": round(row["tokens_per_round"] * step / round_ms, 3)})
+            out.append(
+                {
+                    "source": "ppd",
+                    "draft_len": k,
+                    "tokens_per_round": row["tokens_per_round"],
+                    "acceptance": row["acceptance"],
+                    "round_ms": round(round_ms, 3),
+                    "expected_speedup": round(row["tokens_per_round"] * step / round_ms, 3),
+                }
+            )
         return out
 
 
-MEASURES: dict[str, type[DraftMeasure]] = {m.name: m for m in (EarlyExitMeasure, PromptLookupMeasure, PrecisionMeasure, PromptDecodingMeasure)}
+MEASURES: dict[str, type[DraftMeasure]] = {
+    m.name: m for m in (EarlyExitMeasure, PromptLookupMeasure, PrecisionMeasure, PromptDecodingMeasure)
+}
 if set(MEASURES) != set(SOURCES):  # pragma: no cover - a registration mistake, caught by any import
-    raise RuntimeError(f"calibration measures {sorted(MEASURES)} differ from the runtime's draft sources {sorted(SOURCES)}")
+    raise RuntimeError(
+        f"calibration measures {sorted(MEASURES)} differ from the runtime's draft sources {sorted(SOURCES)}"
+    )

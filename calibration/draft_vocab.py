@@ -8,6 +8,7 @@ own greedy continuations of the calibration prompts by frequency, then those of 
 verifier keeps the full head, so output is unchanged; coverage on held-out prompts (every
 5th) bounds the acceptance the trim keeps.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -16,7 +17,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from runtimes.errors import UsageError
+from adaptive_export.runtimes.errors import UsageError
 
 CONTINUATION_TOKENS = 48  # greedy tokens per calibration prompt
 HELD_OUT_EVERY = 5
@@ -24,6 +25,7 @@ HELD_OUT_EVERY = 5
 
 def ranked_ids(special: Iterable[int], continuations: Counter[int], prompts: Counter[int], vocab: int) -> list[int]:
     """Every id once, in the order the reduced head keeps them."""
+
     def by_count(counts: Counter[int]) -> list[int]:
         return sorted(counts, key=lambda token: (-counts[token], token))
 
@@ -37,16 +39,20 @@ def coverage(kept: set[int], tokens: Sequence[int]) -> float:
     return round(sum(t in kept for t in tokens) / max(len(tokens), 1), 4)
 
 
-def plan_draft_vocab(loaded: Any, prompts: Sequence[str], size: int, progress: bool = True) -> tuple[Any, dict[str, Any]]:
+def plan_draft_vocab(
+    loaded: Any, prompts: Sequence[str], size: int, progress: bool = True
+) -> tuple[Any, dict[str, Any]]:
     """(the sorted int64 ids of a `size`-token draft head, calibration.json's 'draft_vocab' entry)."""
     import torch
 
-    from calibration.measure import greedy_sequence
+    from adaptive_export.calibration.measure import greedy_sequence
 
     vocab = loaded.spec.vocab_size
     if not 0 < size < vocab:
-        raise UsageError(f"--draft-vocab {size} is not below this model's vocabulary of {vocab} tokens",
-                         f"use a size such as {min(8192, vocab // 4)}, or drop --draft-vocab for the full head")
+        raise UsageError(
+            f"--draft-vocab {size} is not below this model's vocabulary of {vocab} tokens",
+            f"use a size such as {min(8192, vocab // 4)}, or drop --draft-vocab for the full head",
+        )
     continuations: Counter[int] = Counter()
     prompt_tokens: Counter[int] = Counter()
     held_out: list[int] = []
@@ -60,8 +66,13 @@ def plan_draft_vocab(loaded: Any, prompts: Sequence[str], size: int, progress: b
     special = getattr(loaded.tokenizer, "all_special_ids", None) or []
     kept = ranked_ids(special, continuations, prompt_tokens, vocab)[:size]
     chosen = set(kept)
-    report = {"size": size, "vocab_size": vocab, "prompts": len(prompts), "new_tokens": CONTINUATION_TOKENS,
-              "distinct_continuation_tokens": len(continuations),
-              "coverage_train": coverage(chosen, [t for t, n in continuations.items() for _ in range(n)]),
-              "coverage_held_out": coverage(chosen, held_out)}
+    report = {
+        "size": size,
+        "vocab_size": vocab,
+        "prompts": len(prompts),
+        "new_tokens": CONTINUATION_TOKENS,
+        "distinct_continuation_tokens": len(continuations),
+        "coverage_train": coverage(chosen, [t for t, n in continuations.items() for _ in range(n)]),
+        "coverage_held_out": coverage(chosen, held_out),
+    }
     return torch.tensor(sorted(chosen), dtype=torch.int64), report

@@ -19,22 +19,24 @@ Evaluation: every HOLDOUT_EVERY-th prompt is held out; agreement = top-1 of
 head(adapter(h_E)) equals the full model's argmax, before (identity adapter = raw early
 exit) and after fitting, on held-out and train positions.
 """
+
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from graphs.adaptive import ExitAdapter
-from graphs.layers import Head
-from runtimes.errors import UsageError
+from adaptive_export.graphs.adaptive import ExitAdapter
+from adaptive_export.graphs.layers import Head
+from adaptive_export.runtimes.errors import UsageError
 
 DEFAULT_RANK = 64
 DEFAULT_EPOCHS = 8
@@ -80,12 +82,17 @@ def is_held_out(index: int) -> bool:
 
 def greedy_runs(loaded: Any, prompts: Sequence[str], new_tokens: int, progress: bool = True) -> list[GreedyRun]:
     """The full model's greedy continuation and hidden states for each prompt (computed once, reused)."""
-    from calibration.measure import greedy_with_hidden
+    from adaptive_export.calibration.measure import greedy_with_hidden
 
-    return [greedy_with_hidden(loaded, p, new_tokens) for p in tqdm(prompts, desc="greedy continuations", unit="prompt", disable=not progress)]
+    return [
+        greedy_with_hidden(loaded, p, new_tokens)
+        for p in tqdm(prompts, desc="greedy continuations", unit="prompt", disable=not progress)
+    ]
 
 
-def cache_split(loaded: Any, runs: Sequence[GreedyRun], exit_layers: Sequence[int], seen: set[tuple[int, ...]]) -> Split:
+def cache_split(
+    loaded: Any, runs: Sequence[GreedyRun], exit_layers: Sequence[int], seen: set[tuple[int, ...]]
+) -> Split:
     """Stack the positions of `runs` whose token prefix is not in `seen`: h_E per exit and the
     full model's top-k log-probs.
 
@@ -109,9 +116,11 @@ def cache_split(loaded: Any, runs: Sequence[GreedyRun], exit_layers: Sequence[in
             ids.append(top.indices)
             logp.append(top.values)
     width = loaded.spec.hidden_size
-    return Split(hidden={e: torch.cat(v) if v else torch.zeros(0, width) for e, v in hidden.items()},
-                 top_ids=torch.cat(ids) if ids else torch.zeros(0, TOP_K, dtype=torch.long),
-                 top_logp=torch.cat(logp) if logp else torch.zeros(0, TOP_K))
+    return Split(
+        hidden={e: torch.cat(v) if v else torch.zeros(0, width) for e, v in hidden.items()},
+        top_ids=torch.cat(ids) if ids else torch.zeros(0, TOP_K, dtype=torch.long),
+        top_logp=torch.cat(logp) if logp else torch.zeros(0, TOP_K),
+    )
 
 
 @contextmanager
@@ -147,8 +156,18 @@ def agreement(head: Head, adapter: ExitAdapter | None, hidden: Tensor, top_ids: 
     return hits / hidden.shape[0]
 
 
-def train_adapter(head: Head, exit_layer: int, train: Split, held: Split, *, rank: int, epochs: int, seed: int,
-                  lr: float = DEFAULT_LR, progress: bool = True) -> tuple[ExitAdapter, dict[str, Any]]:
+def train_adapter(
+    head: Head,
+    exit_layer: int,
+    train: Split,
+    held: Split,
+    *,
+    rank: int,
+    epochs: int,
+    seed: int,
+    lr: float = DEFAULT_LR,
+    progress: bool = True,
+) -> tuple[ExitAdapter, dict[str, Any]]:
     """Adam with cosine decay over shuffled minibatches of cached positions; returns the adapter and its curve."""
     torch.manual_seed(seed)
     adapter = ExitAdapter(train.hidden[exit_layer].shape[1], rank, head.eps)
@@ -158,7 +177,9 @@ def train_adapter(head: Head, exit_layer: int, train: Split, held: Split, *, ran
     order = torch.Generator().manual_seed(seed)
     hidden = train.hidden[exit_layer]
     curve: list[dict[str, float]] = []
-    bar = tqdm(total=epochs * steps_per_epoch, desc=f"fit exit adapter E={exit_layer}", unit="step", disable=not progress)
+    bar = tqdm(
+        total=epochs * steps_per_epoch, desc=f"fit exit adapter E={exit_layer}", unit="step", disable=not progress
+    )
     with frozen(head):
         for epoch in range(epochs):
             adapter.train()
@@ -172,16 +193,30 @@ def train_adapter(head: Head, exit_layer: int, train: Split, held: Split, *, ran
                 total += loss.item() * len(batch)
                 bar.update(1)
             adapter.eval()
-            curve.append({"epoch": epoch + 1, "train_kl": round(total / max(train.size, 1), 4),
-                          "held_out_agreement": round(agreement(head, adapter, held.hidden[exit_layer], held.top_ids), 4)})
+            curve.append(
+                {
+                    "epoch": epoch + 1,
+                    "train_kl": round(total / max(train.size, 1), 4),
+                    "held_out_agreement": round(agreement(head, adapter, held.hidden[exit_layer], held.top_ids), 4),
+                }
+            )
             bar.set_postfix(kl=curve[-1]["train_kl"], held_out=curve[-1]["held_out_agreement"])
     bar.close()
     return adapter.eval(), {"curve": curve}
 
 
-def fit_exit_adapters(loaded: Any, prompts: Sequence[str], exit_layers: Sequence[int], *, rank: int = DEFAULT_RANK,
-                      epochs: int = DEFAULT_EPOCHS, seed: int = 0, new_tokens: int = 32, progress: bool = True,
-                      runs: Sequence[GreedyRun] | None = None) -> ExitAdapterFit:
+def fit_exit_adapters(
+    loaded: Any,
+    prompts: Sequence[str],
+    exit_layers: Sequence[int],
+    *,
+    rank: int = DEFAULT_RANK,
+    epochs: int = DEFAULT_EPOCHS,
+    seed: int = 0,
+    new_tokens: int = 32,
+    progress: bool = True,
+    runs: Sequence[GreedyRun] | None = None,
+) -> ExitAdapterFit:
     """One adapter per exit layer, fitted on the train prompts; report agreement before/after.
 
     `runs` (from greedy_runs) lets a caller reuse continuations it already generated.
@@ -189,7 +224,10 @@ def fit_exit_adapters(loaded: Any, prompts: Sequence[str], exit_layers: Sequence
     spec = loaded.spec
     bad = [e for e in exit_layers if not 0 < e < spec.num_layers]
     if bad:
-        raise UsageError(f"exit layer {bad[0]} is outside 1..{spec.num_layers - 1}", f"choose exit layers between 1 and {spec.num_layers - 1}")
+        raise UsageError(
+            f"exit layer {bad[0]} is outside 1..{spec.num_layers - 1}",
+            f"choose exit layers between 1 and {spec.num_layers - 1}",
+        )
     runs = list(runs) if runs is not None else greedy_runs(loaded, prompts, new_tokens, progress)
     seen: set[tuple[int, ...]] = set()  # train first: a held-out prefix already in train is not held out
     train = cache_split(loaded, [r for i, r in enumerate(runs) if not is_held_out(i)], exit_layers, seen)
@@ -199,20 +237,42 @@ def fit_exit_adapters(loaded: Any, prompts: Sequence[str], exit_layers: Sequence
     per_exit: dict[str, Any] = {}
     for e in exit_layers:
         started = time.perf_counter()
-        adapters[e], details = train_adapter(head, e, train, held, rank=rank, epochs=epochs, seed=seed, progress=progress)
+        adapters[e], details = train_adapter(
+            head, e, train, held, rank=rank, epochs=epochs, seed=seed, progress=progress
+        )
         seconds = time.perf_counter() - started
         per_exit[str(e)] = {
-            "held_out": {"before": _round(agreement(head, None, held.hidden[e], held.top_ids)),
-                         "after": _round(agreement(head, adapters[e], held.hidden[e], held.top_ids))},
-            "train": {"before": _round(agreement(head, None, train.hidden[e], train.top_ids)),
-                      "after": _round(agreement(head, adapters[e], train.hidden[e], train.top_ids))},
-            "params": sum(p.numel() for p in adapters[e].parameters()), "seconds": round(seconds, 1), **details}
-    report = {"rank": rank, "epochs": epochs, "seed": seed, "lr": DEFAULT_LR, "batch": BATCH, "top_k_target": TOP_K,
-              "loss": "KL(full || head(adapter(h_E))) over the full model's top-k tokens",
-              "prompts": len(runs), "held_out_prompts": sum(is_held_out(i) for i in range(len(runs))),
-              "held_out_rule": f"every {HOLDOUT_EVERY}th prompt", "new_tokens": new_tokens,
-              "positions": {"train": train.size, "held_out": held.size,
-                            "duplicates_dropped": sum(len(a) + len(b) for a, b, _ in runs) - train.size - held.size}, "per_exit": per_exit}
+            "held_out": {
+                "before": _round(agreement(head, None, held.hidden[e], held.top_ids)),
+                "after": _round(agreement(head, adapters[e], held.hidden[e], held.top_ids)),
+            },
+            "train": {
+                "before": _round(agreement(head, None, train.hidden[e], train.top_ids)),
+                "after": _round(agreement(head, adapters[e], train.hidden[e], train.top_ids)),
+            },
+            "params": sum(p.numel() for p in adapters[e].parameters()),
+            "seconds": round(seconds, 1),
+            **details,
+        }
+    report = {
+        "rank": rank,
+        "epochs": epochs,
+        "seed": seed,
+        "lr": DEFAULT_LR,
+        "batch": BATCH,
+        "top_k_target": TOP_K,
+        "loss": "KL(full || head(adapter(h_E))) over the full model's top-k tokens",
+        "prompts": len(runs),
+        "held_out_prompts": sum(is_held_out(i) for i in range(len(runs))),
+        "held_out_rule": f"every {HOLDOUT_EVERY}th prompt",
+        "new_tokens": new_tokens,
+        "positions": {
+            "train": train.size,
+            "held_out": held.size,
+            "duplicates_dropped": sum(len(a) + len(b) for a, b, _ in runs) - train.size - held.size,
+        },
+        "per_exit": per_exit,
+    }
     return ExitAdapterFit(adapters, report)
 
 
@@ -220,12 +280,19 @@ def _round(value: float) -> float | None:
     return None if math.isnan(value) else round(value, 4)
 
 
-def resolve_exit_adapters(option: str, loaded: Any, exit_layers: Sequence[int], prompts: Sequence[str], runs: Sequence[GreedyRun],
-                          seed: int, progress: bool = True) -> ExitAdapterFit:
+def resolve_exit_adapters(
+    option: str,
+    loaded: Any,
+    exit_layers: Sequence[int],
+    prompts: Sequence[str],
+    runs: Sequence[GreedyRun],
+    seed: int,
+    progress: bool = True,
+) -> ExitAdapterFit:
     """`--exit-adapter fit|FILE`: fit adapters for `exit_layers`, or load them from a safetensors file."""
     if option == "fit":
         return fit_exit_adapters(loaded, prompts, exit_layers, seed=seed, progress=progress, runs=runs)
-    from loading.artifacts import load_adapters
+    from adaptive_export.loading.artifacts import load_adapters
 
     spec = loaded.spec
     adapters = load_adapters(Path(option), spec.hidden_size, spec.rms_norm_eps, spec.num_layers)

@@ -12,17 +12,19 @@ the runtime's own backend on an arena holding a realistic prefix:
 `choose_measured` then turns the simulated acceptance (calibration/measure.py) into
 expected time per token for each source and k, and picks the fastest, or plain decoding.
 """
+
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from calibration.draft_sources import MEASURES
-from runtimes.drafting import FREE_SOURCE
+from adaptive_export.calibration.draft_sources import MEASURES
+from adaptive_export.runtimes.drafting import FREE_SOURCE
 
 PREFIX_TOKENS = 64  # a typical chat prompt plus some generated tokens
 REPEATS = 7
@@ -39,7 +41,9 @@ def _median_ms(call: Callable[[], Any], repeats: int = REPEATS) -> float:
     return round(statistics.median(samples), 3)
 
 
-def measure_engine_latencies(bundle_dir: Path, max_k: int, threads: int = 0, prepack: bool | None = False) -> dict[str, Any]:
+def measure_engine_latencies(
+    bundle_dir: Path, max_k: int, threads: int = 0, prepack: bool | None = False
+) -> dict[str, Any]:
     """Median ms per engine call on the full configuration: decode[T], draft (T=1), verify[T],
     precision draft (T=1).
 
@@ -47,26 +51,36 @@ def measure_engine_latencies(bundle_dir: Path, max_k: int, threads: int = 0, pre
     (`run --prepack decode`), which makes T > 1 passes much cheaper on CPU; False: none;
     None: the runtime's default (what `run` does).
     """
-    from runtimes import Generator
-    from runtimes.bundle import load_bundle
+    from adaptive_export.runtimes import Generator
+    from adaptive_export.runtimes.bundle import load_bundle
 
     bundle = load_bundle(bundle_dir, verify="size")
     engines = bundle.config("full")["engines"]
-    choice = None if prepack is None else [engines["decode"], engines.get("verify", engines["decode"])] if prepack else []
+    choice = (
+        None if prepack is None else [engines["decode"], engines.get("verify", engines["decode"])] if prepack else []
+    )
     gen = Generator(bundle, threads=threads, prepack=choice)
     backend, arena = gen.backend, gen.arena
     prefix = min(PREFIX_TOKENS, gen.bundle.max_len - 2 * (max_k + 1))
     backend.run("prefill", np.ones((1, prefix), dtype=np.int64), arena, 0)
-    decode = {t: _median_ms(lambda t=t: backend.run(engines["decode"], np.ones((1, t), dtype=np.int64), arena, prefix))
-              for t in range(1, max_k + 2)}
+    decode = {
+        t: _median_ms(lambda t=t: backend.run(engines["decode"], np.ones((1, t), dtype=np.int64), arena, prefix))
+        for t in range(1, max_k + 2)
+    }
     result: dict[str, Any] = {"prefix_tokens": prefix, "threads": threads, "prepack": prepack, "decode_ms": decode}
     if "draft" in engines and "verify" in engines:
         hidden = np.zeros((1, max_k, gen.bundle.model["hidden_size"]), dtype=np.float32)
-        result["draft_ms"] = _median_ms(lambda: backend.run(engines["draft"], np.ones((1, 1), dtype=np.int64), arena, prefix))
-        result["verify_ms"] = {t: _median_ms(lambda t=t: backend.run(engines["verify"], hidden[:, :t], arena, prefix))
-                               for t in range(1, max_k + 1)}
+        result["draft_ms"] = _median_ms(
+            lambda: backend.run(engines["draft"], np.ones((1, 1), dtype=np.int64), arena, prefix)
+        )
+        result["verify_ms"] = {
+            t: _median_ms(lambda t=t: backend.run(engines["verify"], hidden[:, :t], arena, prefix))
+            for t in range(1, max_k + 1)
+        }
     if "precision_draft" in engines:
-        result["precision_draft_ms"] = _median_ms(lambda: backend.run(engines["precision_draft"], np.ones((1, 1), dtype=np.int64), arena, prefix))
+        result["precision_draft_ms"] = _median_ms(
+            lambda: backend.run(engines["precision_draft"], np.ones((1, 1), dtype=np.int64), arena, prefix)
+        )
     return result
 
 
@@ -78,18 +92,26 @@ def measure_precision_acceptance(bundle_dir: Path, prompts: list[str], max_k: in
     """Acceptance of the precision draft as built: real greedy speculative runs of the staged
     engines on the calibration prompts, per draft length k. (Simulating it on the PyTorch
     model would miss exactly what differs: the engines' quantized weights and activations.)"""
-    from runtimes import Generator
-    from runtimes.bundle import load_bundle
+    from adaptive_export.runtimes import Generator
+    from adaptive_export.runtimes.bundle import load_bundle
 
     gen = Generator(load_bundle(bundle_dir, verify="size"), threads=threads)
     per_k: dict[str, Any] = {}
     for k in range(1, max_k + 1):
         drafted = accepted = rounds = 0
         for prompt in prompts[:PRECISION_PROMPTS]:
-            stats = gen.generate(prompt, max_new_tokens=PRECISION_TOKENS, mode="spec", draft="precision", draft_len=k).stats.speculation
-            drafted, accepted, rounds = drafted + stats["drafted"], accepted + stats["accepted"], rounds + stats["rounds"]
-        per_k[str(k)] = {"acceptance": round(accepted / max(drafted, 1), 4),
-                         "tokens_per_round": round((accepted + rounds) / max(rounds, 1), 4)}  # a round emits accepted + 1
+            stats = gen.generate(
+                prompt, max_new_tokens=PRECISION_TOKENS, mode="spec", draft="precision", draft_len=k
+            ).stats.speculation
+            drafted, accepted, rounds = (
+                drafted + stats["drafted"],
+                accepted + stats["accepted"],
+                rounds + stats["rounds"],
+            )
+        per_k[str(k)] = {
+            "acceptance": round(accepted / max(drafted, 1), 4),
+            "tokens_per_round": round((accepted + rounds) / max(rounds, 1), 4),
+        }  # a round emits accepted + 1
     return {"prompts": min(len(prompts), PRECISION_PROMPTS), "new_tokens": PRECISION_TOKENS, "per_k": per_k}
 
 
@@ -105,10 +127,17 @@ def choose_measured(measured: dict[str, Any], latencies: dict[str, Any], exit_la
     measures = sorted(MEASURES.values(), key=lambda measure: measure.name != FREE_SOURCE)
     candidates = [c for measure in measures for c in measure.latency_candidates(measured, latencies, exit_layer)]
     best = max(candidates, key=lambda c: c["expected_speedup"])
-    by_source = {source: max((c for c in candidates if c["source"] == source), key=lambda c: c["expected_speedup"])
-                 for source in {c["source"] for c in candidates}}
-    return {"best": best, "by_source": by_source, "candidates": candidates,
-            "auto_enabled": best["expected_speedup"] > MIN_SPEEDUP, "min_speedup": MIN_SPEEDUP}
+    by_source = {
+        source: max((c for c in candidates if c["source"] == source), key=lambda c: c["expected_speedup"])
+        for source in {c["source"] for c in candidates}
+    }
+    return {
+        "best": best,
+        "by_source": by_source,
+        "candidates": candidates,
+        "auto_enabled": best["expected_speedup"] > MIN_SPEEDUP,
+        "min_speedup": MIN_SPEEDUP,
+    }
 
 
 def verify_costs(decode_ms: dict[int, float]) -> dict[str, float]:

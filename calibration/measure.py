@@ -5,6 +5,7 @@ measures are in calibration/draft_sources.py): while drafts are accepted they eq
 true tokens, so early-exit drafts are the teacher-forced early-exit predictions, and a
 round ends at the first mismatch with the verifier's token.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,9 +13,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from calibration.draft_sources import MEASURES
-from loading.prompts import hf_prompt_ids, read_prompts
-from runtimes.errors import UsageError
+from adaptive_export.calibration.draft_sources import MEASURES
+from adaptive_export.loading.prompts import hf_prompt_ids, read_prompts
+from adaptive_export.runtimes.errors import UsageError
 
 BUILTIN_CALIB = Path(__file__).resolve().parents[1] / "samples" / "calib_prompts.jsonl"
 
@@ -33,22 +34,35 @@ def greedy_sequence(loaded: Any, prompt: str, new_tokens: int) -> tuple[list[int
     return ids + cont, len(ids)
 
 
-def greedy_with_hidden(loaded: Any, prompt: str, new_tokens: int, hidden: bool = True) -> tuple[list[int], list[int], Any]:
+def greedy_with_hidden(
+    loaded: Any, prompt: str, new_tokens: int, hidden: bool = True
+) -> tuple[list[int], list[int], Any]:
     """(prompt ids, greedy continuation, hidden states of prompt+continuation per layer)."""
     import torch
 
     tok, model = loaded.tokenizer, loaded.hf_model
     ids = hf_prompt_ids(tok, prompt)
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=tok.pad_token_id or 0)
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id or 0,
+        )
         full = out[0].tolist()
         states = model(torch.tensor([full]), output_hidden_states=True).hidden_states if hidden else None
-    return ids, full[len(ids):], states
+    return ids, full[len(ids) :], states
 
 
-def measure_speculation(loaded: Any, parts: Any, prompts: list[str], new_tokens: int, adapters: dict[int, Any] | None = None,
-                        runs: list[tuple[list[int], list[int], Any]] | None = None) -> dict[str, Any]:
+def measure_speculation(
+    loaded: Any,
+    parts: Any,
+    prompts: list[str],
+    new_tokens: int,
+    adapters: dict[int, Any] | None = None,
+    runs: list[tuple[list[int], list[int], Any]] | None = None,
+) -> dict[str, Any]:
     """Simulate every draft source (calibration/draft_sources.py) on the same greedy runs; with
     `adapters` the early-exit candidates are their exits and the drafts go through them
     (head(adapter(h_E))), as the draft engine computes them. `runs` reuses greedy_with_hidden
@@ -70,7 +84,10 @@ def measure_speculation(loaded: Any, parts: Any, prompts: list[str], new_tokens:
         "prompts": len(prompts),
         "new_tokens": new_tokens,
         "head_cost_layers": round(head_params / layer_params, 3),
-        "adapter_cost_layers": round(max((sum(p.numel() for p in a.parameters()) for a in (adapters or {}).values()), default=0) / layer_params, 4),
+        "adapter_cost_layers": round(
+            max((sum(p.numel() for p in a.parameters()) for a in (adapters or {}).values()), default=0) / layer_params,
+            4,
+        ),
     }
     for measure in measures:
         report.update(measure.report())

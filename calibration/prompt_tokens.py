@@ -16,18 +16,20 @@ Loss: cross-entropy of each P_i's row against the greedy token it must guess. Fi
 Adam, a progress bar; every HOLDOUT_EVERY-th prompt is held out and the report gives per-slot
 top-1 accuracy on train and held-out positions.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from calibration.exit_adapters import is_held_out
-from graphs.layers import DecoderStack
+from adaptive_export.calibration.exit_adapters import is_held_out
+from adaptive_export.graphs.layers import DecoderStack
 
 DEFAULT_PROMPT_TOKENS = 3
 DEFAULT_STEPS = 240
@@ -122,8 +124,14 @@ def initial_table(stack: DecoderStack, seqs: Sequence[FrozenSequence], count: in
         return embedded.mean(0, keepdim=True) + 0.1 * noise
 
 
-def fit_prompt_tokens(loaded: Any, runs: Sequence[tuple[list[int], list[int]]], count: int = DEFAULT_PROMPT_TOKENS,
-                      steps: int = DEFAULT_STEPS, seed: int = 0, progress: bool = True) -> PromptTokenFit:
+def fit_prompt_tokens(
+    loaded: Any,
+    runs: Sequence[tuple[list[int], list[int]]],
+    count: int = DEFAULT_PROMPT_TOKENS,
+    steps: int = DEFAULT_STEPS,
+    seed: int = 0,
+    progress: bool = True,
+) -> PromptTokenFit:
     """Train `count` prompt tokens on greedy runs (prompt ids, continuation); returns the table and a report."""
     stack = DecoderStack(loaded.hf_model, loaded.spec, range(loaded.spec.num_layers))
     for parameter in stack.parameters():
@@ -138,7 +146,10 @@ def fit_prompt_tokens(loaded: Any, runs: Sequence[tuple[list[int], list[int]]], 
         rms = float(stack.embed_ids(torch.tensor(train[0].ids)).pow(2).mean().sqrt())
     optimizer = torch.optim.Adam([table], lr=LR_PER_RMS * rms)
     generator = torch.Generator().manual_seed(seed)
-    before = {"train": slot_accuracy(stack, train, table.detach()), "held_out": slot_accuracy(stack, held, table.detach())}
+    before = {
+        "train": slot_accuracy(stack, train, table.detach()),
+        "held_out": slot_accuracy(stack, held, table.detach()),
+    }
     losses: list[float] = []
     for step in tqdm(range(steps), desc="train PPD prompt tokens", unit="step", disable=not progress):
         seq = train[step % len(train)]
@@ -154,8 +165,13 @@ def fit_prompt_tokens(loaded: Any, runs: Sequence[tuple[list[int], list[int]]], 
         losses.append(loss.item())
     fitted = table.detach().clone()
     report = {
-        "prompt_tokens": count, "steps": steps, "batch": BATCH, "seed": seed, "train_sequences": len(train),
-        "held_out_sequences": len(held), "loss_first": round(losses[0], 4) if losses else None,
+        "prompt_tokens": count,
+        "steps": steps,
+        "batch": BATCH,
+        "seed": seed,
+        "train_sequences": len(train),
+        "held_out_sequences": len(held),
+        "loss_first": round(losses[0], 4) if losses else None,
         "loss_last": round(sum(losses[-10:]) / max(len(losses[-10:]), 1), 4) if losses else None,
         "slot_accuracy_before": before,
         "slot_accuracy": {"train": slot_accuracy(stack, train, fitted), "held_out": slot_accuracy(stack, held, fitted)},
@@ -183,36 +199,49 @@ def simulate_chain(seq: FrozenSequence, found: dict[int, list[int]], k: int) -> 
         draft_rounds, drafted, accepted = draft_rounds + 1, drafted + len(drafts), accepted + good
         s, has_drafts = s + good + 1, good == len(drafts)
     produced = len(ids) - 1 - seq.prompt_len
-    return {"tokens_per_round": produced / max(rounds, 1), "acceptance": accepted / max(drafted, 1),
-            "draft_round_share": draft_rounds / max(rounds, 1)}
+    return {
+        "tokens_per_round": produced / max(rounds, 1),
+        "acceptance": accepted / max(drafted, 1),
+        "draft_round_share": draft_rounds / max(rounds, 1),
+    }
 
 
 def measure_prompt_tokens(loaded: Any, runs: Sequence[tuple[list[int], list[int]]], table: Tensor) -> dict[str, Any]:
     """Simulated chain-PPD acceptance, tokens per round and share of rounds with drafts (the rest
     run T = 1+m) on the held-out runs, per draft length k <= m (calibration.json 'ppd')."""
     stack = DecoderStack(loaded.hf_model, loaded.spec, range(loaded.spec.num_layers))
-    held = [frozen_sequence(stack, ids + cont, len(ids)) for i, (ids, cont) in enumerate(runs) if is_held_out(i) and len(cont) > 2]
+    held = [
+        frozen_sequence(stack, ids + cont, len(ids))
+        for i, (ids, cont) in enumerate(runs)
+        if is_held_out(i) and len(cont) > 2
+    ]
     found = [guesses(stack, seq, table) for seq in held]
     per_k = {}
     for k in range(1, table.shape[0] + 1):
         rows = [simulate_chain(seq, f, k) for seq, f in zip(held, found)]
-        per_k[str(k)] = {key: round(sum(r[key] for r in rows) / max(len(rows), 1), 4) for key in ("tokens_per_round", "acceptance", "draft_round_share")}
+        per_k[str(k)] = {
+            key: round(sum(r[key] for r in rows) / max(len(rows), 1), 4)
+            for key in ("tokens_per_round", "acceptance", "draft_round_share")
+        }
     return {"prompt_tokens": int(table.shape[0]), "held_out_sequences": len(held), "per_k": per_k}
 
 
 PPD_CALIB_TOKENS = 48  # greedy tokens per calibration prompt: the positions PPD trains and is measured on
 
 
-def plan_prompt_tokens(option: str, loaded: Any, prompts: Sequence[str], seed: int = 0,
-                       progress: bool = True) -> tuple[Tensor, dict[str, Any], dict[str, bytes]]:
+def plan_prompt_tokens(
+    option: str, loaded: Any, prompts: Sequence[str], seed: int = 0, progress: bool = True
+) -> tuple[Tensor, dict[str, Any], dict[str, bytes]]:
     """`--prompt-tokens N|FILE`: train N prompt tokens (or load a previous build's file), then
     simulate them on the held-out prompts. Returns the table, calibration.json's 'ppd' entry and
     the bundle file that ships the table (a few KB of safetensors)."""
-    from calibration.measure import greedy_with_hidden
-    from loading.artifacts import PROMPT_TOKENS_FILE, load_prompt_tokens, prompt_tokens_bytes
+    from adaptive_export.calibration.measure import greedy_with_hidden
+    from adaptive_export.loading.artifacts import PROMPT_TOKENS_FILE, load_prompt_tokens, prompt_tokens_bytes
 
-    runs = [greedy_with_hidden(loaded, p, PPD_CALIB_TOKENS, hidden=False)[:2]
-            for p in tqdm(prompts, desc="greedy continuations", unit="prompt", disable=not progress)]
+    runs = [
+        greedy_with_hidden(loaded, p, PPD_CALIB_TOKENS, hidden=False)[:2]
+        for p in tqdm(prompts, desc="greedy continuations", unit="prompt", disable=not progress)
+    ]
     if option.isdigit():
         fit = fit_prompt_tokens(loaded, runs, int(option), seed=seed, progress=progress)
         table, report = fit.table, fit.report

@@ -1,4 +1,5 @@
 """`build --routers train|FILE`: routers, the configurations worth an engine, and what was measured."""
+
 from __future__ import annotations
 
 import logging
@@ -8,13 +9,21 @@ from typing import Any
 
 from tqdm import tqdm
 
-from calibration.configs import choose_configs, layers_saved, served_share
-from calibration.measure import calibration_prompts, greedy_sequence
-from calibration.routers import (DEFAULT_LAMBDA, LEARNING_RATE, THRESHOLD, GatedModel, TrainingSequence, continuation_agreement,
-                                 kept_by_routers, train_routers)
-from graphs.plan import SkipConfig
-from loading.artifacts import ROUTERS_FILE, load_routers, routers_bytes
-from runtimes.errors import UsageError
+from adaptive_export.calibration.configs import choose_configs, layers_saved, served_share
+from adaptive_export.calibration.measure import calibration_prompts, greedy_sequence
+from adaptive_export.calibration.routers import (
+    DEFAULT_LAMBDA,
+    LEARNING_RATE,
+    THRESHOLD,
+    GatedModel,
+    TrainingSequence,
+    continuation_agreement,
+    kept_by_routers,
+    train_routers,
+)
+from adaptive_export.graphs.plan import SkipConfig
+from adaptive_export.loading.artifacts import ROUTERS_FILE, load_routers, routers_bytes
+from adaptive_export.runtimes.errors import UsageError
 
 CONTINUATION_TOKENS = 24
 # A skip configuration gets an engine only if decoding with it keeps this share of the full
@@ -43,8 +52,10 @@ def plan_routers(options: RouterOptions, loaded: Any) -> tuple[Any, list[SkipCon
     lam = DEFAULT_LAMBDA if options.router_lambda is None else options.router_lambda
     if lam < 0:
         raise UsageError(f"--router-lambda {lam} is negative", "use 0 or a positive sparsity weight such as 0.02")
-    sequences = [TrainingSequence(*greedy_sequence(loaded, p, CONTINUATION_TOKENS))
-                 for p in tqdm(prompts, desc="calibration continuations", unit="prompt")]
+    sequences = [
+        TrainingSequence(*greedy_sequence(loaded, p, CONTINUATION_TOKENS))
+        for p in tqdm(prompts, desc="calibration continuations", unit="prompt")
+    ]
     report: dict[str, Any] = {"prompts": len(prompts), "threshold": THRESHOLD}
     if options.routers == "train":
         lr = options.router_lr or LEARNING_RATE
@@ -52,9 +63,16 @@ def plan_routers(options: RouterOptions, loaded: Any) -> tuple[Any, list[SkipCon
             raise UsageError(f"--router-lr {lr} is not positive", "use a learning rate such as 5e-3")
         result = train_routers(loaded, sequences, lam=lam, seed=options.seed, lr=lr)
         routers = result.routers
-        report["training"] = {"lambda": lam, "learning_rate": lr, "epochs": result.epochs, "seconds": round(result.seconds, 1), "seed": options.seed,
-                              "loss_first_epoch": round(result.loss_first, 4), "loss_last_epoch": round(result.loss_last, 4),
-                              "mean_p_last": round(result.mean_p_last, 4)}
+        report["training"] = {
+            "lambda": lam,
+            "learning_rate": lr,
+            "epochs": result.epochs,
+            "seconds": round(result.seconds, 1),
+            "seed": options.seed,
+            "loss_first_epoch": round(result.loss_first, 4),
+            "loss_last_epoch": round(result.loss_last, 4),
+            "mean_p_last": round(result.mean_p_last, 4),
+        }
     else:
         routers = load_routers(options.routers, spec.num_layers, spec.hidden_size)
         report["training"] = {"loaded_from": str(options.routers)}
@@ -66,15 +84,26 @@ def plan_routers(options: RouterOptions, loaded: Any) -> tuple[Any, list[SkipCon
     chosen = choose_configs(histogram, spec.num_layers, options.max_configs, acceptable=quality.passes)
     floor_report = quality.report()
     if dropped := floor_report["dropped"]:
-        log.warning("%d candidate skip configuration(s) fell below the quality floor %.2f (agreement %s) and got no engine",
-                    len(dropped), quality.floor, ", ".join(f"{row['agreement']:.2f}" for row in dropped))
+        log.warning(
+            "%d candidate skip configuration(s) fell below the quality floor %.2f (agreement %s) and got no engine",
+            len(dropped),
+            quality.floor,
+            ", ".join(f"{row['agreement']:.2f}" for row in dropped),
+        )
     shares = served_share(histogram, chosen, spec.num_layers)
     configs = [SkipConfig(f"s{n}", tuple(sorted(kept))) for n, kept in enumerate(chosen, 1)]
     ids = {frozenset(c.kept): c.id for c in configs} | {frozenset(range(spec.num_layers)): "full"}
     report["configs"] = {
-        "histogram": [{"kept": sorted(k), "skipped": spec.num_layers - len(k), "count": n} for k, n in histogram.most_common()],
-        "chosen": [{"id": ids[k], "kept": sorted(k), "skipped": spec.num_layers - len(k), "share": round(v, 4)} for k, v in shares.items()],
-        "expected_layers_saved_per_prompt": round(layers_saved(histogram, chosen, spec.num_layers) / max(len(sequences), 1), 3),
+        "histogram": [
+            {"kept": sorted(k), "skipped": spec.num_layers - len(k), "count": n} for k, n in histogram.most_common()
+        ],
+        "chosen": [
+            {"id": ids[k], "kept": sorted(k), "skipped": spec.num_layers - len(k), "share": round(v, 4)}
+            for k, v in shares.items()
+        ],
+        "expected_layers_saved_per_prompt": round(
+            layers_saved(histogram, chosen, spec.num_layers) / max(len(sequences), 1), 3
+        ),
         "max_configs": options.max_configs,
         "quality": floor_report,
         "rule": "superset: cheapest compiled configuration containing every kept layer; full always compiled",
@@ -95,10 +124,18 @@ class QualityFloor:
     def passes(self, kept: frozenset[int]) -> bool:
         if kept not in self.measured:
             self.measured[kept] = round(continuation_agreement(self.model, self.sequences, kept), 4)
-            log.info("skipping layers %s keeps %.3f of the greedy tokens (floor %.2f)",
-                     sorted(set(range(len(self.model.layers))) - kept), self.measured[kept], self.floor)
+            log.info(
+                "skipping layers %s keeps %.3f of the greedy tokens (floor %.2f)",
+                sorted(set(range(len(self.model.layers))) - kept),
+                self.measured[kept],
+                self.floor,
+            )
         return self.measured[kept] >= self.floor
 
     def report(self) -> dict[str, Any]:
         rows = [{"kept": sorted(kept), "agreement": agreement} for kept, agreement in self.measured.items()]
-        return {"min_agreement": self.floor, "measured": rows, "dropped": [row for row in rows if row["agreement"] < self.floor]}
+        return {
+            "min_agreement": self.floor,
+            "measured": rows,
+            "dropped": [row for row in rows if row["agreement"] < self.floor],
+        }

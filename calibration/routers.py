@@ -18,6 +18,7 @@ w_i: on raw inputs every router logit moved by lr x the size of its layer's acti
 so SmolLM2's last two layers (the largest activations, and the costliest layers to skip)
 were the first to go at every lambda.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,8 @@ from typing import AbstractSet, Any
 import torch
 from tqdm import tqdm
 
-from graphs.adaptive import Routers
-from graphs.layers import DecoderStack
+from adaptive_export.graphs.adaptive import Routers
+from adaptive_export.graphs.layers import DecoderStack
 
 DEFAULT_LAMBDA = 0.02
 WEIGHT_DECAY = 1e-4
@@ -113,8 +114,16 @@ def initial_routers(means: torch.Tensor) -> Routers:
     return routers
 
 
-def train_routers(loaded: Any, sequences: list[TrainingSequence], lam: float = DEFAULT_LAMBDA, epochs: int = 3,
-                  lr: float = LEARNING_RATE, seed: int = 0, progress: bool = True, routers: Routers | None = None) -> RouterTrainingResult:
+def train_routers(
+    loaded: Any,
+    sequences: list[TrainingSequence],
+    lam: float = DEFAULT_LAMBDA,
+    epochs: int = 3,
+    lr: float = LEARNING_RATE,
+    seed: int = 0,
+    progress: bool = True,
+    routers: Routers | None = None,
+) -> RouterTrainingResult:
     torch.manual_seed(seed)
     model = GatedModel(loaded).eval()
     means, scale = input_statistics(model, sequences)
@@ -134,7 +143,7 @@ def train_routers(loaded: Any, sequences: list[TrainingSequence], lam: float = D
         for index in torch.randperm(len(sequences), generator=order).tolist():
             seq = sequences[index]
             logits, p = model(seq.ids, seq.prompt_len, scaled / scale)
-            targets = torch.tensor(seq.ids[seq.prompt_len:])
+            targets = torch.tensor(seq.ids[seq.prompt_len :])
             ce = torch.nn.functional.cross_entropy(logits[seq.prompt_len - 1 : -1], targets)
             loss = ce + lam * p.sum() + WEIGHT_DECAY * scaled.pow(2).sum()
             optimizer.zero_grad()
@@ -148,8 +157,15 @@ def train_routers(loaded: Any, sequences: list[TrainingSequence], lam: float = D
     with torch.no_grad():
         routers.weight.copy_(scaled / scale)
     window = max(1, len(sequences))
-    return RouterTrainingResult(routers=routers.eval(), lam=lam, epochs=epochs, seconds=time.perf_counter() - started,
-                                loss_first=sum(losses[:window]) / window, loss_last=sum(losses[-window:]) / window, mean_p_last=mean_p)
+    return RouterTrainingResult(
+        routers=routers.eval(),
+        lam=lam,
+        epochs=epochs,
+        seconds=time.perf_counter() - started,
+        loss_first=sum(losses[:window]) / window,
+        loss_last=sum(losses[-window:]) / window,
+        mean_p_last=mean_p,
+    )
 
 
 def skipping_logits(model: GatedModel, ids: list[int], prompt_len: int, kept: AbstractSet[int]) -> torch.Tensor:
@@ -170,7 +186,7 @@ def continuation_agreement(model: GatedModel, sequences: list[TrainingSequence],
     hits = total = 0
     for seq in sequences:
         logits = skipping_logits(model, seq.ids, seq.prompt_len, kept)[seq.prompt_len - 1 : -1]
-        hits += int((logits.argmax(-1) == torch.tensor(seq.ids[seq.prompt_len:])).sum())
+        hits += int((logits.argmax(-1) == torch.tensor(seq.ids[seq.prompt_len :])).sum())
         total += len(seq.ids) - seq.prompt_len
     return hits / max(total, 1)
 
@@ -179,7 +195,9 @@ def router_scores(loaded: Any, routers: Routers, prompt_ids: list[int]) -> list[
     """p_i exactly as the prefill graph computes them: no gating, full model, prompt tokens."""
     model = GatedModel(loaded).eval()
     with torch.no_grad():
-        return [float(torch.sigmoid(x @ routers.weight[i]).mean()) for i, x in enumerate(model.layer_inputs(prompt_ids))]
+        return [
+            float(torch.sigmoid(x @ routers.weight[i]).mean()) for i, x in enumerate(model.layer_inputs(prompt_ids))
+        ]
 
 
 def kept_by_routers(loaded: Any, routers: Routers | None, prompt_ids: list[int]) -> frozenset[int]:

@@ -13,6 +13,7 @@ Once the engines exist, `finalize_with_latencies` times them on the staged bundl
 makes the final choice of source, k and whether `--mode auto` speculates from measured
 milliseconds (calibration/latency.py); everything measured goes to calibration.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,13 +21,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from calibration.draft_sources import MAX_DRAFT, MEASURES
-from calibration.exit_adapters import ExitAdapterFit, candidate_exits, greedy_runs, resolve_exit_adapters
-from calibration.latency import MIN_SPEEDUP, choose_measured, measure_engine_latencies, measure_precision_acceptance, verify_costs
-from calibration.measure import calibration_prompts, measure_speculation
-from graphs.plan import ExitPlan
-from loading.artifacts import ADAPTERS_FILE, adapters_bytes
-from runtimes.errors import UsageError
+from adaptive_export.calibration.draft_sources import MAX_DRAFT, MEASURES
+from adaptive_export.calibration.exit_adapters import (
+    ExitAdapterFit,
+    candidate_exits,
+    greedy_runs,
+    resolve_exit_adapters,
+)
+from adaptive_export.calibration.latency import (
+    MIN_SPEEDUP,
+    choose_measured,
+    measure_engine_latencies,
+    measure_precision_acceptance,
+    verify_costs,
+)
+from adaptive_export.calibration.measure import calibration_prompts, measure_speculation
+from adaptive_export.graphs.plan import ExitPlan
+from adaptive_export.loading.artifacts import ADAPTERS_FILE, adapters_bytes
+from adaptive_export.runtimes.errors import UsageError
 
 DEFAULT_CALIB_TOKENS = 32
 
@@ -36,9 +48,14 @@ def parse_forced(text: str, num_layers: int) -> tuple[int, int]:
         exit_text, k_text = text.split(":")
         exit_layer, k = int(exit_text), int(k_text)
     except ValueError:
-        raise UsageError(f"--speculate {text!r} is neither 'auto' nor 'E:k'", "pass --speculate auto, or e.g. --speculate 20:4") from None
+        raise UsageError(
+            f"--speculate {text!r} is neither 'auto' nor 'E:k'", "pass --speculate auto, or e.g. --speculate 20:4"
+        ) from None
     if not 0 < exit_layer < num_layers:
-        raise UsageError(f"exit layer {exit_layer} is outside 1..{num_layers - 1}", f"choose an exit layer between 1 and {num_layers - 1}")
+        raise UsageError(
+            f"exit layer {exit_layer} is outside 1..{num_layers - 1}",
+            f"choose an exit layer between 1 and {num_layers - 1}",
+        )
     if not 0 < k <= 16:
         raise UsageError(f"draft length {k} is outside 1..16", "choose a draft length such as 3 or 4")
     return exit_layer, k
@@ -54,8 +71,9 @@ class SpeculationOptions:
     seed: int = 0
 
 
-def plan_speculation(options: SpeculationOptions, loaded: Any, parts: Any, ppd: dict[str, Any] | None = None
-                     ) -> tuple[ExitPlan, dict[str, Any], dict[str, Any], dict[str, bytes]]:
+def plan_speculation(
+    options: SpeculationOptions, loaded: Any, parts: Any, ppd: dict[str, Any] | None = None
+) -> tuple[ExitPlan, dict[str, Any], dict[str, Any], dict[str, bytes]]:
     """ExitPlan, manifest `speculation`, calibration.json entries and extra bundle files.
 
     `ppd`: trained PPD prompt tokens' simulated rounds (calibration/prompt_tokens.py), a
@@ -74,8 +92,14 @@ def plan_speculation(options: SpeculationOptions, loaded: Any, parts: Any, ppd: 
             fit = resolve_exit_adapters(adapter_option, loaded, [exit_layer], prompts, None, options.seed)
             require_adapter(fit, exit_layer, adapter_option)
         adapter, files = ship_adapter(fit, exit_layer, parts)
-        manifest = {"source": "early_exit", "exit_layer": exit_layer, "early_exit": {"draft_len": k}, "adapter": adapter,
-                    "auto_enabled": False, "chosen_by": "forced with --speculate"}
+        manifest = {
+            "source": "early_exit",
+            "exit_layer": exit_layer,
+            "early_exit": {"draft_len": k},
+            "adapter": adapter,
+            "auto_enabled": False,
+            "chosen_by": "forced with --speculate",
+        }
         calibration: dict[str, Any] = {"forced": manifest}
         if ppd is not None:
             manifest["ppd"] = {"draft_len": ppd["prompt_tokens"]}
@@ -87,27 +111,50 @@ def plan_speculation(options: SpeculationOptions, loaded: Any, parts: Any, ppd: 
     fit, runs = None, None
     if adapter_option != "none":
         runs = greedy_runs(loaded, prompts, DEFAULT_CALIB_TOKENS)
-        fit = resolve_exit_adapters(adapter_option, loaded, candidate_exits(spec.num_layers), prompts, runs, options.seed)
-    measured = measure_speculation(loaded, parts, prompts, DEFAULT_CALIB_TOKENS, adapters=fit.adapters if fit else None, runs=runs)
+        fit = resolve_exit_adapters(
+            adapter_option, loaded, candidate_exits(spec.num_layers), prompts, runs, options.seed
+        )
+    measured = measure_speculation(
+        loaded, parts, prompts, DEFAULT_CALIB_TOKENS, adapters=fit.adapters if fit else None, runs=runs
+    )
     if ppd is not None:
         measured["ppd"] = ppd
     choice = choose(measured, spec)
     early = choice["best_early_exit"]  # draft/verify engines are built for the best early exit either way
     adapter, files = ship_adapter(fit, early["exit_layer"], parts)
-    manifest = {"source": choice["source"], "auto_enabled": choice["auto_enabled"], "expected_speedup": choice["expected_speedup"],
-                "exit_layer": early["exit_layer"], "adapter": adapter, "chosen_by": "calibration (--speculate auto)",
-                **{source: {"draft_len": choice[f"best_{source}"]["draft_len"], "expected_speedup": choice[f"best_{source}"]["expected_speedup"]}
-                   for source in MEASURES if f"best_{source}" in choice}}
+    manifest = {
+        "source": choice["source"],
+        "auto_enabled": choice["auto_enabled"],
+        "expected_speedup": choice["expected_speedup"],
+        "exit_layer": early["exit_layer"],
+        "adapter": adapter,
+        "chosen_by": "calibration (--speculate auto)",
+        **{
+            source: {
+                "draft_len": choice[f"best_{source}"]["draft_len"],
+                "expected_speedup": choice[f"best_{source}"]["expected_speedup"],
+            }
+            for source in MEASURES
+            if f"best_{source}" in choice
+        },
+    }
     calibration = {**measured, "choice": choice}
     if fit is not None:
         calibration["exit_adapters"] = {**fit.report, "shipped": early["exit_layer"]}
-    return ExitPlan(early["exit_layer"], early["draft_len"], adapter=adapter), manifest, {"speculation": calibration}, files
+    return (
+        ExitPlan(early["exit_layer"], early["draft_len"], adapter=adapter),
+        manifest,
+        {"speculation": calibration},
+        files,
+    )
 
 
 def require_adapter(fit: ExitAdapterFit, exit_layer: int, option: str) -> None:
     if exit_layer not in fit.adapters:
-        raise UsageError(f"exit adapter file {option!r} has no adapter for exit layer {exit_layer} (it has {sorted(fit.adapters)})",
-                         "force an exit layer the file has with --speculate E:k, or pass --exit-adapter fit")
+        raise UsageError(
+            f"exit adapter file {option!r} has no adapter for exit layer {exit_layer} (it has {sorted(fit.adapters)})",
+            "force an exit layer the file has with --speculate E:k, or pass --exit-adapter fit",
+        )
 
 
 def ship_adapter(fit: ExitAdapterFit | None, exit_layer: int, parts: Any) -> tuple[bool, dict[str, bytes]]:
@@ -130,13 +177,22 @@ def choose(measured: dict[str, Any], spec: Any) -> dict[str, Any]:
     adapter = measured.get("adapter_cost_layers", 0.0)  # a draft step through the exit adapter
     candidates = [c for measure in MEASURES.values() for c in measure.cost_candidates(measured, layers, head, adapter)]
     best = max(candidates, key=lambda c: c["expected_speedup"])
-    by_source = {source: max((c for c in candidates if c["source"] == source), key=lambda c: c["expected_speedup"])
-                 for source in MEASURES if any(c["source"] == source for c in candidates)}
-    return {**best, "auto_enabled": best["expected_speedup"] > MIN_SPEEDUP, **{f"best_{s}": c for s, c in by_source.items()},
-            "candidates": len(candidates)}
+    by_source = {
+        source: max((c for c in candidates if c["source"] == source), key=lambda c: c["expected_speedup"])
+        for source in MEASURES
+        if any(c["source"] == source for c in candidates)
+    }
+    return {
+        **best,
+        "auto_enabled": best["expected_speedup"] > MIN_SPEEDUP,
+        **{f"best_{s}": c for s, c in by_source.items()},
+        "candidates": len(candidates),
+    }
 
 
-def finalize_with_latencies(root: Path, manifest: dict[str, Any], calibration: dict[str, Any], prompts: list[str] | None = None) -> None:
+def finalize_with_latencies(
+    root: Path, manifest: dict[str, Any], calibration: dict[str, Any], prompts: list[str] | None = None
+) -> None:
     """Time the staged engines; choose source, k and auto from acceptance x measured latency.
 
     Candidates are costed with the latencies of the runtime's own defaults (`as_run`); a
@@ -149,21 +205,35 @@ def finalize_with_latencies(root: Path, manifest: dict[str, Any], calibration: d
         calibration["speculation"]["precision"] = measure_precision_acceptance(root, prompts, MAX_DRAFT)
     choice = choose_measured(calibration["speculation"], as_run, spec.get("exit_layer"))
     best = choice["best"]
-    spec.update(source=best["source"], auto_enabled=choice["auto_enabled"], expected_speedup=best["expected_speedup"],
-                chosen_by="calibration (--speculate auto): simulated acceptance x measured engine latencies")
+    spec.update(
+        source=best["source"],
+        auto_enabled=choice["auto_enabled"],
+        expected_speedup=best["expected_speedup"],
+        chosen_by="calibration (--speculate auto): simulated acceptance x measured engine latencies",
+    )
     for source, candidate in choice["by_source"].items():
         spec[source] = {"draft_len": candidate["draft_len"], "expected_speedup": candidate["expected_speedup"]}
     # gated prompt lookup (runtime, --mode auto) drafts only while accepted drafts pay for this
     # both verify with the decode engine at T=k+1: the same measured costs
-    verify = {"verify_cost": verify_costs(latencies["decode_ms"]), "verify_cost_prepacked": verify_costs(prepacked["decode_ms"])}
+    verify = {
+        "verify_cost": verify_costs(latencies["decode_ms"]),
+        "verify_cost_prepacked": verify_costs(prepacked["decode_ms"]),
+    }
     spec.setdefault("prompt_lookup", {}).update(verify)
     if "precision" in choice["by_source"]:
-        spec["precision"].update(draft_cost=round(as_run["precision_draft_ms"] / as_run["decode_ms"][1], 3),
-                                 acceptance=choice["by_source"]["precision"]["acceptance"], **verify)
+        spec["precision"].update(
+            draft_cost=round(as_run["precision_draft_ms"] / as_run["decode_ms"][1], 3),
+            acceptance=choice["by_source"]["precision"]["acceptance"],
+            **verify,
+        )
     if "ppd" in choice["by_source"]:  # its verify pass also carries the m prompt tokens
         m = int(calibration["speculation"]["ppd"]["prompt_tokens"])
         for key, timed in (("verify_cost", latencies), ("verify_cost_prepacked", prepacked)):
             decode = timed["decode_ms"]
-            spec["ppd"][key] = {str(k): round(decode[1 + k + m] / decode[1], 3) for k in range(1, MAX_DRAFT + 1) if 1 + k + m in decode}
-    calibration["speculation"].update(latencies=latencies, latencies_prepacked=prepacked, latencies_as_run=as_run, measured_choice=choice)
+            spec["ppd"][key] = {
+                str(k): round(decode[1 + k + m] / decode[1], 3) for k in range(1, MAX_DRAFT + 1) if 1 + k + m in decode
+            }
+    calibration["speculation"].update(
+        latencies=latencies, latencies_prepacked=prepacked, latencies_as_run=as_run, measured_choice=choice
+    )
     (root / "calibration.json").write_text(json.dumps(calibration, indent=2) + "\n")

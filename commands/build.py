@@ -3,25 +3,26 @@
 The one place that joins calibration (routers, speculation) and the exporter: each gets its
 own typed options from the command's BuildOptions.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from calibration.router_pipeline import THRESHOLD, RouterOptions
-from calibration.speculation import SpeculationOptions
-from commands import EXIT_OK
-from commands.options import BuildOptions
-from exporter.backends import needs_portable_onnx, preflight
-from exporter.build import ExportOptions, build_bundle
-from exporter.bundle_writer import check_output_dir
-from graphs.plan import BuildPlan
-from graphs.span_graph import ModelParts
-from loading.model import load_model, resolve_model_path
-from loading.packaged import PACKAGED
-from loading.prompts import read_prompts
-from runtimes import limits
-from runtimes.errors import UsageError
+from adaptive_export.calibration.router_pipeline import THRESHOLD, RouterOptions
+from adaptive_export.calibration.speculation import SpeculationOptions
+from adaptive_export.commands import EXIT_OK
+from adaptive_export.commands.options import BuildOptions
+from adaptive_export.exporter.backends import needs_portable_onnx, preflight
+from adaptive_export.exporter.build import ExportOptions, build_bundle
+from adaptive_export.exporter.bundle_writer import check_output_dir
+from adaptive_export.graphs.plan import BuildPlan
+from adaptive_export.graphs.span_graph import ModelParts
+from adaptive_export.loading.model import load_model, resolve_model_path
+from adaptive_export.loading.packaged import PACKAGED
+from adaptive_export.loading.prompts import read_prompts
+from adaptive_export.runtimes import limits
+from adaptive_export.runtimes.errors import UsageError
 
 
 def check_exit_adapter_option(options: BuildOptions) -> None:
@@ -30,11 +31,15 @@ def check_exit_adapter_option(options: BuildOptions) -> None:
     if option == "none":
         return
     if not options.speculate:
-        raise UsageError(f"--exit-adapter {option} needs --speculate (the adapter belongs to the early-exit draft)",
-                         "add --speculate auto, or --speculate E:k")
+        raise UsageError(
+            f"--exit-adapter {option} needs --speculate (the adapter belongs to the early-exit draft)",
+            "add --speculate auto, or --speculate E:k",
+        )
     if option != "fit" and not Path(option).is_file():
-        raise UsageError(f"exit adapter file {option!r} does not exist",
-                         "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build")
+        raise UsageError(
+            f"exit adapter file {option!r} does not exist",
+            "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build",
+        )
 
 
 def quantized_gguf(model: str) -> Path | None:
@@ -62,11 +67,15 @@ def resolve_quantize(choice: str, model: str, backends: tuple[str, ...], flavour
     if choice == "auto":
         return ("native", source) if source is not None and not portable else ("none", None)
     if source is None:
-        raise UsageError(f"--quantize native needs a quantized .gguf model, and {model!r} is not one",
-                         "use --quantize int8 or int4 to quantize float weights, or none")
+        raise UsageError(
+            f"--quantize native needs a quantized .gguf model, and {model!r} is not one",
+            "use --quantize int8 or int4 to quantize float weights, or none",
+        )
     if portable:
-        raise UsageError("--quantize native needs the fused ONNX Runtime engines (--onnx-flavour ort, no tensorrt backend)",
-                         "drop --onnx-flavour portable / --backend tensorrt, or use --quantize none")
+        raise UsageError(
+            "--quantize native needs the fused ONNX Runtime engines (--onnx-flavour ort, no tensorrt backend)",
+            "drop --onnx-flavour portable / --backend tensorrt, or use --quantize none",
+        )
     return "native", source
 
 
@@ -76,24 +85,32 @@ def check_draft_precision(options: BuildOptions, quantize: str) -> str | None:
     if choice == "none":
         return None
     if options.onnx_flavour != "ort" or set(options.backends) != {"onnx"}:
-        raise UsageError(f"--draft-precision {choice} builds an ONNX Runtime engine (MatMulNBits, fused flavour), "
-                         f"which --backend {','.join(options.backends)} --onnx-flavour {options.onnx_flavour} does not run",
-                         "build it with --backend onnx and the default --onnx-flavour ort")
+        raise UsageError(
+            f"--draft-precision {choice} builds an ONNX Runtime engine (MatMulNBits, fused flavour), "
+            f"which --backend {','.join(options.backends)} --onnx-flavour {options.onnx_flavour} does not run",
+            "build it with --backend onnx and the default --onnx-flavour ort",
+        )
     cheaper = {"none": ("int8", "int4"), "int8": ("int4",), "native": ("native4",)}
     if choice not in cheaper.get(quantize, ()):
-        raise UsageError(f"--draft-precision {choice} is not a cheaper precision of this --quantize {quantize} bundle",
-                         "use int8 or int4 on a float bundle, int4 on an int8 one, native4 on a GGUF-exact (--quantize native) one")
+        raise UsageError(
+            f"--draft-precision {choice} is not a cheaper precision of this --quantize {quantize} bundle",
+            "use int8 or int4 on a float bundle, int4 on an int8 one, native4 on a GGUF-exact (--quantize native) one",
+        )
     if choice == "native4" and options.quant_accuracy == 4:
-        raise UsageError("--draft-precision native4 would draft at the precision the bundle already runs (accuracy 4)",
-                         "build with --quant-accuracy 1 (the exact engines) to draft at accuracy 4")
+        raise UsageError(
+            "--draft-precision native4 would draft at the precision the bundle already runs (accuracy 4)",
+            "build with --quant-accuracy 1 (the exact engines) to draft at accuracy 4",
+        )
     return choice
 
 
 def check_draft_vocab_option(size: int, draft_precision: str | None) -> None:
     """`--draft-vocab N` trims a precision draft's head, so it needs one."""
     if size and draft_precision is None:
-        raise UsageError(f"--draft-vocab {size} trims the precision draft's LM head, and this build has no precision draft",
-                         "add --draft-precision (int8/int4 on a float bundle, native4 on a GGUF-exact one), or drop --draft-vocab")
+        raise UsageError(
+            f"--draft-vocab {size} trims the precision draft's LM head, and this build has no precision draft",
+            "add --draft-precision (int8/int4 on a float bundle, native4 on a GGUF-exact one), or drop --draft-vocab",
+        )
 
 
 def check_prompt_tokens_option(option: str) -> str | None:
@@ -102,11 +119,16 @@ def check_prompt_tokens_option(option: str) -> str | None:
         return None
     if option.isdigit():
         if not 1 <= int(option) <= limits.MAX_PROMPT_TOKENS:
-            raise UsageError(f"--prompt-tokens {option} is outside 1..{limits.MAX_PROMPT_TOKENS}", "train 2 to 4 prompt tokens, e.g. --prompt-tokens 3")
+            raise UsageError(
+                f"--prompt-tokens {option} is outside 1..{limits.MAX_PROMPT_TOKENS}",
+                "train 2 to 4 prompt tokens, e.g. --prompt-tokens 3",
+            )
         return option
     if not Path(option).is_file():
-        raise UsageError(f"prompt tokens file {option!r} does not exist",
-                         "pass a number of prompt tokens to train (e.g. --prompt-tokens 3), or a prompt_tokens.safetensors file written by a previous build")
+        raise UsageError(
+            f"prompt tokens file {option!r} does not exist",
+            "pass a number of prompt tokens to train (e.g. --prompt-tokens 3), or a prompt_tokens.safetensors file written by a previous build",
+        )
     return option
 
 
@@ -115,12 +137,15 @@ def run_build(options: BuildOptions) -> dict[str, Any]:
     prompt_tokens = check_prompt_tokens_option(options.prompt_tokens)
     preflight(options.backends)  # a backend whose tools are missing fails before any work
     output = Path(options.output)
-    protect = tuple(Path(p) for p in (options.model, options.calib, options.routers, options.exit_adapter, prompt_tokens)
-                    if p and p not in (*PACKAGED, "train", "fit", "none"))
+    protect = tuple(
+        Path(p)
+        for p in (options.model, options.calib, options.routers, options.exit_adapter, prompt_tokens)
+        if p and p not in (*PACKAGED, "train", "fit", "none")
+    )
     check_output_dir(output, options.force, protect)  # fail fast, before minutes of loading and export
     quantize, native_source = resolve_quantize(options.quantize, options.model, options.backends, options.onnx_flavour)
     if quantize != "none":
-        from exporter.quantize import validate_options
+        from adaptive_export.exporter.quantize import validate_options
 
         validate_options(options.quant_block, options.quant_accuracy)  # before minutes of loading and export
     if options.calib and (options.routers or options.speculate or prompt_tokens or options.draft_vocab):
@@ -132,59 +157,94 @@ def run_build(options: BuildOptions) -> dict[str, Any]:
     plan = BuildPlan(num_layers=loaded.spec.num_layers, precision_draft=draft_precision)
     speculation, calibration, extra_files = None, {}, {}
     if options.routers:
-        from calibration.router_pipeline import plan_routers
+        from adaptive_export.calibration.router_pipeline import plan_routers
 
-        router_options = RouterOptions(routers=options.routers, calib=options.calib, max_configs=options.max_configs,
-                                       router_lambda=options.router_lambda, router_lr=options.router_lr,
-                                       min_config_agreement=options.min_config_agreement, seed=options.seed)
+        router_options = RouterOptions(
+            routers=options.routers,
+            calib=options.calib,
+            max_configs=options.max_configs,
+            router_lambda=options.router_lambda,
+            router_lr=options.router_lr,
+            min_config_agreement=options.min_config_agreement,
+            seed=options.seed,
+        )
         parts.routers, configs, calibration["routers"], extra_files = plan_routers(router_options, loaded)
-        plan = BuildPlan(num_layers=loaded.spec.num_layers, configs=configs, routers=True, precision_draft=draft_precision)
+        plan = BuildPlan(
+            num_layers=loaded.spec.num_layers, configs=configs, routers=True, precision_draft=draft_precision
+        )
         calibration["configs"] = calibration["routers"].pop("configs")
     if options.draft_vocab:
-        from calibration.draft_vocab import plan_draft_vocab
-        from calibration.measure import calibration_prompts
+        from adaptive_export.calibration.draft_vocab import plan_draft_vocab
+        from adaptive_export.calibration.measure import calibration_prompts
 
-        parts.draft_vocab, calibration["draft_vocab"] = plan_draft_vocab(loaded, calibration_prompts(options.calib), options.draft_vocab)
+        parts.draft_vocab, calibration["draft_vocab"] = plan_draft_vocab(
+            loaded, calibration_prompts(options.calib), options.draft_vocab
+        )
         plan.draft_vocab = options.draft_vocab
     ppd = None
     if prompt_tokens:
-        from calibration.measure import calibration_prompts
-        from calibration.prompt_tokens import plan_prompt_tokens
+        from adaptive_export.calibration.measure import calibration_prompts
+        from adaptive_export.calibration.prompt_tokens import plan_prompt_tokens
 
-        parts.prompt_tokens, ppd, ppd_files = plan_prompt_tokens(prompt_tokens, loaded, calibration_prompts(options.calib), options.seed)
+        parts.prompt_tokens, ppd, ppd_files = plan_prompt_tokens(
+            prompt_tokens, loaded, calibration_prompts(options.calib), options.seed
+        )
         plan.prompt_tokens = int(parts.prompt_tokens.shape[0])
         extra_files = {**extra_files, **ppd_files}
-        speculation = {"source": None, "auto_enabled": False, "ppd": {"draft_len": plan.prompt_tokens}, "chosen_by": "--prompt-tokens"}
+        speculation = {
+            "source": None,
+            "auto_enabled": False,
+            "ppd": {"draft_len": plan.prompt_tokens},
+            "chosen_by": "--prompt-tokens",
+        }
         calibration["speculation"] = {"ppd": ppd}
     if options.speculate:
-        from calibration.speculation import plan_speculation
+        from adaptive_export.calibration.speculation import plan_speculation
 
-        speculation_options = SpeculationOptions(options.speculate, exit_adapter=options.exit_adapter, calib=options.calib, seed=options.seed)
+        speculation_options = SpeculationOptions(
+            options.speculate, exit_adapter=options.exit_adapter, calib=options.calib, seed=options.seed
+        )
         plan.exit, speculation, measured, adapter_files = plan_speculation(speculation_options, loaded, parts, ppd)
         calibration.update(measured)
         extra_files = {**extra_files, **adapter_files}
     after_export = None
     if options.speculate == "auto":
-        from calibration.measure import calibration_prompts
-        from calibration.speculation import finalize_with_latencies
+        from adaptive_export.calibration.measure import calibration_prompts
+        from adaptive_export.calibration.speculation import finalize_with_latencies
 
         # a precision draft's acceptance is measured on its built engines, over these prompts
         prompts = calibration_prompts(options.calib) if draft_precision else None
 
         def after_export(root: Path, manifest: dict[str, Any]) -> None:
             finalize_with_latencies(root, manifest, calibration, prompts)
-    export = ExportOptions(speculation=speculation, calibration=calibration or None, extra_files=extra_files,
-                           router_threshold=THRESHOLD if options.routers else 0.5, output=output, backends=options.backends,
-                           max_len=options.max_len, force=options.force, quantize=quantize, onnx_flavour=options.onnx_flavour,
-                           native_source=native_source, after_export=after_export, coreml_precision=options.coreml_precision,
-                           trt_precision=options.trt_precision,
-                           quant_options={"block_size": options.quant_block, "accuracy_level": options.quant_accuracy} if quantize != "none" else {})
+
+    export = ExportOptions(
+        speculation=speculation,
+        calibration=calibration or None,
+        extra_files=extra_files,
+        router_threshold=THRESHOLD if options.routers else 0.5,
+        output=output,
+        backends=options.backends,
+        max_len=options.max_len,
+        force=options.force,
+        quantize=quantize,
+        onnx_flavour=options.onnx_flavour,
+        native_source=native_source,
+        after_export=after_export,
+        coreml_precision=options.coreml_precision,
+        trt_precision=options.trt_precision,
+        quant_options={"block_size": options.quant_block, "accuracy_level": options.quant_accuracy}
+        if quantize != "none"
+        else {},
+    )
     return build_bundle(loaded, plan, export, parts)
 
 
 def cmd_build(options: BuildOptions) -> int:
     manifest = run_build(options)
     onnx_entry = manifest["backends"]["onnx"]
-    print(f"wrote {options.output}: {len(manifest['graphs'])} graphs, {len(manifest['configs'])} configurations, "
-          f"weights {onnx_entry['weight_bytes'] / 1e6:.1f} MB stored once")
+    print(
+        f"wrote {options.output}: {len(manifest['graphs'])} graphs, {len(manifest['configs'])} configurations, "
+        f"weights {onnx_entry['weight_bytes'] / 1e6:.1f} MB stored once"
+    )
     return EXIT_OK

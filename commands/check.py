@@ -1,35 +1,45 @@
 """`check`: every engine of every backend against PyTorch (exporter/check.py), as a CI gate."""
+
 from __future__ import annotations
 
 import math
 import os
 from pathlib import Path
 
-from commands import EXIT_MISMATCH, EXIT_OK
-from commands.options import CheckOptions
-from loading.prompts import read_prompts
-from runtimes.errors import UsageError
+from adaptive_export.commands import EXIT_MISMATCH, EXIT_OK
+from adaptive_export.commands.options import CheckOptions
+from adaptive_export.loading.prompts import read_prompts
+from adaptive_export.runtimes.errors import UsageError
 
 MAX_TOLERANCE = 100.0  # `check --tolerance`: a larger factor would no longer gate anything
 
 
 def cmd_check(options: CheckOptions) -> int:
-    from exporter.check import run_check, write_report
+    from adaptive_export.exporter.check import run_check, write_report
 
-    if not (math.isfinite(options.tolerance) and 0 < options.tolerance <= MAX_TOLERANCE):  # inf or nan would turn the gate off
-        raise UsageError(f"--tolerance {options.tolerance} must be a finite factor in (0, {MAX_TOLERANCE:g}]", "pass a factor such as 1 or 2")
+    if not (
+        math.isfinite(options.tolerance) and 0 < options.tolerance <= MAX_TOLERANCE
+    ):  # inf or nan would turn the gate off
+        raise UsageError(
+            f"--tolerance {options.tolerance} must be a finite factor in (0, {MAX_TOLERANCE:g}]",
+            "pass a factor such as 1 or 2",
+        )
     prompts = read_prompts(options.prompts) if options.prompts else None
     for option, value in (("--report", options.report), ("--junit", options.junit)):  # fail before minutes of checking
         if value:
             parent = Path(value).parent
             if not parent.is_dir() or not os.access(parent, os.W_OK) or Path(value).is_dir():
-                raise UsageError(f"{option} {value!r} cannot be written (its directory does not exist or is not writable, or it is a directory)",
-                                 f"pass {option} a file path in a writable directory")
+                raise UsageError(
+                    f"{option} {value!r} cannot be written (its directory does not exist or is not writable, or it is a directory)",
+                    f"pass {option} a file path in a writable directory",
+                )
     report = run_check(options.bundle, options.model, prompts, options.new_tokens, options.tolerance)
     try:
         write_report(report, options.report, options.junit)
     except OSError as exc:
-        raise UsageError(f"cannot write the check report: {exc.strerror or exc}", "pass --report/--junit paths you can write to") from None
+        raise UsageError(
+            f"cannot write the check report: {exc.strerror or exc}", "pass --report/--junit paths you can write to"
+        ) from None
     for r in report.results:
         status = "PASS" if r.passed and r.executed else "SKIP" if not r.executed else "FAIL"
         numeric = r.max_abs is not None and r.tolerance is not None and r.check == "parity"

@@ -1,12 +1,13 @@
 """Typed options of each command: the command line parses argparse, then hands the layers
 below one of these frozen dataclasses (never an argparse.Namespace)."""
+
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
-from exporter.backends import parse_backends
+from adaptive_export.exporter.backends import parse_backends
 
 T = TypeVar("T", bound="Options")
 
@@ -48,7 +49,7 @@ class BuildOptions(Options):
     seed: int = 0
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, **converted: Any) -> "BuildOptions":
+    def from_args(cls, args: argparse.Namespace, **converted: Any) -> BuildOptions:
         return super().from_args(args, backends=parse_backends(args.backend))
 
 
@@ -76,7 +77,7 @@ class RunOptions(Options):
     prepack: str = "auto"
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, **converted: Any) -> "RunOptions":
+    def from_args(cls, args: argparse.Namespace, **converted: Any) -> RunOptions:
         return super().from_args(args, stop=tuple(args.stop))
 
 

@@ -1,4 +1,5 @@
 """`run`, `inspect` and `bench`: the runtime only (torch-free)."""
+
 from __future__ import annotations
 
 import json
@@ -6,11 +7,11 @@ import logging
 import sys
 from typing import Any
 
-from commands import EXIT_OK
-from commands.options import BenchOptions, InspectOptions, RunOptions
-from loading.prompts import read_prompt_file
-from runtimes import limits
-from runtimes.bundle import Bundle, load_bundle
+from adaptive_export.commands import EXIT_OK
+from adaptive_export.commands.options import BenchOptions, InspectOptions, RunOptions
+from adaptive_export.loading.prompts import read_prompt_file
+from adaptive_export.runtimes import limits
+from adaptive_export.runtimes.bundle import Bundle, load_bundle
 
 
 def prepack_graphs(bundle: Bundle, choice: str) -> list[str] | None:
@@ -23,31 +24,58 @@ def prepack_graphs(bundle: Bundle, choice: str) -> list[str] | None:
 
 
 def cmd_run(options: RunOptions) -> int:
-    from runtimes import Generator, SamplingParams
+    from adaptive_export.runtimes import Generator, SamplingParams
 
     prompt = options.prompt if options.prompt is not None else read_prompt_file(options.prompt_file)
-    sampling = SamplingParams(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p, seed=options.seed)
+    sampling = SamplingParams(
+        temperature=options.temperature, top_k=options.top_k, top_p=options.top_p, seed=options.seed
+    )
     backend_options: dict[str, Any] = {"threads": limits.check_threads(options.threads)}
     bundle = load_bundle(options.bundle, verify=options.verify)  # loaded (and verified) once
     if options.backend == "onnx":
         backend_options.update(provider=options.provider, prepack=prepack_graphs(bundle, options.prepack))
     generator = Generator(bundle, backend=options.backend, **backend_options)
     write = None if options.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-    result = generator.generate(prompt, max_new_tokens=options.max_new_tokens, sampling=sampling, stop=list(options.stop),
-                                raw=options.raw, config=options.config, mode=options.mode, on_text=write, draft=options.draft,
-                                draft_len=options.draft_len)
+    result = generator.generate(
+        prompt,
+        max_new_tokens=options.max_new_tokens,
+        sampling=sampling,
+        stop=list(options.stop),
+        raw=options.raw,
+        config=options.config,
+        mode=options.mode,
+        on_text=write,
+        draft=options.draft,
+        draft_len=options.draft_len,
+    )
     if options.json:
-        print(json.dumps({"text": result.text, "tokens": result.tokens, "prompt_tokens": len(result.prompt_ids), "stats": result.stats.to_json()}))
+        print(
+            json.dumps(
+                {
+                    "text": result.text,
+                    "tokens": result.tokens,
+                    "prompt_tokens": len(result.prompt_ids),
+                    "stats": result.stats.to_json(),
+                }
+            )
+        )
     else:
         sys.stdout.write("\n")
         s = result.stats
-        logging.getLogger("adaptive-export").info("%d tokens, prefill %.1f ms, TPOT %.2f ms, config %s (%d layers skipped), mode %s",
-                                                  s.new_tokens, s.prefill_ms, s.tpot_ms, s.config, s.skipped_layers, s.mode)
+        logging.getLogger("adaptive-export").info(
+            "%d tokens, prefill %.1f ms, TPOT %.2f ms, config %s (%d layers skipped), mode %s",
+            s.new_tokens,
+            s.prefill_ms,
+            s.tpot_ms,
+            s.config,
+            s.skipped_layers,
+            s.mode,
+        )
     return EXIT_OK
 
 
 def cmd_inspect(options: InspectOptions) -> int:
-    from runtimes.inspect import describe, render
+    from adaptive_export.runtimes.inspect import describe, render
 
     info = describe(options.bundle)
     print(json.dumps(info, indent=2) if options.json else render(info))
@@ -55,11 +83,19 @@ def cmd_inspect(options: InspectOptions) -> int:
 
 
 def cmd_bench(options: BenchOptions) -> int:
-    from runtimes.bench import bench_bundle
+    from adaptive_export.runtimes.bench import bench_bundle
 
     bundle = load_bundle(options.bundle)
-    rows = bench_bundle(bundle, options.prompt, options.max_new_tokens, options.repeat, options.config, options.mode,
-                        limits.check_threads(options.threads), prepack_graphs(bundle, options.prepack))
+    rows = bench_bundle(
+        bundle,
+        options.prompt,
+        options.max_new_tokens,
+        options.repeat,
+        options.config,
+        options.mode,
+        limits.check_threads(options.threads),
+        prepack_graphs(bundle, options.prepack),
+    )
     if options.json:
         print(json.dumps(rows))
     else:

@@ -5,19 +5,21 @@ and checked against them at import, so a backend is one entry here and one there
 is exported by exporter/build.py itself (every other backend is built from its graphs);
 every other compiler runs on the staged bundle after the ONNX export.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from runtimes.backends import BACKEND_NAMES, BACKENDS
-from runtimes.errors import UsageError
+from adaptive_export.runtimes.backends import BACKEND_NAMES, BACKENDS
+from adaptive_export.runtimes.errors import UsageError
 
 if TYPE_CHECKING:
-    from exporter.build import ExportOptions
-    from graphs.plan import BuildPlan
-    from graphs.span_graph import ModelParts
+    from adaptive_export.exporter.build import ExportOptions
+    from adaptive_export.graphs.plan import BuildPlan
+    from adaptive_export.graphs.span_graph import ModelParts
 
 # (bundle_dir, provisional manifest, parts, plan, options) -> the manifest's entry for the backend
 Compile = Callable[[Path, dict[str, Any], "ModelParts", "BuildPlan", "ExportOptions"], dict[str, Any]]
@@ -28,32 +30,41 @@ class BackendCompiler:
     name: str
     compile: Compile | None  # None: the ONNX export every bundle has
     preflight: Callable[[], None] = lambda: None  # fails fast (before minutes of export) if its tools are missing
-    portable_onnx: bool = False  # builds from the ONNX graphs and parses standard ops only: the bundle's ONNX is portable
+    portable_onnx: bool = (
+        False  # builds from the ONNX graphs and parses standard ops only: the bundle's ONNX is portable
+    )
 
 
-def _compile_coreml(root: Path, manifest: dict[str, Any], parts: "ModelParts", plan: "BuildPlan", options: "ExportOptions") -> dict[str, Any]:
-    from exporter.coreml_compile import compile_coreml
+def _compile_coreml(
+    root: Path, manifest: dict[str, Any], parts: ModelParts, plan: BuildPlan, options: ExportOptions
+) -> dict[str, Any]:
+    from adaptive_export.exporter.coreml_compile import compile_coreml
 
     return compile_coreml(root, manifest, parts, plan, options.coreml_precision)
 
 
 def _preflight_coreml() -> None:
-    from exporter.coreml_compile import _import_coremltools
+    from adaptive_export.exporter.coreml_compile import _import_coremltools
 
     _import_coremltools()
 
 
-def _compile_tensorrt(root: Path, manifest: dict[str, Any], parts: "ModelParts", plan: "BuildPlan", options: "ExportOptions") -> dict[str, Any]:
-    from exporter.tensorrt_compile import compile_tensorrt
+def _compile_tensorrt(
+    root: Path, manifest: dict[str, Any], parts: ModelParts, plan: BuildPlan, options: ExportOptions
+) -> dict[str, Any]:
+    from adaptive_export.exporter.tensorrt_compile import compile_tensorrt
 
     return compile_tensorrt(root, manifest, options.trt_precision)
 
 
-COMPILERS: dict[str, BackendCompiler] = {c.name: c for c in (
-    BackendCompiler("onnx", None),
-    BackendCompiler("coreml", _compile_coreml, _preflight_coreml),
-    BackendCompiler("tensorrt", _compile_tensorrt, portable_onnx=True),
-)}
+COMPILERS: dict[str, BackendCompiler] = {
+    c.name: c
+    for c in (
+        BackendCompiler("onnx", None),
+        BackendCompiler("coreml", _compile_coreml, _preflight_coreml),
+        BackendCompiler("tensorrt", _compile_tensorrt, portable_onnx=True),
+    )
+}
 if set(COMPILERS) != set(BACKEND_NAMES):  # pragma: no cover - a registration mistake, caught by any import
     raise RuntimeError(f"exporter backends {sorted(COMPILERS)} differ from the runtime's {sorted(BACKEND_NAMES)}")
 
@@ -63,7 +74,10 @@ def parse_backends(text: str) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     unknown = [n for n in names if n not in COMPILERS]
     if not names or unknown:
-        raise UsageError(f"unknown backend {unknown[0] if unknown else text!r}", f"use a comma-separated list of: {', '.join(COMPILERS)}")
+        raise UsageError(
+            f"unknown backend {unknown[0] if unknown else text!r}",
+            f"use a comma-separated list of: {', '.join(COMPILERS)}",
+        )
     return names
 
 

@@ -1,25 +1,27 @@
 """`adaptive-export build`: model -> static graphs -> ONNX with shared weights -> bundle."""
+
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import onnx
 from tqdm import tqdm
 
-from exporter.backends import COMPILERS, needs_portable_onnx
-from exporter.onnx_export import OPSET, export_graph
-from exporter.tokenizer_export import chat_format, save_tokenizer, special_tokens
-from exporter.weights import WeightStore, canonicalize_names, externalize
-from graphs.fused_graph import packed_weights
-from graphs.plan import FULL_CONFIG, BuildPlan
-from graphs.span_graph import GraphSpec, ModelParts, draft_head
-from loading.model import LoadedModel
-from runtimes.errors import UsageError
-from runtimes.manifest import FORMAT, SCHEMA_VERSION
+from adaptive_export.exporter.backends import COMPILERS, needs_portable_onnx
+from adaptive_export.exporter.onnx_export import OPSET, export_graph
+from adaptive_export.exporter.tokenizer_export import chat_format, save_tokenizer, special_tokens
+from adaptive_export.exporter.weights import WeightStore, canonicalize_names, externalize
+from adaptive_export.graphs.fused_graph import packed_weights
+from adaptive_export.graphs.plan import FULL_CONFIG, BuildPlan
+from adaptive_export.graphs.span_graph import GraphSpec, ModelParts, draft_head
+from adaptive_export.loading.model import LoadedModel
+from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.manifest import FORMAT, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +97,30 @@ def flavoured(graphs: list[GraphSpec], flavour: str) -> list[GraphSpec]:
 
 def _engine_key(graph: GraphSpec) -> tuple[Any, ...]:
     """Graphs with equal keys are the same ONNX model; their engine file is written once."""
-    return (graph.flavour, graph.layers, graph.source, graph.router_scores, graph.exit_hidden,
-            graph.exit_layer if graph.exit_adapter else None, graph.logits if graph.flavour == "portable" else None,
-            graph.precision, graph.prompt_tokens, graph.draft_vocab)
+    return (
+        graph.flavour,
+        graph.layers,
+        graph.source,
+        graph.router_scores,
+        graph.exit_hidden,
+        graph.exit_layer if graph.exit_adapter else None,
+        graph.logits if graph.flavour == "portable" else None,
+        graph.precision,
+        graph.prompt_tokens,
+        graph.draft_vocab,
+    )
 
 
-def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress: bool, quantize: str = "none",
-                quant_options: dict[str, int] | None = None, max_len: int = DEFAULT_MAX_LEN,
-                native_source: Path | None = None) -> dict[str, Any]:
+def export_onnx(
+    root: Path,
+    parts: ModelParts,
+    graphs: list[GraphSpec],
+    progress: bool,
+    quantize: str = "none",
+    quant_options: dict[str, int] | None = None,
+    max_len: int = DEFAULT_MAX_LEN,
+    native_source: Path | None = None,
+) -> dict[str, Any]:
     """Export every graph to root/onnx with one shared weights file (optionally weight-quantized)."""
     folder = root / "onnx"
     folder.mkdir()
@@ -112,11 +130,13 @@ def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress
     packed = packed_weights(parts, max_len) if flavour == "ort" else None
     native = None
     if quantize == "native":
-        from exporter.native_quant import NativeWeights
+        from adaptive_export.exporter.native_quant import NativeWeights
 
         if flavour != "ort" or native_source is None:
-            raise UsageError("--quantize native needs the ort ONNX flavour and a quantized .gguf model",
-                             "drop --onnx-flavour portable / --backend tensorrt, or use --quantize int8|int4")
+            raise UsageError(
+                "--quantize native needs the ort ONNX flavour and a quantized .gguf model",
+                "drop --onnx-flavour portable / --backend tensorrt, or use --quantize int8|int4",
+            )
         native = NativeWeights.from_gguf(native_source, parts.spec)
     with WeightStore(folder / WEIGHTS_FILE) as store:
         store.name_parameters((n, p.detach().numpy()) for n, p in parts.hf_model.named_parameters())
@@ -131,7 +151,9 @@ def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress
             if rows is not None:
                 store.name_parameters([("draft_head.weight", rows.numpy())])
         for layer, adapter in parts.exit_adapters.items():
-            store.name_parameters((f"exit_adapter.{layer}.{n}", p.detach().numpy()) for n, p in adapter.named_parameters())
+            store.name_parameters(
+                (f"exit_adapter.{layer}.{n}", p.detach().numpy()) for n, p in adapter.named_parameters()
+            )
         for graph in tqdm(graphs, desc="export ONNX", unit="graph", disable=not progress):
             same = written.get(_engine_key(graph))
             if same is not None:
@@ -147,61 +169,90 @@ def export_onnx(root: Path, parts: ModelParts, graphs: list[GraphSpec], progress
                 init.name for init in model.graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL
             )
             written[_engine_key(graph)] = entries[graph.name]
-        tensors = {t.name: {"dtype": t.dtype, "shape": list(t.shape), "offset": t.offset, "bytes": t.length} for t in store.tensors.values()}
+        tensors = {
+            t.name: {"dtype": t.dtype, "shape": list(t.shape), "offset": t.offset, "bytes": t.length}
+            for t in store.tensors.values()
+        }
         weight_bytes = store.total_bytes
-    return {"weights": f"onnx/{WEIGHTS_FILE}", "weight_bytes": weight_bytes, "opset": OPSET, "flavour": flavour,
-            "quantize": quantize, "quant_options": quant_options or {}, "quant_bits": native.dtype if native else quantize,
-            "tensors": tensors, "graphs": entries}
+    return {
+        "weights": f"onnx/{WEIGHTS_FILE}",
+        "weight_bytes": weight_bytes,
+        "opset": OPSET,
+        "flavour": flavour,
+        "quantize": quantize,
+        "quant_options": quant_options or {},
+        "quant_bits": native.dtype if native else quantize,
+        "tensors": tensors,
+        "graphs": entries,
+    }
 
 
-def _apply_precision(model: onnx.ModelProto, graph: GraphSpec, quantize: str, quant_options: dict[str, int],
-                     native: Any) -> onnx.ModelProto:
+def _apply_precision(
+    model: onnx.ModelProto, graph: GraphSpec, quantize: str, quant_options: dict[str, int], native: Any
+) -> onnx.ModelProto:
     """The bundle's weight precision, or a precision draft's: int8/int4 re-quantize the float
     weights (accuracy 4: int8 activations, ORT's fast CPU kernels); native4 is the GGUF's own
     blocks at accuracy 4, sharing every block initializer with the bundle's engines."""
     if graph.precision == "native4":
         if native is None:
-            raise UsageError("--draft-precision native4 needs a GGUF-exact bundle (--quantize native)",
-                             "build from a quantized .gguf with --quantize native, or use --draft-precision int8|int4")
-        from exporter.native_quant import apply_native
+            raise UsageError(
+                "--draft-precision native4 needs a GGUF-exact bundle (--quantize native)",
+                "build from a quantized .gguf with --quantize native, or use --draft-precision int8|int4",
+            )
+        from adaptive_export.exporter.native_quant import apply_native
 
         apply_native(model, native, 4)
         if graph.draft_vocab:  # the reduced head is no GGUF tensor: int8 at accuracy 4, like a float bundle's draft
-            from exporter.quantize import quantize as quantize_model
+            from adaptive_export.exporter.quantize import quantize as quantize_model
 
             return quantize_model(model, "int8", block_size=quant_options.get("block_size", 32), accuracy_level=4)
         return model
     if graph.precision is not None:
-        from exporter.quantize import quantize as quantize_model
+        from adaptive_export.exporter.quantize import quantize as quantize_model
 
         return quantize_model(model, graph.precision, block_size=quant_options.get("block_size", 32), accuracy_level=4)
     if native is not None:
-        from exporter.native_quant import apply_native
+        from adaptive_export.exporter.native_quant import apply_native
 
         apply_native(model, native, quant_options.get("accuracy_level", 4))
         return model
     if quantize != "none":
-        from exporter.quantize import quantize as quantize_model
+        from adaptive_export.exporter.quantize import quantize as quantize_model
 
         return quantize_model(model, quantize, **quant_options)
     return model
 
 
-def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: ExportOptions, parts: ModelParts | None = None) -> dict[str, Any]:
+def build_bundle(
+    loaded: LoadedModel, plan: BuildPlan, options: ExportOptions, parts: ModelParts | None = None
+) -> dict[str, Any]:
     """Export, compile and write the bundle atomically; returns the manifest."""
-    from exporter.bundle_writer import staging_dir, write_manifest
+    from adaptive_export.exporter.bundle_writer import staging_dir, write_manifest
 
     unknown = [b for b in options.backends if b not in COMPILERS]
     if unknown:
         raise UsageError(f"backend {unknown[0]!r} is not available for build", f"choose from {', '.join(COMPILERS)}")
     if "onnx" not in options.backends:
-        raise UsageError("every bundle needs the onnx backend (the reference the others are checked and built from)", "add onnx to --backend, e.g. --backend onnx,coreml")
+        raise UsageError(
+            "every bundle needs the onnx backend (the reference the others are checked and built from)",
+            "add onnx to --backend, e.g. --backend onnx,coreml",
+        )
     parts = parts or ModelParts(loaded.hf_model, loaded.spec)
     flavour = "portable" if needs_portable_onnx(options.backends) else options.onnx_flavour
     graphs = flavoured(plan.graphs(), flavour)
     with staging_dir(options.output, options.force) as root:
-        backends = {"onnx": export_onnx(root, parts, graphs, options.progress, options.quantize, options.quant_options, options.max_len,
-                                        options.native_source)}
+        backends = {
+            "onnx": export_onnx(
+                root,
+                parts,
+                graphs,
+                options.progress,
+                options.quantize,
+                options.quant_options,
+                options.max_len,
+                options.native_source,
+            )
+        }
         save_tokenizer(loaded.tokenizer, root / "tokenizer.json")
         manifest: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
@@ -210,9 +261,17 @@ def build_bundle(loaded: LoadedModel, plan: BuildPlan, options: ExportOptions, p
             "max_len": options.max_len,
             "dtype": "float32" if options.quantize == "none" else backends["onnx"]["quant_bits"],
             "router_threshold": options.router_threshold,
-            "tokenizer": {"file": "tokenizer.json", "chat": chat_format(loaded.tokenizer), **special_tokens(loaded.tokenizer, loaded.hf_model)},
+            "tokenizer": {
+                "file": "tokenizer.json",
+                "chat": chat_format(loaded.tokenizer),
+                **special_tokens(loaded.tokenizer, loaded.hf_model),
+            },
             "configs": [
-                {"id": c.id, "kept": list(c.kept), "engines": {"decode": f"decode_{c.id}", **_exit_engines(graphs, c.id)}}
+                {
+                    "id": c.id,
+                    "kept": list(c.kept),
+                    "engines": {"decode": f"decode_{c.id}", **_exit_engines(graphs, c.id)},
+                }
                 for c in plan.configs
             ],
             "speculation": options.speculation,

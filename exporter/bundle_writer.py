@@ -2,6 +2,7 @@
 which is renamed into place only when complete. An interrupted build leaves the old
 bundle (if any) intact and no partial one.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -12,12 +13,13 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from runtimes.bundle import sha256_of
-from runtimes.errors import UsageError
-from runtimes.manifest import FORMAT
+from adaptive_export.runtimes.bundle import sha256_of
+from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.manifest import FORMAT
 
 
 def file_table(root: Path) -> dict[str, dict[str, Any]]:
@@ -34,7 +36,13 @@ def is_previous_bundle(target: Path) -> bool:
     """A directory holding an adaptive-export manifest (a regular file, not a symlink)."""
     manifest = target / "manifest.json"
     try:
-        if target.is_symlink() or not target.is_dir() or manifest.is_symlink() or not manifest.is_file() or manifest.stat().st_size > (16 << 20):
+        if (
+            target.is_symlink()
+            or not target.is_dir()
+            or manifest.is_symlink()
+            or not manifest.is_file()
+            or manifest.stat().st_size > (16 << 20)
+        ):
             return False
         return json.loads(manifest.read_bytes()).get("format") == FORMAT
     except (OSError, ValueError, AttributeError, RecursionError):
@@ -49,24 +57,36 @@ def check_output_dir(target: Path, force: bool, protect: tuple[Path, ...] = ()) 
     (`protect`) or a directory that contains either."""
     resolved = target.resolve()
     if not target.name or resolved == Path(resolved.anchor):
-        raise UsageError(f"output path {str(target)!r} names no directory of its own", "choose a new directory such as -o bundles/mymodel")
+        raise UsageError(
+            f"output path {str(target)!r} names no directory of its own",
+            "choose a new directory such as -o bundles/mymodel",
+        )
     if (target.exists() or target.is_symlink()) and not force:
-        raise UsageError(f"output directory {str(target)!r} already exists", "pass --force to replace it, or choose another -o")
+        raise UsageError(
+            f"output directory {str(target)!r} already exists", "pass --force to replace it, or choose another -o"
+        )
     for kept in (Path.cwd(), *protect):
         kept = kept.resolve()
         if kept == resolved or kept.is_relative_to(resolved):
-            raise UsageError(f"output directory {str(target)!r} is or contains {str(kept)!r}, which a build never replaces",
-                             "choose another -o, outside the model and the working directory")
+            raise UsageError(
+                f"output directory {str(target)!r} is or contains {str(kept)!r}, which a build never replaces",
+                "choose another -o, outside the model and the working directory",
+            )
     if target.is_symlink() or (target.exists() and not target.is_dir()):
         raise UsageError(f"output path {str(target)!r} exists and is not a directory", "choose another -o")
     if target.exists() and not is_previous_bundle(target):
-        raise UsageError(f"output directory {str(target)!r} is not an adaptive-export bundle, so --force will not replace it",
-                         "choose another -o, or remove that directory yourself")
+        raise UsageError(
+            f"output directory {str(target)!r} is not an adaptive-export bundle, so --force will not replace it",
+            "choose another -o, or remove that directory yourself",
+        )
     parent = target.parent if str(target.parent) else Path(".")
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UsageError(f"cannot create the parent directory of {str(target)!r}: {exc.strerror}", "choose an output directory you can write to") from None
+        raise UsageError(
+            f"cannot create the parent directory of {str(target)!r}: {exc.strerror}",
+            "choose an output directory you can write to",
+        ) from None
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"cannot write to {str(parent)!r}", "choose an output directory you can write to")
 
@@ -135,7 +155,10 @@ def staging_dir(target: Path, force: bool) -> Iterator[Path]:
         yield staging
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)
-        raise UsageError(f"writing the bundle failed: {exc.strerror or exc}", "free disk space or choose another -o, then build again") from exc
+        raise UsageError(
+            f"writing the bundle failed: {exc.strerror or exc}",
+            "free disk space or choose another -o, then build again",
+        ) from exc
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -12,21 +12,21 @@ Tolerances (fp32 graphs): logits |diff| <= LOGIT_ATOL + LOGIT_RTOL * max|ref|. O
 and reorders fp32 sums, so errors of 1e-5..1e-4 are expected over 30 layers; 1e-3 is an
 order of magnitude above what we measure and far below the gap between distinct tokens.
 """
+
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 import xml.etree.ElementTree as ET
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from runtimes.bundle import Bundle
-from runtimes.drafting.base import full_vocabulary_row
-from runtimes.kv_arena import KVArena
+from adaptive_export.runtimes.bundle import Bundle
+from adaptive_export.runtimes.drafting.base import full_vocabulary_row
+from adaptive_export.runtimes.kv_arena import KVArena
 
 REPORT_SCHEMA = "adaptive-export-check/1"
 TOLERANCES = {"float32": {"atol": 1e-3, "rtol": 1e-4}, "float16": {"atol": 5e-2, "rtol": 1e-2}}
@@ -78,10 +78,17 @@ class CheckReport:
         }
 
     def junit(self) -> ET.ElementTree:
-        suite = ET.Element("testsuite", name="adaptive-export-check", tests=str(len(self.results)),
-                           failures=str(sum(not r.passed for r in self.results)), skipped=str(sum(not r.executed for r in self.results)))
+        suite = ET.Element(
+            "testsuite",
+            name="adaptive-export-check",
+            tests=str(len(self.results)),
+            failures=str(sum(not r.passed for r in self.results)),
+            skipped=str(sum(not r.executed for r in self.results)),
+        )
         for r in self.results:
-            case = ET.SubElement(suite, "testcase", classname=f"{r.backend}.{r.engine}", name=r.check, time=f"{r.seconds:.3f}")
+            case = ET.SubElement(
+                suite, "testcase", classname=f"{r.backend}.{r.engine}", name=r.check, time=f"{r.seconds:.3f}"
+            )
             if not r.executed:
                 ET.SubElement(case, "skipped", message=r.detail)
             elif not r.passed:
@@ -94,11 +101,15 @@ def gated_on_quality(bundle: Bundle) -> bool:
     their weights are the reference model's own (the GGUF dequantized) and their activations
     fp32, so they are held to the fp32 tolerances and greedy identity."""
     onnx_entry = bundle.manifest["backends"].get("onnx", {})
-    exact = onnx_entry.get("quantize") == "native" and (onnx_entry.get("quant_options") or {}).get("accuracy_level") == 1
+    exact = (
+        onnx_entry.get("quantize") == "native" and (onnx_entry.get("quant_options") or {}).get("accuracy_level") == 1
+    )
     return bundle.manifest["dtype"] in QUANT_MIN_AGREEMENT and not exact
 
 
-def compare(actual: np.ndarray, expected: np.ndarray, dtype: str = "float32", scale_tol: float = 1.0) -> tuple[bool, float, float, float]:
+def compare(
+    actual: np.ndarray, expected: np.ndarray, dtype: str = "float32", scale_tol: float = 1.0
+) -> tuple[bool, float, float, float]:
     tol = TOLERANCES[dtype]
     diff = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
     bound = (tol["atol"] + tol["rtol"] * float(np.abs(expected).max(initial=0.0))) * scale_tol
@@ -107,31 +118,53 @@ def compare(actual: np.ndarray, expected: np.ndarray, dtype: str = "float32", sc
     return max_abs <= bound and bool(np.isfinite(actual).all()), max_abs, max_rel, bound
 
 
-def engine_parity(bundle: Bundle, backend: Any, parts: Any, graph_name: str, seed: int = 0, scale_tol: float = 1.0) -> CheckResult:
+def engine_parity(
+    bundle: Bundle, backend: Any, parts: Any, graph_name: str, seed: int = 0, scale_tol: float = 1.0
+) -> CheckResult:
     """Run one graph in the backend and in PyTorch on the same inputs; compare every output."""
     import torch
 
-    from graphs.span_graph import GraphSpec, SpanGraph
+    from adaptive_export.graphs.span_graph import GraphSpec, SpanGraph
 
     info = bundle.graph(graph_name)
-    spec = GraphSpec(name=graph_name, kind=info["kind"], layers=tuple(info["layers"]), source=info["source"],
-                     logits=info["logits"], router_scores=info["router_scores"], exit_hidden=info["exit_hidden"],
-                     exit_adapter=info["exit_adapter"], config=info["config"], exit_layer=info["exit_layer"],
-                     prompt_tokens=info.get("prompt_tokens", 0), draft_vocab=info.get("draft_vocab", 0))
+    spec = GraphSpec(
+        name=graph_name,
+        kind=info["kind"],
+        layers=tuple(info["layers"]),
+        source=info["source"],
+        logits=info["logits"],
+        router_scores=info["router_scores"],
+        exit_hidden=info["exit_hidden"],
+        exit_adapter=info["exit_adapter"],
+        config=info["config"],
+        exit_layer=info["exit_layer"],
+        prompt_tokens=info.get("prompt_tokens", 0),
+        draft_vocab=info.get("draft_vocab", 0),
+    )
     rng = np.random.default_rng(seed)
     model = bundle.model
     past_len, count = 7, (9 if info["kind"] == "prefill" else 1 if info["kind"] == "draft" else 4)
     if info["kind"] == "prefill":
         past_len = 0
-    first = (rng.integers(0, model["vocab_size"], (1, count)) if spec.source == "ids"
-             else rng.standard_normal((1, count, model["hidden_size"])).astype(np.float32))
-    if spec.prompt_tokens and spec.source == "ids":  # the last rows are PPD prompt tokens: their embedding is checked too
+    first = (
+        rng.integers(0, model["vocab_size"], (1, count))
+        if spec.source == "ids"
+        else rng.standard_normal((1, count, model["hidden_size"])).astype(np.float32)
+    )
+    if (
+        spec.prompt_tokens and spec.source == "ids"
+    ):  # the last rows are PPD prompt tokens: their embedding is checked too
         prompts = min(spec.prompt_tokens, count - 1)
-        first[0, count - prompts:] = model["vocab_size"] + np.arange(prompts)
+        first[0, count - prompts :] = model["vocab_size"] + np.arange(prompts)
     fused = info.get("flavour", "portable") == "ort"
     # fused engines bind the whole [1, n_kv, max_len, hd] block, so their arena is max_len long
-    arena = KVArena(bundle.num_layers, bundle.max_len if fused else past_len + count, model["num_kv_heads"], model["head_dim"],
-                    layout=backend.kv_layout)
+    arena = KVArena(
+        bundle.num_layers,
+        bundle.max_len if fused else past_len + count,
+        model["num_kv_heads"],
+        model["head_dim"],
+        layout=backend.kv_layout,
+    )
     for layer in range(bundle.num_layers):
         for kv in (0, 1):
             arena.seq_view(layer, kv)[:past_len] = rng.standard_normal(arena.seq_view(layer, kv)[:past_len].shape) * 0.5
@@ -141,18 +174,23 @@ def engine_parity(bundle: Bundle, backend: Any, parts: Any, graph_name: str, see
     out = backend.run(graph_name, first, arena, past_len)
     with torch.no_grad():
         if fused:
-            from graphs.fused_graph import FusedSpanGraph, packed_weights
+            from adaptive_export.graphs.fused_graph import FusedSpanGraph, packed_weights
 
             spec = replace(spec, flavour="ort")
             module = FusedSpanGraph(parts, spec, packed_weights(parts, bundle.max_len)).eval()
             rows = np.arange(count - 1 if spec.logits == "last" else 0, count)
-            control = (torch.from_numpy(rows), torch.tensor([past_len + count - 1], dtype=torch.int32),
-                       torch.tensor(past_len + count, dtype=torch.int32))
+            control = (
+                torch.from_numpy(rows),
+                torch.tensor([past_len + count - 1], dtype=torch.int32),
+                torch.tensor(past_len + count, dtype=torch.int32),
+            )
             past = [torch.from_numpy(before[i, kv]) for kv in (0, 1) for i in spec.layers]
             ref = module(torch.from_numpy(first), *control, *past)
         else:
             module = SpanGraph(parts, spec).eval()
-            past = [torch.from_numpy(np.ascontiguousarray(before[i, kv, :past_len])) for kv in (0, 1) for i in spec.layers]
+            past = [
+                torch.from_numpy(np.ascontiguousarray(before[i, kv, :past_len])) for kv in (0, 1) for i in spec.layers
+            ]
             ref = module(torch.from_numpy(first), *past)
     names = spec.output_names()
     quantized = gated_on_quality(bundle)
@@ -181,10 +219,22 @@ def engine_parity(bundle: Bundle, backend: Any, parts: Any, graph_name: str, see
             worst = (ok and worst[0], max_abs, max_rel, bound)
     quantized = quantized or bool(info.get("precision"))
     dtype = info.get("precision") or bundle.manifest["dtype"]
-    detail = "; ".join(failures) or (f"{dtype} weights: difference to fp32 is informational, the quality checks gate"
-                                     if quantized else f"{len(names)} outputs within tolerance")
-    return CheckResult(backend.name, graph_name, "parity", not failures, max_abs=worst[1], max_rel=worst[2],
-                       tolerance=None if quantized else worst[3], seconds=time.perf_counter() - started, detail=detail)
+    detail = "; ".join(failures) or (
+        f"{dtype} weights: difference to fp32 is informational, the quality checks gate"
+        if quantized
+        else f"{len(names)} outputs within tolerance"
+    )
+    return CheckResult(
+        backend.name,
+        graph_name,
+        "parity",
+        not failures,
+        max_abs=worst[1],
+        max_rel=worst[2],
+        tolerance=None if quantized else worst[3],
+        seconds=time.perf_counter() - started,
+        detail=detail,
+    )
 
 
 def first_divergence(actual: list[int], expected: list[int]) -> int | None:
@@ -210,8 +260,9 @@ def greedy_verdict(actual: list[int], expected: list[int], margins: list[float])
     return at, margin, margin < TIE_MARGIN
 
 
-def teacher_forced_logits(generator: Any, prompt_ids: list[int], continuation: list[int], config: str = "full",
-                          engine: str | None = None) -> np.ndarray:
+def teacher_forced_logits(
+    generator: Any, prompt_ids: list[int], continuation: list[int], config: str = "full", engine: str | None = None
+) -> np.ndarray:
     """Logits of a bundle at each position of `continuation` (row i predicts continuation[i])
     when fed prompt + continuation[:-1]: the prefill engine over the prompt, then one pass of
     the configuration's decode engine (or `engine`) over the forced tokens, on the generator's arena."""
@@ -231,13 +282,15 @@ def teacher_forced_logits(generator: Any, prompt_ids: list[int], continuation: l
     return np.stack(rows)
 
 
-def reference_greedy(parts: Any, prompt_ids: list[int], new_tokens: int, eos_ids: set[int], kept: list[int]) -> tuple[list[int], list[np.ndarray]]:
+def reference_greedy(
+    parts: Any, prompt_ids: list[int], new_tokens: int, eos_ids: set[int], kept: list[int]
+) -> tuple[list[int], list[np.ndarray]]:
     """Greedy tokens and per-step logits in PyTorch: HF transformers itself for the full
     model; for a skip configuration, prefill over every layer and decode over the kept
     layers with the static PyTorch graphs (validated against HF in the tests)."""
     import torch
 
-    from graphs.span_graph import GraphSpec, SpanGraph
+    from adaptive_export.graphs.span_graph import GraphSpec, SpanGraph
 
     every = tuple(range(parts.spec.num_layers))
     tokens: list[int] = []
@@ -273,7 +326,9 @@ def reference_greedy(parts: Any, prompt_ids: list[int], new_tokens: int, eos_ids
     return tokens, steps
 
 
-def greedy_check(generator: Any, parts: Any, config: dict[str, Any], prompt: str, new_tokens: int, draft: str | None = None) -> CheckResult:
+def greedy_check(
+    generator: Any, parts: Any, config: dict[str, Any], prompt: str, new_tokens: int, draft: str | None = None
+) -> CheckResult:
     """Greedy tokens of the runtime (plain decoding, or speculation with `draft`) against PyTorch."""
     started = time.perf_counter()
     mode = "ar" if draft is None else "spec"
@@ -284,8 +339,14 @@ def greedy_check(generator: Any, parts: Any, config: dict[str, Any], prompt: str
     if at is not None:
         detail = f"first divergence at token {at} (reference top-1/top-2 margin {margin:.2e}: {'a float tie' if passed else 'a real mismatch'})"
     engine = config["engines"]["decode"] if draft is None else f"spec:{config['id']}:{draft}"
-    return CheckResult(generator.backend.name, engine, f"greedy[{prompt[:32]}]", passed,
-                       seconds=time.perf_counter() - started, detail=detail)
+    return CheckResult(
+        generator.backend.name,
+        engine,
+        f"greedy[{prompt[:32]}]",
+        passed,
+        seconds=time.perf_counter() - started,
+        detail=detail,
+    )
 
 
 def quality_check(generator: Any, parts: Any, prompt: str, new_tokens: int, engine: str | None = None) -> CheckResult:
@@ -308,10 +369,19 @@ def quality_check(generator: Any, parts: Any, prompt: str, new_tokens: int, engi
             # weights on the tokens it can name, and the coverage is reported beside it
             named = np.isin(expected, generator.bundle.draft_vocab_ids)
             agreement = float(np.mean(predicted[named] == expected[named])) if named.any() else 1.0
-            detail = (f"top-1 agreement {agreement:.3f} with the fp32 greedy tokens on the {named.mean():.0%} of rows whose "
-                      f"token the reduced head can name")
-        return CheckResult(generator.backend.name, engine, f"quality[{prompt[:32]}]", True, max_abs=1.0 - agreement,
-                           seconds=time.perf_counter() - started, detail=detail)
+            detail = (
+                f"top-1 agreement {agreement:.3f} with the fp32 greedy tokens on the {named.mean():.0%} of rows whose "
+                f"token the reduced head can name"
+            )
+        return CheckResult(
+            generator.backend.name,
+            engine,
+            f"quality[{prompt[:32]}]",
+            True,
+            max_abs=1.0 - agreement,
+            seconds=time.perf_counter() - started,
+            detail=detail,
+        )
 
     def nll(matrix: np.ndarray) -> float:
         shifted = matrix.astype(np.float64) - matrix.max(-1, keepdims=True)
@@ -320,20 +390,36 @@ def quality_check(generator: Any, parts: Any, prompt: str, new_tokens: int, engi
 
     free = generator.generate(prompt_ids, max_new_tokens=new_tokens, config="full").tokens
     at = first_divergence(free, reference)
-    detail = (f"top-1 agreement {agreement:.3f}, perplexity {np.exp(nll(logits)):.3f} vs fp32 "
-              f"{np.exp(nll(np.stack(steps))):.3f}, greedy diverges at {'never' if at is None else at}")
+    detail = (
+        f"top-1 agreement {agreement:.3f}, perplexity {np.exp(nll(logits)):.3f} vs fp32 "
+        f"{np.exp(nll(np.stack(steps))):.3f}, greedy diverges at {'never' if at is None else at}"
+    )
     # Per prompt (32 tokens) agreement is noisy, so each prompt is informational and the mean
     # over all prompts gates (see quality_gate).
-    return CheckResult(generator.backend.name, "quality", f"quality[{prompt[:32]}]", True,
-                       max_abs=1.0 - agreement, seconds=time.perf_counter() - started, detail=detail)
+    return CheckResult(
+        generator.backend.name,
+        "quality",
+        f"quality[{prompt[:32]}]",
+        True,
+        max_abs=1.0 - agreement,
+        seconds=time.perf_counter() - started,
+        detail=detail,
+    )
 
 
 def quality_gate(backend: str, dtype: str, rows: list[CheckResult], engine: str = "quality") -> CheckResult:
     """Mean teacher-forced top-1 agreement over the prompts against the documented bar."""
     mean = 1.0 - float(np.mean([r.max_abs for r in rows]))
     threshold = QUANT_MIN_AGREEMENT[dtype]
-    return CheckResult(backend, engine, "quality[mean]", mean >= threshold, max_abs=1.0 - mean, tolerance=1.0 - threshold,
-                       detail=f"{dtype}: mean top-1 agreement with fp32 {mean:.3f} over {len(rows)} prompts (min {threshold})")
+    return CheckResult(
+        backend,
+        engine,
+        "quality[mean]",
+        mean >= threshold,
+        max_abs=1.0 - mean,
+        tolerance=1.0 - threshold,
+        detail=f"{dtype}: mean top-1 agreement with fp32 {mean:.3f} over {len(rows)} prompts (min {threshold})",
+    )
 
 
 def precision_bits(precision: str) -> str:
@@ -341,14 +427,21 @@ def precision_bits(precision: str) -> str:
     return "int8" if precision == "int8" else "int4"
 
 
-def run_check(bundle_dir: str, model: str | None, prompts: list[str] | None, new_tokens: int = 16, scale_tol: float = 1.0, progress: bool = True) -> CheckReport:
+def run_check(
+    bundle_dir: str,
+    model: str | None,
+    prompts: list[str] | None,
+    new_tokens: int = 16,
+    scale_tol: float = 1.0,
+    progress: bool = True,
+) -> CheckReport:
     from tqdm import tqdm
 
-    from loading.artifacts import load_parts
-    from runtimes.backends import make_backend
-    from runtimes.bundle import load_bundle
-    from runtimes.drafting import SOURCES
-    from runtimes.generate import Generator
+    from adaptive_export.loading.artifacts import load_parts
+    from adaptive_export.runtimes.backends import make_backend
+    from adaptive_export.runtimes.bundle import load_bundle
+    from adaptive_export.runtimes.drafting import SOURCES
+    from adaptive_export.runtimes.generate import Generator
 
     bundle = load_bundle(bundle_dir)
     loaded, parts = load_parts(bundle, model)
@@ -358,7 +451,9 @@ def run_check(bundle_dir: str, model: str | None, prompts: list[str] | None, new
         backend = make_backend(bundle, backend_name)
         if not backend.executes:
             for graph in bundle.backend_entry(backend_name)["graphs"]:
-                report.results.append(CheckResult(backend_name, graph, "parity", True, executed=False, detail=backend.skip_reason))
+                report.results.append(
+                    CheckResult(backend_name, graph, "parity", True, executed=False, detail=backend.skip_reason)
+                )
             continue
         graphs = list(bundle.backend_entry(backend_name)["graphs"])
         for graph in tqdm(graphs, desc=f"check {backend_name} engines", unit="engine", disable=not progress):
@@ -366,22 +461,34 @@ def run_check(bundle_dir: str, model: str | None, prompts: list[str] | None, new
         generator = Generator(bundle, backend=backend_name)
         draft_engine = bundle.config("full")["engines"].get("precision_draft")
         if draft_engine is not None:  # the draft's own quality: drafts that rarely agree cost time, not correctness
-            rows = [quality_check(generator, parts, prompt, new_tokens, engine=draft_engine)
-                    for prompt in tqdm(prompts, desc=f"check {backend_name} precision draft", unit="prompt", disable=not progress)]
+            rows = [
+                quality_check(generator, parts, prompt, new_tokens, engine=draft_engine)
+                for prompt in tqdm(
+                    prompts, desc=f"check {backend_name} precision draft", unit="prompt", disable=not progress
+                )
+            ]
             bits = precision_bits(bundle.graph(draft_engine)["precision"])
             report.results += rows + [quality_gate(backend_name, bits, rows, engine=draft_engine)]
         if gated_on_quality(bundle):
-            rows = [quality_check(generator, parts, prompt, new_tokens)
-                    for prompt in tqdm(prompts, desc=f"check {backend_name} quality", unit="prompt", disable=not progress)]
+            rows = [
+                quality_check(generator, parts, prompt, new_tokens)
+                for prompt in tqdm(prompts, desc=f"check {backend_name} quality", unit="prompt", disable=not progress)
+            ]
             report.results += rows + [quality_gate(backend_name, bundle.manifest["dtype"], rows)]
             continue
         # plain decoding for every configuration; speculation (lossless) for every draft source:
         # on every configuration with its engines, or on the full model for a source without any
         cases = [(c, p, None) for c in bundle.manifest["configs"] for p in prompts]
         for name, source in SOURCES.items():
-            configs = [c for c in bundle.manifest["configs"] if source.available(c)] if source.engines else [bundle.config("full")]
+            configs = (
+                [c for c in bundle.manifest["configs"] if source.available(c)]
+                if source.engines
+                else [bundle.config("full")]
+            )
             cases += [(c, p, name) for c in configs for p in prompts]
-        for config, prompt, draft in tqdm(cases, desc=f"check {backend_name} greedy", unit="prompt", disable=not progress):
+        for config, prompt, draft in tqdm(
+            cases, desc=f"check {backend_name} greedy", unit="prompt", disable=not progress
+        ):
             report.results.append(greedy_check(generator, parts, config, prompt, new_tokens, draft))
     return report
 

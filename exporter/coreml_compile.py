@@ -10,6 +10,7 @@ the prefix per call on device; measure on macOS before switching.
 Weights: functions are converted separately from the same torch parameters and merged with
 `ct.utils.save_multifunction`, which stores identical weights once (measured in tests).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,9 +24,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from graphs.plan import BuildPlan
-from graphs.span_graph import GraphSpec, ModelParts, SpanGraph
-from runtimes.errors import UsageError
+from adaptive_export.graphs.plan import BuildPlan
+from adaptive_export.graphs.span_graph import GraphSpec, ModelParts, SpanGraph
+from adaptive_export.runtimes.errors import UsageError
 
 PACKAGE = "coreml/model.mlpackage"
 PRECISIONS = ("float16", "float32")
@@ -37,7 +38,9 @@ def _import_coremltools() -> Any:
             warnings.simplefilter("ignore")
             import coremltools
     except ImportError as exc:
-        raise UsageError("the coreml backend needs coremltools, which is not installed", "run `pip install adaptive-export[coreml]`") from exc
+        raise UsageError(
+            "the coreml backend needs coremltools, which is not installed", "run `pip install adaptive-export[coreml]`"
+        ) from exc
     return coremltools
 
 
@@ -55,18 +58,34 @@ def convert_graph(ct: Any, parts: ModelParts, graph: GraphSpec, max_len: int, pr
     tokens = ct.RangeDim(1, max_len, default=1)
     past_len = ct.RangeDim(0, max_len, default=0)
     float_type = np.float16 if precision == "float16" else np.float32
-    first_input = (ct.TensorType(name="input_ids", shape=(1, tokens), dtype=np.int32) if graph.source == "ids"
-                   else ct.TensorType(name="exit_hidden", shape=(1, tokens, spec.hidden_size), dtype=float_type))
-    inputs = [first_input] + [ct.TensorType(name=n, shape=(past_len, spec.num_kv_heads, spec.head_dim), dtype=float_type)
-                              for n in graph.input_names()[1:]]
+    first_input = (
+        ct.TensorType(name="input_ids", shape=(1, tokens), dtype=np.int32)
+        if graph.source == "ids"
+        else ct.TensorType(name="exit_hidden", shape=(1, tokens, spec.hidden_size), dtype=float_type)
+    )
+    inputs = [first_input] + [
+        ct.TensorType(name=n, shape=(past_len, spec.num_kv_heads, spec.head_dim), dtype=float_type)
+        for n in graph.input_names()[1:]
+    ]
     outputs = [ct.TensorType(name=n) for n in graph.output_names()]
-    return ct.convert(traced, inputs=inputs, outputs=outputs, convert_to="mlprogram",
-                      compute_precision=ct.precision.FLOAT16 if precision == "float16" else ct.precision.FLOAT32,
-                      minimum_deployment_target=ct.target.macOS15)
+    return ct.convert(
+        traced,
+        inputs=inputs,
+        outputs=outputs,
+        convert_to="mlprogram",
+        compute_precision=ct.precision.FLOAT16 if precision == "float16" else ct.precision.FLOAT32,
+        minimum_deployment_target=ct.target.macOS15,
+    )
 
 
-def compile_coreml(root: Path, manifest: dict[str, Any], parts: ModelParts, plan: BuildPlan, precision: str = "float16",
-                   progress: bool = True) -> dict[str, Any]:
+def compile_coreml(
+    root: Path,
+    manifest: dict[str, Any],
+    parts: ModelParts,
+    plan: BuildPlan,
+    precision: str = "float16",
+    progress: bool = True,
+) -> dict[str, Any]:
     if precision not in PRECISIONS:
         raise UsageError(f"CoreML precision {precision!r} is unknown", f"choose one of: {', '.join(PRECISIONS)}")
     ct = _import_coremltools()
@@ -91,5 +110,7 @@ def compile_coreml(root: Path, manifest: dict[str, Any], parts: ModelParts, plan
         "precision": precision,
         "kv": "explicit inputs/outputs (arena contract), not state",
         # portable I/O (KV prefix in, new rows out), whatever flavour the onnx engines have
-        "graphs": {g.name: {"function": g.name, "inputs": g.input_names(), "outputs": g.output_names()} for g in graphs},
+        "graphs": {
+            g.name: {"function": g.name, "inputs": g.input_names(), "outputs": g.output_names()} for g in graphs
+        },
     }

@@ -26,6 +26,7 @@ checks every block against ggml's rounding; a block that fails gets an explicit 
 kernel: within noise of the symmetric one plus block sums on a 576x1536 Q4_1 linear, see
 benchmarks/gguf_native_linear.py, plus one byte of zero points per two blocks).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -131,9 +132,9 @@ def _decode_blocks(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.n
         return _nibbles_32(blocks[:, 4:20]).astype(np.int16), d, 32, m, 4
     if type_name in ("Q5_0", "Q5_1"):
         off = 2 if type_name == "Q5_0" else 4
-        qh = np.ascontiguousarray(blocks[:, off:off + 4]).view(np.uint32)  # [b, 1]
+        qh = np.ascontiguousarray(blocks[:, off : off + 4]).view(np.uint32)  # [b, 1]
         high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
-        q = (_nibbles_32(blocks[:, off + 4:off + 20]) | high).astype(np.int16)
+        q = (_nibbles_32(blocks[:, off + 4 : off + 20]) | high).astype(np.int16)
         if type_name == "Q5_0":
             return q - 16, _f16(blocks[:, 0:2]), 32, None, 8
         return q, _f16(blocks[:, 0:2]), 32, _f16(blocks[:, 2:4]), 8
@@ -162,7 +163,9 @@ def _decode_blocks(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.n
         return q.reshape(b, 256), d * sc, 16, None, 8  # d * sc exact: 11 bits x 8 bits
     if type_name in FLOAT_TYPES:
         raise NotQuantizedError(f"{type_name} tensors are not quantized")
-    raise UnsupportedGGUFTypeError(f"GGUF type {type_name} is not supported (supported: {', '.join(FOUR_BIT_TYPES + EIGHT_BIT_TYPES)})")
+    raise UnsupportedGGUFTypeError(
+        f"GGUF type {type_name} is not supported (supported: {', '.join(FOUR_BIT_TYPES + EIGHT_BIT_TYPES)})"
+    )
 
 
 def _tensor(reader: Any, name: str) -> Any:
@@ -182,7 +185,9 @@ def _decode_tensor(reader: Any, name: str) -> _Decoded:
     tensor = _tensor(reader, name)
     type_name = tensor.tensor_type.name
     if type_name in FLOAT_TYPES:
-        raise NotQuantizedError(f"GGUF tensor {name!r} is {type_name}, not quantized: export it as floats (no native grid to keep)")
+        raise NotQuantizedError(
+            f"GGUF tensor {name!r} is {type_name}, not quantized: export it as floats (no native grid to keep)"
+        )
     shape = [int(s) for s in tensor.shape]  # ggml order: ne0 (= K, contiguous) first
     if len(shape) != 2:
         raise ValueError(f"GGUF tensor {name!r} has shape {shape}; a linear weight is 2-D")
@@ -192,8 +197,14 @@ def _decode_tensor(reader: Any, name: str) -> _Decoded:
     qk, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
     data = np.asarray(tensor.data).reshape(n * (k // qk), type_size)
     codes, scale, bs, minimum, bits = _decode_blocks(type_name, data)
-    return _Decoded(codes.reshape(n, k), scale.reshape(n, k // bs), bs,
-                    None if minimum is None else minimum.reshape(n, k // CORRECTION_BLOCK), bits, type_name)
+    return _Decoded(
+        codes.reshape(n, k),
+        scale.reshape(n, k // bs),
+        bs,
+        None if minimum is None else minimum.reshape(n, k // CORRECTION_BLOCK),
+        bits,
+        type_name,
+    )
 
 
 def _bits_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -243,7 +254,9 @@ def _negative_zeros(n: int, k: int) -> np.ndarray:
     return np.full((n, k // CORRECTION_BLOCK), -0.0, np.float32)
 
 
-def native_linear(reader: Any, tensor_names: list[str], row_permutations: list[np.ndarray | None] | None = None) -> NativeLinear:
+def native_linear(
+    reader: Any, tensor_names: list[str], row_permutations: list[np.ndarray | None] | None = None
+) -> NativeLinear:
     """Convert GGUF tensors (concatenated along N, each rows permuted as W[perm]) to one NativeLinear.
 
     All tensors must share K. Mixed formats are promoted losslessly: bits = the widest, block
@@ -297,9 +310,17 @@ def native_linear(reader: Any, tensor_names: list[str], row_permutations: list[n
     zero_points = np.concatenate(zp_parts, axis=0)
     if stored.min() < 0 or stored.max() >= (1 << bits):
         raise AssertionError("internal: codes out of range for the chosen bit width")
-    return NativeLinear(bits=bits, block_size=block_size, n=stored.shape[0], k=k, packed=_pack(stored, bits, block_size),
-                        scales=scales, correction=correction, source_types=tuple(p.type_name for p in parts),
-                        zero_points=None if (zero_points == zero_point).all() else zero_points)
+    return NativeLinear(
+        bits=bits,
+        block_size=block_size,
+        n=stored.shape[0],
+        k=k,
+        packed=_pack(stored, bits, block_size),
+        scales=scales,
+        correction=correction,
+        source_types=tuple(p.type_name for p in parts),
+        zero_points=None if (zero_points == zero_point).all() else zero_points,
+    )
 
 
 def dequantize_native(nl: NativeLinear) -> np.ndarray:
@@ -353,9 +374,21 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 _HF_GGUF_ARCH_ALIASES = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "cohere": "command-r"}
 _HF_GLOBAL = ("model.embed_tokens", "model.norm", "lm_head")
-_HF_LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
-             "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-             "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+_HF_LAYER = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
 
 
 def hf_to_gguf_tensor_names(model_type: str, num_layers: int, tied: bool = True) -> dict[str, str]:
@@ -401,8 +434,12 @@ def _zero_points(nl: NativeLinear) -> np.ndarray:
 
 def initializer_names(prefix: str) -> dict[str, str]:
     """Names of a NativeLinear's initializers: the same for its MatMulNBits and its GatherBlockQuantized."""
-    return {"packed": f"{prefix}.qweight", "scales": f"{prefix}.scales", "zero_points": f"{prefix}.zero_points",
-            "correction": f"{prefix}.correction"}
+    return {
+        "packed": f"{prefix}.qweight",
+        "scales": f"{prefix}.scales",
+        "zero_points": f"{prefix}.zero_points",
+        "correction": f"{prefix}.correction",
+    }
 
 
 def linear_initializers(prefix: str, nl: NativeLinear) -> list[onnx.TensorProto]:
@@ -415,22 +452,42 @@ def linear_initializers(prefix: str, nl: NativeLinear) -> list[onnx.TensorProto]
     return inits
 
 
-def matmul_nbits_nodes(x: str, out: str, prefix: str, linear: NativeLinear, accuracy_level: int,
-                       blocksum: str | None) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+def matmul_nbits_nodes(
+    x: str, out: str, prefix: str, linear: NativeLinear, accuracy_level: int, blocksum: str | None
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """out = x @ W^T for x [..., K]: MatMulNBits (implicit zero point, or an explicit zero_points
     input when linear.zero_points is set), plus ``MatMul(blocksum, correction)`` when the linear has a
     correction; `blocksum` must then name blocksum_nodes' output for `x`."""
     names = initializer_names(prefix)
     inputs = [x, names["packed"], names["scales"]] + ([] if linear.symmetric else [names["zero_points"]])
     product = out if linear.correction is None else f"{prefix}/nbits"
-    nodes = [helper.make_node("MatMulNBits", inputs, [product], name=f"{prefix}/MatMulNBits", domain=MS_DOMAIN,
-                              K=linear.k, N=linear.n, bits=linear.bits, block_size=linear.block_size,
-                              accuracy_level=accuracy_level)]
+    nodes = [
+        helper.make_node(
+            "MatMulNBits",
+            inputs,
+            [product],
+            name=f"{prefix}/MatMulNBits",
+            domain=MS_DOMAIN,
+            K=linear.k,
+            N=linear.n,
+            bits=linear.bits,
+            block_size=linear.block_size,
+            accuracy_level=accuracy_level,
+        )
+    ]
     if linear.correction is not None:
         if blocksum is None:
-            raise ValueError(f"{prefix}: a linear with a block-sum correction ({'/'.join(linear.source_types)}) needs blocksum")
-        nodes.append(helper.make_node("MatMul", [blocksum, names["correction"]], [f"{prefix}/correction_mm"], name=f"{prefix}/Correction"))
-        nodes.append(helper.make_node("Add", [product, f"{prefix}/correction_mm"], [out], name=f"{prefix}/AddCorrection"))
+            raise ValueError(
+                f"{prefix}: a linear with a block-sum correction ({'/'.join(linear.source_types)}) needs blocksum"
+            )
+        nodes.append(
+            helper.make_node(
+                "MatMul", [blocksum, names["correction"]], [f"{prefix}/correction_mm"], name=f"{prefix}/Correction"
+            )
+        )
+        nodes.append(
+            helper.make_node("Add", [product, f"{prefix}/correction_mm"], [out], name=f"{prefix}/AddCorrection")
+        )
     return nodes, linear_initializers(prefix, linear)
 
 
@@ -448,7 +505,9 @@ def blocksum_nodes(x: str, out: str, k: int, prefix: str) -> tuple[list[onnx.Nod
     return [helper.make_node("MatMul", [x, indicator], [out], name=f"{prefix}/BlockSum")], inits
 
 
-def gather_block_quantized_nodes(ids: str, out: str, prefix: str, linear: NativeLinear) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+def gather_block_quantized_nodes(
+    ids: str, out: str, prefix: str, linear: NativeLinear
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """out [*ids.shape, K] = rows `ids` of the dequantized W [N, K] (an embedding table), read by
     com.microsoft GatherBlockQuantized from the SAME packed/scales initializers as the linear's
     MatMulNBits (names from initializer_names(prefix); add each name to the graph once).
@@ -461,7 +520,9 @@ def gather_block_quantized_nodes(ids: str, out: str, prefix: str, linear: Native
     if not linear.symmetric:
         # GatherBlockQuantized would need its zero points as [n, k/B, 1] (one per byte), MatMulNBits
         # packs two 4-bit ones per byte: not the same initializer. No such embedding seen yet.
-        raise NotImplementedError("GatherBlockQuantized for a table with explicit zero points (zero_points set) is not wired")
+        raise NotImplementedError(
+            "GatherBlockQuantized for a table with explicit zero points (zero_points set) is not wired"
+        )
     names = initializer_names(prefix)
     ns = f"{prefix}/gather"  # node and value names; initializers are shared with the MatMulNBits of `prefix`
     nb = linear.k // linear.block_size
@@ -476,16 +537,28 @@ def gather_block_quantized_nodes(ids: str, out: str, prefix: str, linear: Native
     if linear.correction is not None:
         nodes.append(helper.make_node("Reshape", [ids, flat], [f"{ns}/flat_ids"], name=f"{ns}/FlatIds"))
         gather_ids = f"{ns}/flat_ids"
-    nodes.append(helper.make_node("GatherBlockQuantized", [names["packed"], gather_ids, f"{ns}/scales3d"], [f"{ns}/rows3d"],
-                                  name=f"{ns}/GatherBlockQuantized", domain=MS_DOMAIN, bits=linear.bits,
-                                  block_size=linear.block_size, gather_axis=0, quantize_axis=2))
+    nodes.append(
+        helper.make_node(
+            "GatherBlockQuantized",
+            [names["packed"], gather_ids, f"{ns}/scales3d"],
+            [f"{ns}/rows3d"],
+            name=f"{ns}/GatherBlockQuantized",
+            domain=MS_DOMAIN,
+            bits=linear.bits,
+            block_size=linear.block_size,
+            gather_axis=0,
+            quantize_axis=2,
+        )
+    )
     rows = f"{ns}/rows3d"
     if linear.correction is not None:
         c32 = f"{prefix}.corr_shape"
         inits.append(numpy_helper.from_array(np.array([-1, linear.k // 32, 32], np.int64), c32))
         nodes += [
             helper.make_node("Reshape", [rows, c32], [f"{ns}/rows32"], name=f"{ns}/Rows32"),
-            helper.make_node("Gather", [names["correction"], gather_ids], [f"{ns}/corr_t"], name=f"{ns}/GatherCorrection", axis=1),
+            helper.make_node(
+                "Gather", [names["correction"], gather_ids], [f"{ns}/corr_t"], name=f"{ns}/GatherCorrection", axis=1
+            ),
             helper.make_node("Transpose", [f"{ns}/corr_t"], [f"{ns}/corr"], name=f"{ns}/CorrT", perm=[1, 0]),
             helper.make_node("Unsqueeze", [f"{ns}/corr", f"{prefix}.flat"], [f"{ns}/corr3d"], name=f"{ns}/CorrUnsq"),
             helper.make_node("Add", [f"{ns}/rows32", f"{ns}/corr3d"], [f"{ns}/rows_corr"], name=f"{ns}/AddCorrection"),
@@ -505,7 +578,19 @@ def unique_initializers(inits: list[onnx.TensorProto]) -> list[onnx.TensorProto]
     return [i for i in inits if not (i.name in seen or seen.add(i.name))]
 
 
-__all__ = ["NativeLinear", "NotQuantizedError", "UnsupportedGGUFTypeError", "native_linear", "dequantize_native",
-           "llama_qk_row_permutation", "transformers_row_permutation", "hf_to_gguf_tensor_names", "matmul_nbits_nodes",
-           "blocksum_nodes", "gather_block_quantized_nodes", "initializer_names", "linear_initializers",
-           "unique_initializers"]
+__all__ = [
+    "NativeLinear",
+    "NotQuantizedError",
+    "UnsupportedGGUFTypeError",
+    "native_linear",
+    "dequantize_native",
+    "llama_qk_row_permutation",
+    "transformers_row_permutation",
+    "hf_to_gguf_tensor_names",
+    "matmul_nbits_nodes",
+    "blocksum_nodes",
+    "gather_block_quantized_nodes",
+    "initializer_names",
+    "linear_initializers",
+    "unique_initializers",
+]

@@ -9,6 +9,7 @@ by GatherBlockQuantized from the same initializers as the LM head's MatMulNBits,
 stored once. The fp32 reference model is the same file dequantized, so at accuracy level 1
 (fp32 activations) the engines compute what PyTorch computes, within float rounding.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,12 +19,21 @@ from typing import Any
 import onnx
 from onnx import helper
 
-from exporter.gguf_native import (NativeLinear, NotQuantizedError, UnsupportedGGUFTypeError, blocksum_nodes,
-                                  gather_block_quantized_nodes, hf_to_gguf_tensor_names, matmul_nbits_nodes,
-                                  native_linear, transformers_row_permutation, unique_initializers)
-from graphs.fused_graph import PackedWeights
-from graphs.spec import ModelSpec
-from runtimes.errors import UsageError
+from adaptive_export.exporter.gguf_native import (
+    NativeLinear,
+    NotQuantizedError,
+    UnsupportedGGUFTypeError,
+    blocksum_nodes,
+    gather_block_quantized_nodes,
+    hf_to_gguf_tensor_names,
+    matmul_nbits_nodes,
+    native_linear,
+    transformers_row_permutation,
+    unique_initializers,
+)
+from adaptive_export.graphs.fused_graph import PackedWeights
+from adaptive_export.graphs.spec import ModelSpec
+from adaptive_export.runtimes.errors import UsageError
 
 EMBEDDING = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
@@ -37,7 +47,7 @@ class NativeWeights:
     bits: set[int] = field(default_factory=set)
 
     @classmethod
-    def from_gguf(cls, path: Path, spec: ModelSpec) -> "NativeWeights":
+    def from_gguf(cls, path: Path, spec: ModelSpec) -> NativeWeights:
         import gguf
 
         try:
@@ -53,17 +63,23 @@ class NativeWeights:
         for packed, hf_names in wanted.items():
             gguf_names = [names[n] for n in hf_names]
             try:
-                linear = native_linear(reader, gguf_names, [transformers_row_permutation(reader, n) for n in gguf_names])
+                linear = native_linear(
+                    reader, gguf_names, [transformers_row_permutation(reader, n) for n in gguf_names]
+                )
             except NotQuantizedError:
                 continue  # a float tensor in a quantized file stays float, as the file has it
             except UnsupportedGGUFTypeError as exc:
-                raise UsageError(f"GGUF tensor {gguf_names[0]!r} uses a format native quantization does not read: {exc}",
-                                 "build with --quantize int4 or int8 (re-quantization) or --quantize none") from exc
+                raise UsageError(
+                    f"GGUF tensor {gguf_names[0]!r} uses a format native quantization does not read: {exc}",
+                    "build with --quantize int4 or int8 (re-quantization) or --quantize none",
+                ) from exc
             out.linears[packed] = linear
             out.bits.add(linear.bits)
         if not out.linears:
-            raise UsageError(f"{str(path)!r} holds no quantized tensors, so there is no native grid to keep",
-                             "build it with --quantize none, int8 or int4")
+            raise UsageError(
+                f"{str(path)!r} holds no quantized tensors, so there is no native grid to keep",
+                "build it with --quantize none, int8 or int4",
+            )
         return out
 
     @property
@@ -83,8 +99,14 @@ def apply_native(model: onnx.ModelProto, weights: NativeWeights, accuracy_level:
     """Replace float linears (MatMul, the LM head's Gemm) and the embedding Gather with the
     GGUF's blocks; one block-sum per activation serves every linear that reads it."""
     if accuracy_level == 1:
-        weights = NativeWeights({name: linear for name, linear in weights.linears.items()
-                                 if not (linear.bits == SLOW_AT_ACCURACY_1 and linear.correction is None)}, weights.bits)
+        weights = NativeWeights(
+            {
+                name: linear
+                for name, linear in weights.linears.items()
+                if not (linear.bits == SLOW_AT_ACCURACY_1 and linear.correction is None)
+            },
+            weights.bits,
+        )
     nodes: list[onnx.NodeProto] = []
     added: list[onnx.TensorProto] = []
     blocksums: dict[str, str] = {}
@@ -104,18 +126,35 @@ def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _replacement(node: onnx.NodeProto, weights: NativeWeights, accuracy_level: int, blocksums: dict[str, str],
-                 nodes: list[onnx.NodeProto], added: list[onnx.TensorProto]) -> bool:
+def _replacement(
+    node: onnx.NodeProto,
+    weights: NativeWeights,
+    accuracy_level: int,
+    blocksums: dict[str, str],
+    nodes: list[onnx.NodeProto],
+    added: list[onnx.TensorProto],
+) -> bool:
     """Append the native form of `node` to nodes/added; False when the node stays as it is."""
-    if node.op_type == "Gather" and node.input[0] == EMBEDDING and EMBEDDING in weights.linears and _attrs(node).get("axis", 0) == 0:
-        new, inits = gather_block_quantized_nodes(node.input[1], node.output[0], "token_embd", weights.linears[EMBEDDING])
+    if (
+        node.op_type == "Gather"
+        and node.input[0] == EMBEDDING
+        and EMBEDDING in weights.linears
+        and _attrs(node).get("axis", 0) == 0
+    ):
+        new, inits = gather_block_quantized_nodes(
+            node.input[1], node.output[0], "token_embd", weights.linears[EMBEDDING]
+        )
         nodes.extend(new)
         added.extend(inits)
         return True
     if node.op_type == "MatMul" and node.input[1] in weights.linears:
         x, name = node.input[0], node.input[1]
-    elif (node.op_type == "Gemm" and len(node.input) == 2 and node.input[1] in (EMBEDDING, LM_HEAD)
-          and _attrs(node) == {"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 1}):
+    elif (
+        node.op_type == "Gemm"
+        and len(node.input) == 2
+        and node.input[1] in (EMBEDDING, LM_HEAD)
+        and _attrs(node) == {"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 1}
+    ):
         x, name = node.input[0], (LM_HEAD if node.input[1] == LM_HEAD and LM_HEAD in weights.linears else EMBEDDING)
         if name not in weights.linears:
             return False

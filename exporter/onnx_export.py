@@ -1,4 +1,5 @@
 """Trace one SpanGraph to an ONNX ModelProto with T (new tokens) and P (past length) dynamic."""
+
 from __future__ import annotations
 
 import contextlib
@@ -9,8 +10,8 @@ import warnings
 import onnx
 import torch
 
-from graphs.fused_graph import FusedSpanGraph, PackedWeights
-from graphs.span_graph import GraphSpec, ModelParts, SpanGraph
+from adaptive_export.graphs.fused_graph import FusedSpanGraph, PackedWeights
+from adaptive_export.graphs.span_graph import GraphSpec, ModelParts, SpanGraph
 
 OPSET = 18
 # Example sizes for tracing only; the exported graph is generic in T and P. They avoid
@@ -29,11 +30,16 @@ def _example_inputs(parts: ModelParts, graph: GraphSpec) -> tuple[torch.Tensor, 
     return first, past
 
 
-def _fused_inputs(parts: ModelParts, graph: GraphSpec, max_len: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+def _fused_inputs(
+    parts: ModelParts, graph: GraphSpec, max_len: int
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     spec = parts.spec
     first, _ = _example_inputs(parts, graph)
-    control = (torch.arange(_EXAMPLE_T, dtype=torch.int64), torch.tensor([_EXAMPLE_P + _EXAMPLE_T - 1], dtype=torch.int32),
-               torch.tensor(_EXAMPLE_P + _EXAMPLE_T, dtype=torch.int32))
+    control = (
+        torch.arange(_EXAMPLE_T, dtype=torch.int64),
+        torch.tensor([_EXAMPLE_P + _EXAMPLE_T - 1], dtype=torch.int32),
+        torch.tensor(_EXAMPLE_P + _EXAMPLE_T, dtype=torch.int32),
+    )
     past = tuple(torch.zeros(1, spec.num_kv_heads, max_len, spec.head_dim) for _ in range(2 * len(graph.layers)))
     return (first, *control), past
 
@@ -47,7 +53,7 @@ def export_graph(parts: ModelParts, graph: GraphSpec, packed: PackedWeights | No
     tokens = torch.export.Dim("T", min=1, max=MAX_DIM)
     translations = None
     if graph.flavour == "ort":
-        from exporter.ort_translations import translation_table
+        from adaptive_export.exporter.ort_translations import translation_table
 
         if packed is None:
             raise ValueError("the ort flavour needs the build's PackedWeights")

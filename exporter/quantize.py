@@ -6,6 +6,7 @@ quantized build first rewrites those Gemms as MatMul(x, W^T) (+ bias). Quantizat
 deterministic, so the same weight quantizes to the same bytes in every graph and the
 content-addressed weight store still keeps one copy.
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from runtimes.errors import UsageError
+from adaptive_export.runtimes.errors import UsageError
 
 QUANT_BITS = {"int8": 8, "int4": 4}
 
@@ -52,9 +53,15 @@ def gemm_to_matmul(model: onnx.ModelProto) -> None:
 
 def validate_options(block_size: int, accuracy_level: int) -> None:
     if block_size < 16 or block_size & (block_size - 1):
-        raise UsageError(f"quantization block size {block_size} is not a power of two >= 16", "use --quant-block 32 (default), 64 or 128")
+        raise UsageError(
+            f"quantization block size {block_size} is not a power of two >= 16",
+            "use --quant-block 32 (default), 64 or 128",
+        )
     if accuracy_level not in (0, 1, 2, 3, 4):
-        raise UsageError(f"quantization accuracy level {accuracy_level} is not one of 0-4", "use --quant-accuracy 4 (int8 activations, fastest on CPU) or 0 (unset)")
+        raise UsageError(
+            f"quantization accuracy level {accuracy_level} is not one of 0-4",
+            "use --quant-accuracy 4 (int8 activations, fastest on CPU) or 0 (unset)",
+        )
 
 
 def quantize(model: onnx.ModelProto, scheme: str, block_size: int = 32, accuracy_level: int = 4) -> onnx.ModelProto:
@@ -71,7 +78,13 @@ def quantize(model: onnx.ModelProto, scheme: str, block_size: int = 32, accuracy
 
     gemm_to_matmul(model)
     logging.getLogger("onnxruntime").setLevel(logging.ERROR)
-    quantizer = MatMulNBitsQuantizer(model, bits=QUANT_BITS[scheme], block_size=block_size, is_symmetric=True,
-                                     accuracy_level=accuracy_level or None, op_types_to_quantize=("MatMul",))
+    quantizer = MatMulNBitsQuantizer(
+        model,
+        bits=QUANT_BITS[scheme],
+        block_size=block_size,
+        is_symmetric=True,
+        accuracy_level=accuracy_level or None,
+        op_types_to_quantize=("MatMul",),
+    )
     quantizer.process()
     return quantizer.model.model

@@ -8,13 +8,14 @@ compute capability and TensorRT version. Engines are built weight-stripped
 loaded, so weights stay stored once: in onnx/weights.bin. When `tensorrt` is importable at
 build time the engines are also built now, into the cache, so the first run is fast.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from exporter.trt_compat import check_bundle
-from runtimes.errors import UsageError
+from adaptive_export.exporter.trt_compat import check_bundle
+from adaptive_export.runtimes.errors import UsageError
 
 PRECISIONS = ("fp32", "fp16", "int8")
 
@@ -24,12 +25,17 @@ def compile_tensorrt(root: Path, manifest: dict[str, Any], precision: str = "fp1
         raise UsageError(f"TensorRT precision {precision!r} is unknown", f"choose one of: {', '.join(PRECISIONS)}")
     onnx_entry = manifest["backends"]["onnx"]
     if onnx_entry.get("quantize", "none") != "none":
-        raise UsageError("TensorRT engines are built from fp32 ONNX graphs, but this build quantizes them (MatMulNBits)",
-                         "build the tensorrt backend without --quantize and pick --trt-precision fp16 or int8")
+        raise UsageError(
+            "TensorRT engines are built from fp32 ONNX graphs, but this build quantizes them (MatMulNBits)",
+            "build the tensorrt backend without --quantize and pick --trt-precision fp16 or int8",
+        )
     reports = check_bundle(root, onnx_entry)
     bad = [r for r in reports if not r.ok]
     if bad:
-        raise UsageError(f"graph {bad[0].graph!r} cannot be parsed by TensorRT: {bad[0].problems[0]}", "build without --backend tensorrt")
+        raise UsageError(
+            f"graph {bad[0].graph!r} cannot be parsed by TensorRT: {bad[0].problems[0]}",
+            "build without --backend tensorrt",
+        )
     entry: dict[str, Any] = {
         "precision": precision,
         "weights": "stripped engines, refit from onnx/weights.bin at load",
@@ -41,7 +47,7 @@ def compile_tensorrt(root: Path, manifest: dict[str, Any], precision: str = "fp1
         import tensorrt  # noqa: F401
     except ImportError:
         return entry
-    from runtimes.backends.tensorrt_backend import build_engine, engine_cache_dir, plan_name
+    from adaptive_export.runtimes.backends.tensorrt_backend import build_engine, engine_cache_dir, plan_name
 
     cache = engine_cache_dir()
     for name, engine in onnx_entry["graphs"].items():

@@ -3,6 +3,7 @@
 The runtime depends only on `tokenizers`, so the chat template is rendered here once
 around a sentinel message and stored as the text before and after the user's prompt.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -39,5 +40,5 @@ def special_tokens(tokenizer: Any, hf_model: Any) -> dict[str, Any]:
                 eos.append(token)
     probe = tokenizer("a", add_special_tokens=True)["input_ids"]
     bare = tokenizer("a", add_special_tokens=False)["input_ids"]
-    prepended = probe[: len(probe) - len(bare)] if probe[-len(bare):] == bare else []
+    prepended = probe[: len(probe) - len(bare)] if probe[-len(bare) :] == bare else []
     return {"eos_token_ids": eos, "prefix_token_ids": prepended}

@@ -8,6 +8,7 @@ opset-18 graphs need. Custom-domain ops (e.g. com.microsoft MatMulNBits from --q
 are never supported: TensorRT gets its precision from its own fp16/int8 flags instead.
 This check runs in CI on every graph; TensorRT itself cannot be installed on CI machines.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,7 +17,8 @@ from pathlib import Path
 import onnx
 
 MAX_OPSET_TRT10 = 22
-SUPPORTED_OPS = frozenset("""
+SUPPORTED_OPS = frozenset(
+    """
 Abs Acos Acosh Add And ArgMax ArgMin Asin Asinh Atan Atanh AveragePool BatchNormalization Cast Ceil Celu Clip Concat
 Constant ConstantOfShape Conv ConvTranspose Cos Cosh CumSum DepthToSpace DequantizeLinear Div Dropout Einsum Elu Equal
 Erf Exp Expand EyeLike Flatten Floor Gather GatherElements GatherND Gemm GlobalAveragePool GlobalLpPool GlobalMaxPool
@@ -27,11 +29,22 @@ RandomNormalLike RandomUniform RandomUniformLike Range Reciprocal ReduceL1 Reduc
 ReduceMean ReduceMin ReduceProd ReduceSum ReduceSumSquare Relu Reshape Resize ReverseSequence RNN RoiAlign Round ScaledTanh
 Scan Scatter ScatterElements ScatterND Selu Shape Shrink Sigmoid Sign Sin Sinh Size Slice Softmax Softplus Softsign
 SpaceToDepth Split Sqrt Squeeze Sub Sum Tan Tanh ThresholdedRelu Tile TopK Transpose Trilu Unsqueeze Upsample Where Xor
-""".split())
+""".split()
+)
 # The doc's data types (FLOAT32, FLOAT16, INT8, BOOL; INT32/INT64 with limited support, cast
 # down to INT32 by the parser; TensorRT 10 adds native INT64 and BF16).
-SUPPORTED_DTYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.INT8,
-                              onnx.TensorProto.UINT8, onnx.TensorProto.BOOL, onnx.TensorProto.INT32, onnx.TensorProto.INT64})
+SUPPORTED_DTYPES = frozenset(
+    {
+        onnx.TensorProto.FLOAT,
+        onnx.TensorProto.FLOAT16,
+        onnx.TensorProto.BFLOAT16,
+        onnx.TensorProto.INT8,
+        onnx.TensorProto.UINT8,
+        onnx.TensorProto.BOOL,
+        onnx.TensorProto.INT32,
+        onnx.TensorProto.INT64,
+    }
+)
 
 
 @dataclass
@@ -61,9 +74,14 @@ def check_model(name: str, model: onnx.ModelProto) -> CompatReport:
     for tensor in tensors:
         dtype = tensor.data_type if isinstance(tensor, onnx.TensorProto) else tensor.type.tensor_type.elem_type
         if dtype not in SUPPORTED_DTYPES:
-            report.problems.append(f"tensor {tensor.name} has data type {onnx.TensorProto.DataType.Name(dtype)}, unsupported by TensorRT")
+            report.problems.append(
+                f"tensor {tensor.name} has data type {onnx.TensorProto.DataType.Name(dtype)}, unsupported by TensorRT"
+            )
     return report
 
 
 def check_bundle(root: Path, onnx_entry: dict) -> list[CompatReport]:
-    return [check_model(name, onnx.load(str(root / engine["file"]), load_external_data=False)) for name, engine in onnx_entry["graphs"].items()]
+    return [
+        check_model(name, onnx.load(str(root / engine["file"]), load_external_data=False))
+        for name, engine in onnx_entry["graphs"].items()
+    ]

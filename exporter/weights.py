@@ -5,12 +5,14 @@ bytes, dtype and shape). The first time a tensor is seen it is appended to one s
 file and named after the model parameter with the same bytes (stable across graphs and
 builds); graphs then refer to it as ONNX external data by name, offset and length.
 """
+
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterable
+from typing import BinaryIO
 
 import numpy as np
 import onnx
@@ -46,7 +48,7 @@ class WeightStore:
     _offset: int = 0
     _names: set[str] = field(default_factory=set)
 
-    def __enter__(self) -> "WeightStore":
+    def __enter__(self) -> WeightStore:
         self._file = self.path.open("wb")
         return self
 

@@ -1,4 +1,5 @@
 """The two small trainable additions: FiRST routers and LayerSkip-style exit adapters."""
+
 from __future__ import annotations
 
 import torch

@@ -13,6 +13,7 @@ exporter emits ONNX Runtime's fused kernels. What differs is the I/O contract:
 Weights are packed once per build (QKV and gate/up, transposed for MatMul) by
 `PackedWeights`, shared by every graph, and named after the layer they belong to.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,11 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from graphs import ort_ops
-from graphs.architectures import DEFAULT_ROPE, architecture
-from graphs.layers import Rotary, embed_tokens
-from graphs.span_graph import GraphSpec, ModelParts, draft_head, prompt_table, trainable_additions
-
+from adaptive_export.graphs import ort_ops
+from adaptive_export.graphs.architectures import DEFAULT_ROPE, architecture
+from adaptive_export.graphs.layers import Rotary, embed_tokens
+from adaptive_export.graphs.span_graph import GraphSpec, ModelParts, draft_head, prompt_table, trainable_additions
 
 GELU_TANH_MODULES = ("GELUTanh", "PytorchGELUTanh")  # transformers 5 / 4 names of gelu_pytorch_tanh
 
@@ -48,13 +48,15 @@ class PackedWeights:
         for index in range(parts.spec.num_layers):
             w = arch.layer(hf, index)
             biases = [w.q.bias, w.k.bias, w.v.bias]
-            self.layers.append(PackedLayer(
-                qkv=torch.cat([w.q.weight, w.k.weight, w.v.weight]).T.contiguous(),
-                qkv_bias=torch.cat(biases).contiguous() if all(b is not None for b in biases) else None,
-                o=w.o.weight.T.contiguous(),
-                gate_up=torch.cat([w.gate.weight, w.up.weight]).T.contiguous(),
-                down=w.down.weight.T.contiguous(),
-            ))
+            self.layers.append(
+                PackedLayer(
+                    qkv=torch.cat([w.q.weight, w.k.weight, w.v.weight]).T.contiguous(),
+                    qkv_bias=torch.cat(biases).contiguous() if all(b is not None for b in biases) else None,
+                    o=w.o.weight.T.contiguous(),
+                    gate_up=torch.cat([w.gate.weight, w.up.weight]).T.contiguous(),
+                    down=w.down.weight.T.contiguous(),
+                )
+            )
         # GroupQueryAttention's cos/sin caches [max_len, hd / 2] (the first half of each rotate_half
         # table: its two halves are equal), one pair per rotary table
         self.rotary: dict[str, tuple[Tensor, Tensor]] = {}
@@ -84,8 +86,12 @@ class PackedWeights:
             out += [(f"{prefix}.cos_cache", cos), (f"{prefix}.sin_cache", sin)]
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}"
-            out += [(f"{prefix}.self_attn.qkv_proj.weight_t", layer.qkv), (f"{prefix}.self_attn.o_proj.weight_t", layer.o),
-                    (f"{prefix}.mlp.gate_up_proj.weight_t", layer.gate_up), (f"{prefix}.mlp.down_proj.weight_t", layer.down)]
+            out += [
+                (f"{prefix}.self_attn.qkv_proj.weight_t", layer.qkv),
+                (f"{prefix}.self_attn.o_proj.weight_t", layer.o),
+                (f"{prefix}.mlp.gate_up_proj.weight_t", layer.gate_up),
+                (f"{prefix}.mlp.down_proj.weight_t", layer.down),
+            ]
             if layer.qkv_bias is not None:
                 out.append((f"{prefix}.self_attn.qkv_proj.bias", layer.qkv_bias))
         return out
@@ -110,7 +116,9 @@ class FusedDecoderLayer(nn.Module):
         self.scale = self.arch.attention_scale(spec, config)
         attention = self.arch.layer_attention(config, layer_id)
         self.rope = attention.rope
-        self.local_window_size = attention.window if attention.window is not None else -1  # HF's window, as ORT counts it
+        self.local_window_size = (
+            attention.window if attention.window is not None else -1
+        )  # HF's window, as ORT counts it
         weights = self.arch.layer(parts.hf_model, layer_id)
         # HF's GELUTanh (gelu_pytorch_tanh) as one fused node; any other activation as HF computes it
         self.act = ort_ops.gelu_tanh if type(weights.act).__name__ in GELU_TANH_MODULES else weights.act
@@ -136,24 +144,48 @@ class FusedDecoderLayer(nn.Module):
     def qk_normed(self, qkv: Tensor) -> Tensor:
         """Packed QKV with the per-head QK-norm applied to the query and key heads."""
         t = qkv.shape[1]
-        q, k, v = qkv.split((self.num_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim), dim=-1)
+        q, k, v = qkv.split(
+            (self.num_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim), dim=-1
+        )
         q = self.norm(q.reshape(1, t, self.num_heads, self.head_dim), self.q_norm).reshape(1, t, -1)
         k = self.norm(k.reshape(1, t, self.kv_heads, self.head_dim), self.k_norm).reshape(1, t, -1)
         return torch.cat((q, k, v), dim=-1)
 
-    def forward(self, h: Tensor, residual: Tensor, past_key: Tensor, past_value: Tensor, seqlens_k: Tensor,
-                total_length: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def forward(
+        self,
+        h: Tensor,
+        residual: Tensor,
+        past_key: Tensor,
+        past_value: Tensor,
+        seqlens_k: Tensor,
+        total_length: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         qkv = torch.matmul(h, self.qkv)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         if self.q_norm is not None:
             qkv = self.qk_normed(qkv)
-        attn, present_key, present_value = ort_ops.gqa(qkv, past_key, past_value, seqlens_k, total_length, cos, sin,
-                                                       self.num_heads, self.kv_heads, self.scale, self.local_window_size)
+        attn, present_key, present_value = ort_ops.gqa(
+            qkv,
+            past_key,
+            past_value,
+            seqlens_k,
+            total_length,
+            cos,
+            sin,
+            self.num_heads,
+            self.kv_heads,
+            self.scale,
+            self.local_window_size,
+        )
         attn = torch.matmul(attn, self.o)
         if self.attention_out_norm is not None:
             attn = self.norm(attn, self.attention_out_norm)
-        h2, residual = ort_ops.skip_rms_norm(attn, residual, self.arch.norm_weight(self.post_attention_layernorm), self.eps)
+        h2, residual = ort_ops.skip_rms_norm(
+            attn, residual, self.arch.norm_weight(self.post_attention_layernorm), self.eps
+        )
         gate, up = torch.matmul(h2, self.gate_up).split(self.intermediate, dim=-1)
         delta = torch.matmul(self.act(gate) * up, self.down)
         if self.mlp_out_norm is not None:
@@ -185,23 +217,38 @@ class FusedSpanGraph(nn.Module):
         self.register_buffer("prompts", prompt_table(parts, graph), persistent=False)
         self.register_buffer("draft_head", draft_head(parts, graph), persistent=False)
 
-    def forward(self, first: Tensor, logit_rows: Tensor, seqlens_k: Tensor, total_length: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
+    def forward(
+        self, first: Tensor, logit_rows: Tensor, seqlens_k: Tensor, total_length: Tensor, *past: Tensor
+    ) -> tuple[Tensor, ...]:
         n = len(self.layers)
         past_keys, past_values = past[:n], past[n:]
-        residual = embed_tokens(self.embed, self.embed_scale, first, self.prompts, self.vocab) if self.embed is not None else first  # [1, T, H]
+        residual = (
+            embed_tokens(self.embed, self.embed_scale, first, self.prompts, self.vocab)
+            if self.embed is not None
+            else first
+        )  # [1, T, H]
         delta: Tensor | None = None
         keys, values, scores = [], [], []
         for position, layer in enumerate(self.layers):
             h, residual = layer.normed_input(delta, residual)
             if self.routers is not None:
                 scores.append(self.routers.score(layer.layer_id, residual[0]))
-            delta, residual, k, v = layer(h, residual, past_keys[position], past_values[position], seqlens_k, total_length,
-                                          *self.cos_sin(layer.rope))
+            delta, residual, k, v = layer(
+                h,
+                residual,
+                past_keys[position],
+                past_values[position],
+                seqlens_k,
+                total_length,
+                *self.cos_sin(layer.rope),
+            )
             keys.append(k)
             values.append(v)
         hidden = delta + residual
         if self.adapter is not None:
-            head_in = ort_ops.rms_norm(self.adapter(hidden.index_select(1, logit_rows)), self.arch.norm_weight(self.norm), self.eps)
+            head_in = ort_ops.rms_norm(
+                self.adapter(hidden.index_select(1, logit_rows)), self.arch.norm_weight(self.norm), self.eps
+            )
         else:
             head_in = ort_ops.rms_norm(hidden.index_select(1, logit_rows), self.arch.norm_weight(self.norm), self.eps)
         head = self.lm_head.weight if self.draft_head is None else self.draft_head

@@ -11,15 +11,23 @@ Internal tensors drop the batch axis: the project decodes one sequence at a time
 portable KV arena is sequence-major [P, n_kv_heads, head_dim] (docs/architecture.md
 section 4).
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from graphs.architectures import DEFAULT_ROPE, DecoderArchitecture, LayerAttention, LayerWeights, architecture
-from graphs.spec import ModelSpec
+from adaptive_export.graphs.architectures import (
+    DEFAULT_ROPE,
+    DecoderArchitecture,
+    LayerAttention,
+    LayerWeights,
+    architecture,
+)
+from adaptive_export.graphs.spec import ModelSpec
 
 # Finite stand-in for -inf in the causal mask: safe in fp16 (CoreML) and exact in fp32
 # after softmax, since exp(-30000) underflows to 0.
@@ -55,7 +63,9 @@ class Rotary(nn.Module):
         return emb.cos() * self.scaling, emb.sin() * self.scaling
 
 
-def embed_tokens(embed: nn.Module, scale: float | None, ids: Tensor, prompts: Tensor | None = None, vocab: int = 0) -> Tensor:
+def embed_tokens(
+    embed: nn.Module, scale: float | None, ids: Tensor, prompts: Tensor | None = None, vocab: int = 0
+) -> Tensor:
     """Token embeddings, times the family's embedding scale where it has one (Gemma: sqrt(hidden)).
 
     With PPD `prompts` ([m, H], trained in the scaled space the layers read), ids vocab..vocab+m-1
@@ -185,7 +195,9 @@ class DecoderStack(nn.Module):
         self.rotary = Rotary(tables[DEFAULT_ROPE])
         self.rotaries = nn.ModuleDict({key: Rotary(module) for key, module in tables.items() if key != DEFAULT_ROPE})
         self.attention = [arch.layer_attention(hf_model.config, i) for i in layers]
-        self.layers = nn.ModuleList(StaticDecoderLayer(arch, arch.layer(hf_model, i), spec, hf_model.config) for i in layers)
+        self.layers = nn.ModuleList(
+            StaticDecoderLayer(arch, arch.layer(hf_model, i), spec, hf_model.config) for i in layers
+        )
         self.head = Head(hf_model, spec)
         self.register_buffer("prompts", None, persistent=False)
 
@@ -205,8 +217,14 @@ class DecoderStack(nn.Module):
         masks: dict[int | None, Tensor] = {}
         for layer in self.attention:
             if layer.window not in masks:
-                seen = allowed if layer.window is None else allowed & (key_pos[None, :] > query_pos[:, None] - layer.window)
-                masks[layer.window] = torch.where(seen, torch.zeros((), dtype=torch.float32), torch.full((), MASK_VALUE))
+                seen = (
+                    allowed
+                    if layer.window is None
+                    else allowed & (key_pos[None, :] > query_pos[:, None] - layer.window)
+                )
+                masks[layer.window] = torch.where(
+                    seen, torch.zeros((), dtype=torch.float32), torch.full((), MASK_VALUE)
+                )
         return [(*tables[layer.rope], masks[layer.window]) for layer in self.attention]
 
     def frame(self, past_len: int, new_len: int) -> list[tuple[Tensor, Tensor, Tensor]]:

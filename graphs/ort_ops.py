@@ -16,12 +16,13 @@ so the graphs of graphs/fused_graph.py stay the one definition and the reference
                     keys, its own included: HF's sliding window (measured against ORT 1.32's
                     CPU kernel, tests/test_ort_ops.py)
 """
+
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from graphs.layers import causal_mask
+from adaptive_export.graphs.layers import causal_mask
 
 
 @torch.library.custom_op("adaptive_export::rms_norm", mutates_args=())
@@ -66,9 +67,19 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("adaptive_export::gqa", mutates_args=())
-def gqa(qkv: Tensor, past_key: Tensor, past_value: Tensor, seqlens_k: Tensor, total_length: Tensor,
-        cos_cache: Tensor, sin_cache: Tensor, num_heads: int, kv_heads: int, scale: float,
-        local_window_size: int = -1) -> tuple[Tensor, Tensor, Tensor]:
+def gqa(
+    qkv: Tensor,
+    past_key: Tensor,
+    past_value: Tensor,
+    seqlens_k: Tensor,
+    total_length: Tensor,
+    cos_cache: Tensor,
+    sin_cache: Tensor,
+    num_heads: int,
+    kv_heads: int,
+    scale: float,
+    local_window_size: int = -1,
+) -> tuple[Tensor, Tensor, Tensor]:
     """qkv [1, T, (nh + 2 kv) hd]; past_* [1, kv, M, hd] hold rows [0, P) with P = total - T.
 
     Returns the attention output [1, T, nh hd] and the caches with the T new (rotated) rows
@@ -101,9 +112,19 @@ def gqa(qkv: Tensor, past_key: Tensor, past_value: Tensor, seqlens_k: Tensor, to
 
 
 @gqa.register_fake
-def _(qkv: Tensor, past_key: Tensor, past_value: Tensor, seqlens_k: Tensor, total_length: Tensor,
-      cos_cache: Tensor, sin_cache: Tensor, num_heads: int, kv_heads: int, scale: float,
-      local_window_size: int = -1) -> tuple[Tensor, Tensor, Tensor]:
+def _(
+    qkv: Tensor,
+    past_key: Tensor,
+    past_value: Tensor,
+    seqlens_k: Tensor,
+    total_length: Tensor,
+    cos_cache: Tensor,
+    sin_cache: Tensor,
+    num_heads: int,
+    kv_heads: int,
+    scale: float,
+    local_window_size: int = -1,
+) -> tuple[Tensor, Tensor, Tensor]:
     head_dim = past_key.shape[-1]
     out = qkv.new_empty((qkv.shape[0], qkv.shape[1], num_heads * head_dim))
     return out, torch.empty_like(past_key), torch.empty_like(past_value)

@@ -2,11 +2,12 @@
 
 Pure data (no torch) so the runtime and `inspect` can read it back from the manifest.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from graphs.span_graph import GraphSpec
+from adaptive_export.graphs.span_graph import GraphSpec
 
 FULL_CONFIG = "full"
 
@@ -51,8 +52,15 @@ class BuildPlan:
         every = tuple(range(self.num_layers))
         out = [GraphSpec("prefill", "prefill", every, logits="last", router_scores=self.routers)]
         for config in self.configs:
-            out.append(GraphSpec(f"decode_{config.id}", "decode", config.kept, config=config.id,
-                                 prompt_tokens=self.prompt_tokens if config.id == FULL_CONFIG else 0))
+            out.append(
+                GraphSpec(
+                    f"decode_{config.id}",
+                    "decode",
+                    config.kept,
+                    config=config.id,
+                    prompt_tokens=self.prompt_tokens if config.id == FULL_CONFIG else 0,
+                )
+            )
         if self.exit is not None:
             for config in self.configs:
                 out.extend(exit_graphs(config, self.exit))
@@ -70,8 +78,14 @@ def precision_draft_graph(num_layers: int, precision: str, draft_vocab: int = 0)
     `draft_vocab`, its head scores only that many frequent tokens (VocabTrim)."""
     if precision not in PRECISION_DRAFTS:
         raise ValueError(f"draft precision {precision!r} is not one of {PRECISION_DRAFTS}")
-    return GraphSpec(f"pdraft_{FULL_CONFIG}_{precision}", "decode", tuple(range(num_layers)), config=FULL_CONFIG,
-                     precision=precision, draft_vocab=draft_vocab)
+    return GraphSpec(
+        f"pdraft_{FULL_CONFIG}_{precision}",
+        "decode",
+        tuple(range(num_layers)),
+        config=FULL_CONFIG,
+        precision=precision,
+        draft_vocab=draft_vocab,
+    )
 
 
 def exit_graphs(config: SkipConfig, plan: ExitPlan) -> list[GraphSpec]:
@@ -81,8 +95,21 @@ def exit_graphs(config: SkipConfig, plan: ExitPlan) -> list[GraphSpec]:
     if not below or not above:
         return []
     return [
-        GraphSpec(f"draft_{config.id}_e{plan.exit_layer}", "draft", below, exit_hidden=True,
-                  exit_adapter=plan.adapter, config=config.id, exit_layer=plan.exit_layer),
-        GraphSpec(f"verify_{config.id}_e{plan.exit_layer}", "verify", above, source="hidden",
-                  config=config.id, exit_layer=plan.exit_layer),
+        GraphSpec(
+            f"draft_{config.id}_e{plan.exit_layer}",
+            "draft",
+            below,
+            exit_hidden=True,
+            exit_adapter=plan.adapter,
+            config=config.id,
+            exit_layer=plan.exit_layer,
+        ),
+        GraphSpec(
+            f"verify_{config.id}_e{plan.exit_layer}",
+            "verify",
+            above,
+            source="hidden",
+            config=config.id,
+            exit_layer=plan.exit_layer,
+        ),
     ]

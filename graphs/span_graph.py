@@ -6,6 +6,7 @@ the portable arena contract (docs/architecture.md section 4): per layer i in the
 `past_value_i` are prefix views [P, n_kv, hd]; `new_key_i` / `new_value_i` are the
 T new rows, which the runtime writes into the arena at [P:P+T].
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,10 +15,10 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from graphs.adaptive import ExitAdapter, Routers
-from graphs.architectures import architecture
-from graphs.layers import DecoderStack
-from graphs.spec import ModelSpec
+from adaptive_export.graphs.adaptive import ExitAdapter, Routers
+from adaptive_export.graphs.architectures import architecture
+from adaptive_export.graphs.layers import DecoderStack
+from adaptive_export.graphs.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,10 @@ def prompt_table(parts: ModelParts, graph: GraphSpec) -> torch.Tensor | None:
     if not graph.prompt_tokens:
         return None
     if parts.prompt_tokens is None or parts.prompt_tokens.shape[0] != graph.prompt_tokens:
-        raise ValueError(f"graph {graph.name!r} embeds {graph.prompt_tokens} PPD prompt tokens, but the model parts hold "
-                         f"{0 if parts.prompt_tokens is None else parts.prompt_tokens.shape[0]}")
+        raise ValueError(
+            f"graph {graph.name!r} embeds {graph.prompt_tokens} PPD prompt tokens, but the model parts hold "
+            f"{0 if parts.prompt_tokens is None else parts.prompt_tokens.shape[0]}"
+        )
     return parts.prompt_tokens.detach()
 
 
@@ -93,8 +96,10 @@ def draft_head(parts: ModelParts, graph: GraphSpec) -> torch.Tensor | None:
         return None
     ids = parts.draft_vocab
     if ids is None or ids.numel() != graph.draft_vocab:
-        raise ValueError(f"graph {graph.name!r} drafts over {graph.draft_vocab} token ids, but the model parts hold "
-                         f"{0 if ids is None else ids.numel()}")
+        raise ValueError(
+            f"graph {graph.name!r} drafts over {graph.draft_vocab} token ids, but the model parts hold "
+            f"{0 if ids is None else ids.numel()}"
+        )
     cache: dict[int, torch.Tensor] = parts.__dict__.setdefault("_draft_head", {})
     if graph.draft_vocab not in cache:
         weight = architecture(parts.spec.model_type).lm_head(parts.hf_model).weight.detach()

@@ -2,10 +2,12 @@
 
 The runtime reads these back from manifest.json, so this module stays free of torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -30,5 +32,5 @@ class ModelSpec:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "ModelSpec":
+    def from_json(cls, data: dict[str, Any]) -> ModelSpec:
         return cls(**{name: data[name] for name in cls.__dataclass_fields__})

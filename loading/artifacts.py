@@ -2,15 +2,16 @@
 
 safetensors holds raw tensors only (no pickle), so loading them never executes code.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from graphs.adaptive import ExitAdapter, Routers
-from graphs.span_graph import ModelParts
-from runtimes.bundle import Bundle
-from runtimes.errors import UsageError
+from adaptive_export.graphs.adaptive import ExitAdapter, Routers
+from adaptive_export.graphs.span_graph import ModelParts
+from adaptive_export.runtimes.bundle import Bundle
+from adaptive_export.runtimes.errors import UsageError
 
 ROUTERS_FILE = "routers.safetensors"
 ADAPTERS_FILE = "exit_adapters.safetensors"
@@ -28,16 +29,24 @@ def load_routers(path: str | Path, num_layers: int, hidden_size: int) -> Routers
     from safetensors.torch import load_file
 
     if not Path(path).is_file():
-        raise UsageError(f"routers file {str(path)!r} does not exist", "pass --routers train, or a .safetensors file written by a previous build")
+        raise UsageError(
+            f"routers file {str(path)!r} does not exist",
+            "pass --routers train, or a .safetensors file written by a previous build",
+        )
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
-        raise UsageError(f"routers file {str(path)!r} is not a readable safetensors file ({exc})", "pass --routers train to train new routers") from exc
+        raise UsageError(
+            f"routers file {str(path)!r} is not a readable safetensors file ({exc})",
+            "pass --routers train to train new routers",
+        ) from exc
     weight = tensors.get("weight")
     if weight is None or tuple(weight.shape) != (num_layers, hidden_size):
         shape = None if weight is None else tuple(weight.shape)
-        raise UsageError(f"routers file {str(path)!r} holds weight of shape {shape}, this model needs ({num_layers}, {hidden_size})",
-                         "train routers for this model with --routers train")
+        raise UsageError(
+            f"routers file {str(path)!r} holds weight of shape {shape}, this model needs ({num_layers}, {hidden_size})",
+            "train routers for this model with --routers train",
+        )
     routers = Routers(num_layers, hidden_size)
     routers.weight.data.copy_(weight.float())
     return routers
@@ -46,7 +55,9 @@ def load_routers(path: str | Path, num_layers: int, hidden_size: int) -> Routers
 def adapters_bytes(adapters: dict[int, ExitAdapter]) -> bytes:
     from safetensors.torch import save
 
-    tensors = {f"{layer}.{name}": p.detach().contiguous() for layer, a in adapters.items() for name, p in a.named_parameters()}
+    tensors = {
+        f"{layer}.{name}": p.detach().contiguous() for layer, a in adapters.items() for name, p in a.named_parameters()
+    }
     return save(tensors)
 
 
@@ -57,7 +68,10 @@ def load_adapters(path: str | Path, hidden_size: int, eps: float, num_layers: in
 
     fix = "fit adapters for this model with --exit-adapter fit"
     if not Path(path).is_file():
-        raise UsageError(f"exit adapter file {str(path)!r} does not exist", "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build")
+        raise UsageError(
+            f"exit adapter file {str(path)!r} does not exist",
+            "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build",
+        )
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
@@ -68,15 +82,21 @@ def load_adapters(path: str | Path, hidden_size: int, eps: float, num_layers: in
     adapters: dict[int, ExitAdapter] = {}
     for layer in layers:
         if not 0 < layer < num_layers:
-            raise UsageError(f"exit adapter file {str(path)!r} has an adapter for layer {layer}, this model has exits 1..{num_layers - 1}", fix)
+            raise UsageError(
+                f"exit adapter file {str(path)!r} has an adapter for layer {layer}, this model has exits 1..{num_layers - 1}",
+                fix,
+            )
         own = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"{layer}.")}
         down = own.get("down.weight")
         rank = int(down.shape[0]) if down is not None and down.dim() == 2 else 0
         expected = {"norm_weight": (hidden_size,), "down.weight": (rank, hidden_size), "up.weight": (hidden_size, rank)}
         shapes = {k: tuple(v.shape) for k, v in own.items()}
         if rank == 0 or shapes != expected:
-            raise UsageError(f"exit adapter file {str(path)!r} holds tensors {shapes} for layer {layer}, this model needs "
-                             f"norm_weight ({hidden_size},), down.weight (rank, {hidden_size}), up.weight ({hidden_size}, rank)", fix)
+            raise UsageError(
+                f"exit adapter file {str(path)!r} holds tensors {shapes} for layer {layer}, this model needs "
+                f"norm_weight ({hidden_size},), down.weight (rank, {hidden_size}), up.weight ({hidden_size}, rank)",
+                fix,
+            )
         adapter = ExitAdapter(hidden_size, rank, eps)
         adapter.load_state_dict({k: v.float() for k, v in own.items()})
         adapters[layer] = adapter.eval()
@@ -94,40 +114,58 @@ def load_prompt_tokens(path: str | Path, hidden_size: int) -> Any:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from runtimes.limits import MAX_PROMPT_TOKENS
+    from adaptive_export.runtimes.limits import MAX_PROMPT_TOKENS
 
     fix = "train prompt tokens for this model with --prompt-tokens N"
     if not Path(path).is_file():
-        raise UsageError(f"prompt tokens file {str(path)!r} does not exist", f"{fix}, or pass a prompt_tokens.safetensors file written by a previous build")
+        raise UsageError(
+            f"prompt tokens file {str(path)!r} does not exist",
+            f"{fix}, or pass a prompt_tokens.safetensors file written by a previous build",
+        )
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise UsageError(f"prompt tokens file {str(path)!r} is not a readable safetensors file ({exc})", fix) from exc
     table = tensors.get("prompt_tokens")
-    if table is None or table.dim() != 2 or table.shape[1] != hidden_size or not 1 <= table.shape[0] <= MAX_PROMPT_TOKENS:
+    if (
+        table is None
+        or table.dim() != 2
+        or table.shape[1] != hidden_size
+        or not 1 <= table.shape[0] <= MAX_PROMPT_TOKENS
+    ):
         shape = None if table is None else tuple(table.shape)
-        raise UsageError(f"prompt tokens file {str(path)!r} holds prompt_tokens of shape {shape}, this model needs "
-                         f"(1..{MAX_PROMPT_TOKENS}, {hidden_size})", fix)
+        raise UsageError(
+            f"prompt tokens file {str(path)!r} holds prompt_tokens of shape {shape}, this model needs "
+            f"(1..{MAX_PROMPT_TOKENS}, {hidden_size})",
+            fix,
+        )
     return table.float()
 
 
 def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
     """The HF model the bundle was built from (or `model`), plus the bundle's routers and adapters."""
-    from loading.model import DEFAULT_MODEL, load_model
-    from loading.packaged import PACKAGED
+    from adaptive_export.loading.model import DEFAULT_MODEL, load_model
+    from adaptive_export.loading.packaged import PACKAGED
 
     recorded = bundle.model.get("source") or DEFAULT_MODEL
     if model is None and recorded not in PACKAGED and not Path(recorded).is_absolute():
         # a bundle may come from anywhere: its recorded source is never resolved against the current directory
-        raise UsageError(f"the bundle records its model as {recorded!r}, a relative path", "pass the reference model with --model")
+        raise UsageError(
+            f"the bundle records its model as {recorded!r}, a relative path", "pass the reference model with --model"
+        )
     loaded = load_model(model or recorded)
     if loaded.spec.to_json() != {k: bundle.model[k] for k in loaded.spec.to_json()}:
-        raise UsageError(f"model {loaded.source!r} does not match the bundle's dimensions", "pass the model the bundle was built from with --model")
+        raise UsageError(
+            f"model {loaded.source!r} does not match the bundle's dimensions",
+            "pass the model the bundle was built from with --model",
+        )
     parts = ModelParts(loaded.hf_model, loaded.spec)
     if ROUTERS_FILE in bundle.manifest["files"]:  # only listed (checksummed) files are opened
         parts.routers = load_routers(bundle.path(ROUTERS_FILE), loaded.spec.num_layers, loaded.spec.hidden_size)
     if ADAPTERS_FILE in bundle.manifest["files"]:
-        parts.exit_adapters = load_adapters(bundle.path(ADAPTERS_FILE), loaded.spec.hidden_size, loaded.spec.rms_norm_eps, loaded.spec.num_layers)
+        parts.exit_adapters = load_adapters(
+            bundle.path(ADAPTERS_FILE), loaded.spec.hidden_size, loaded.spec.rms_norm_eps, loaded.spec.num_layers
+        )
     if PROMPT_TOKENS_FILE in bundle.manifest["files"]:
         parts.prompt_tokens = load_prompt_tokens(bundle.path(PROMPT_TOKENS_FILE), loaded.spec.hidden_size)
     if bundle.draft_vocab_ids is not None:

@@ -1,5 +1,6 @@
 """Resolve a MODEL argument (HF directory, .gguf file, or a packaged name: `smollm2`, `gemma3`)
 and load it for export."""
+
 from __future__ import annotations
 
 import logging
@@ -8,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from graphs.architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES
-from graphs.spec import ModelSpec
-from loading.packaged import PACKAGED
-from runtimes.errors import UsageError
+from adaptive_export.graphs.architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES
+from adaptive_export.graphs.spec import ModelSpec
+from adaptive_export.loading.packaged import PACKAGED
+from adaptive_export.runtimes.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,10 @@ def resolve_model_path(model: str) -> tuple[Path, str | None]:
     if path.is_dir() and (path / "config.json").is_file():
         return path, None
     if path.exists():
-        raise UsageError(f"model {model!r} is neither a .gguf file nor a Hugging Face model directory with config.json", f"pass {MODEL_CHOICES}")
+        raise UsageError(
+            f"model {model!r} is neither a .gguf file nor a Hugging Face model directory with config.json",
+            f"pass {MODEL_CHOICES}",
+        )
     raise UsageError(f"model {model!r} does not exist", f"pass {MODEL_CHOICES}; {DEFAULT_MODEL} is the default")
 
 
@@ -75,18 +79,27 @@ def load_model(model: str = DEFAULT_MODEL) -> LoadedModel:
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True, **kwargs)
     except Exception as exc:  # transformers and gguf raise many types for truncated or foreign files
-        raise UsageError(f"cannot read the model config of {model!r}: {_first_line(exc)}", "pass a complete model directory or .gguf file") from None
+        raise UsageError(
+            f"cannot read the model config of {model!r}: {_first_line(exc)}",
+            "pass a complete model directory or .gguf file",
+        ) from None
     spec = spec_from_config(config)
     log.info("loading %s (%s, %d layers)", model, spec.model_type, spec.num_layers)
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32, **kwargs)
         hf_model.eval().requires_grad_(False)
     except Exception as exc:  # missing or truncated weights
-        raise UsageError(f"cannot load the weights of {model!r}: {_first_line(exc)}", "pass a complete model directory (config.json, weights, tokenizer) or .gguf file") from None
+        raise UsageError(
+            f"cannot load the weights of {model!r}: {_first_line(exc)}",
+            "pass a complete model directory (config.json, weights, tokenizer) or .gguf file",
+        ) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
     except Exception as exc:
-        raise UsageError(f"cannot load the tokenizer of {model!r}: {_first_line(exc)}", "pass a model directory with its tokenizer files") from None
+        raise UsageError(
+            f"cannot load the tokenizer of {model!r}: {_first_line(exc)}",
+            "pass a model directory with its tokenizer files",
+        ) from None
     if tokenizer is None or isinstance(tokenizer, bool):
         raise UsageError(f"model {model!r} has no tokenizer", "pass a model directory with its tokenizer files")
     # recorded in the manifest; absolute, so `check` never resolves it against another directory

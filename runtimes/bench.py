@@ -1,18 +1,29 @@
 """`bench`: median prefill and TPOT of a bundle over repetitions, after one warm-up."""
+
 from __future__ import annotations
 
 import statistics
 from typing import Any
 
-from runtimes.bundle import Bundle
-from runtimes.generate import Generator
+from adaptive_export.runtimes.bundle import Bundle
+from adaptive_export.runtimes.generate import Generator
 
 
-def bench_bundle(directory: "str | Bundle", prompt: str, new_tokens: int, repeat: int, config: str = "auto", mode: str = "ar",
-                 threads: int = 0, prepack: list[str] | None = None) -> dict[str, Any]:
+def bench_bundle(
+    directory: str | Bundle,
+    prompt: str,
+    new_tokens: int,
+    repeat: int,
+    config: str = "auto",
+    mode: str = "ar",
+    threads: int = 0,
+    prepack: list[str] | None = None,
+) -> dict[str, Any]:
     generator = Generator(directory, threads=threads, prepack=prepack)
     generator.generate(prompt, max_new_tokens=new_tokens, config=config, mode=mode)  # warm-up
-    runs = [generator.generate(prompt, max_new_tokens=new_tokens, config=config, mode=mode).stats for _ in range(repeat)]
+    runs = [
+        generator.generate(prompt, max_new_tokens=new_tokens, config=config, mode=mode).stats for _ in range(repeat)
+    ]
     return {
         "prefill_ms": round(statistics.median(s.prefill_ms for s in runs), 2),
         "tpot_ms": round(statistics.median(s.tpot_ms for s in runs), 2),

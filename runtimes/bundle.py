@@ -3,6 +3,7 @@
 Nothing from a bundle is executed: the manifest is JSON, weights are raw bytes, engines
 are handed to their backend's own loader, and no custom-op library is ever registered.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from runtimes.errors import UsageError
-from runtimes import limits
-from runtimes.manifest import path_problem, validate
+from adaptive_export.runtimes import limits
+from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.manifest import path_problem, validate
 
 _HASH_CHUNK = 1 << 22
 
@@ -54,10 +55,14 @@ class Bundle:
         data = read_listed(self, entry["file"], 4 * size)
         fix = "rebuild the bundle with --draft-vocab"
         if len(data) != 4 * size:
-            raise UsageError(f"draft vocabulary file {entry['file']!r} holds {len(data)} bytes, not {size} int32 ids", fix)
+            raise UsageError(
+                f"draft vocabulary file {entry['file']!r} holds {len(data)} bytes, not {size} int32 ids", fix
+            )
         ids = np.frombuffer(data, dtype="<i4").astype(np.int64)
         if ids[0] < 0 or ids[-1] >= vocab or (size > 1 and not bool(np.all(np.diff(ids) > 0))):
-            raise UsageError(f"draft vocabulary file {entry['file']!r} is not ascending unique token ids within 0..{vocab - 1}", fix)
+            raise UsageError(
+                f"draft vocabulary file {entry['file']!r} is not ascending unique token ids within 0..{vocab - 1}", fix
+            )
         return ids
 
     def config(self, config_id: str) -> dict[str, Any]:
@@ -75,8 +80,10 @@ class Bundle:
         entry = self.manifest["backends"].get(backend)
         if entry is None:
             present = ", ".join(self.manifest["backends"]) or "none"
-            raise UsageError(f"backend {backend!r} is not in this bundle (it has: {present})",
-                             f"choose one of them, or rebuild with --backend {backend}")
+            raise UsageError(
+                f"backend {backend!r} is not in this bundle (it has: {present})",
+                f"choose one of them, or rebuild with --backend {backend}",
+            )
         return entry
 
 
@@ -88,15 +95,20 @@ def logits_width(graph: dict[str, Any], model: dict[str, Any]) -> int:
 def confined_path(root: Path, relative: str) -> Path:
     problem = path_problem(relative)
     if problem is not None:
-        raise UsageError(f"manifest path {ascii(relative)[:80]} is not a relative path inside the bundle: it {problem}",
-                         "rebuild the bundle; never edit manifest paths by hand")
+        raise UsageError(
+            f"manifest path {ascii(relative)[:80]} is not a relative path inside the bundle: it {problem}",
+            "rebuild the bundle; never edit manifest paths by hand",
+        )
     try:
         resolved = (root / relative).resolve()
         inside = resolved.is_relative_to(root.resolve())
     except (OSError, RuntimeError) as exc:  # symlink loops, names too long
         raise UsageError(f"manifest path {relative!r} cannot be resolved ({exc})", "rebuild the bundle") from None
     if not inside:
-        raise UsageError(f"manifest path {relative!r} points outside the bundle", "rebuild the bundle; a bundle may only refer to its own files")
+        raise UsageError(
+            f"manifest path {relative!r} points outside the bundle",
+            "rebuild the bundle; a bundle may only refer to its own files",
+        )
     return resolved
 
 
@@ -142,29 +154,44 @@ def parse_manifest(data: bytes, name: str = "manifest.json") -> Any:
         raise UsageError(f"{name} cannot be parsed ({type(exc).__name__})", fix) from None
 
 
-def _check_file(bundle: Bundle, relative: str, entry: dict[str, Any], verify: str, seen: dict[tuple[int, int], str]) -> None:
+def _check_file(
+    bundle: Bundle, relative: str, entry: dict[str, Any], verify: str, seen: dict[tuple[int, int], str]
+) -> None:
     """One listed file: inside the bundle, a regular file (no symlink, FIFO or device), a
     file no other entry names (aliases and hard links refused), with its size and sha256."""
     path = bundle.path(relative)
     try:
         info = os.lstat(path)
     except FileNotFoundError:
-        raise UsageError(f"bundle file {relative!r} is missing", "rebuild the bundle or copy it again completely") from None
+        raise UsageError(
+            f"bundle file {relative!r} is missing", "rebuild the bundle or copy it again completely"
+        ) from None
     except OSError as exc:
         raise UsageError(f"bundle file {relative!r} cannot be read: {exc.strerror}", "rebuild the bundle") from None
     if not stat.S_ISREG(info.st_mode):
-        raise UsageError(f"bundle file {relative!r} is not a regular file", "rebuild the bundle; it may hold only regular files")
+        raise UsageError(
+            f"bundle file {relative!r} is not a regular file", "rebuild the bundle; it may hold only regular files"
+        )
     key = (info.st_dev, info.st_ino)
     if key in seen:
-        raise UsageError(f"bundle files {seen[key]!r} and {relative!r} are the same file", "rebuild the bundle; every file is listed once")
+        raise UsageError(
+            f"bundle files {seen[key]!r} and {relative!r} are the same file",
+            "rebuild the bundle; every file is listed once",
+        )
     seen[key] = relative
     fd = limits.open_regular(path, f"bundle file {relative!r}")
     try:
         size = os.fstat(fd).st_size
         if size != entry["bytes"]:
-            raise UsageError(f"bundle file {relative!r} has {size} bytes, the manifest says {entry['bytes']}", "the bundle is corrupt or truncated: copy it again or rebuild it")
+            raise UsageError(
+                f"bundle file {relative!r} has {size} bytes, the manifest says {entry['bytes']}",
+                "the bundle is corrupt or truncated: copy it again or rebuild it",
+            )
         if verify == "full" and _sha256_fd(fd, size)[0] != entry["sha256"]:
-            raise UsageError(f"checksum mismatch for bundle file {relative!r}", "the bundle is corrupt or was modified: copy it again or rebuild it")
+            raise UsageError(
+                f"checksum mismatch for bundle file {relative!r}",
+                "the bundle is corrupt or was modified: copy it again or rebuild it",
+            )
     finally:
         os.close(fd)
 
@@ -174,10 +201,16 @@ def read_listed(bundle: Bundle, relative: str, max_bytes: int) -> bytes:
     whatever the verify mode, so what is used is exactly what was checked."""
     entry = bundle.manifest["files"].get(relative)
     if entry is None:
-        raise UsageError(f"bundle file {relative!r} is not listed with a checksum", "rebuild the bundle; unlisted files are never opened")
+        raise UsageError(
+            f"bundle file {relative!r} is not listed with a checksum",
+            "rebuild the bundle; unlisted files are never opened",
+        )
     data = limits.read_regular(bundle.path(relative), f"bundle file {relative!r}", max_bytes)
     if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise UsageError(f"checksum mismatch for bundle file {relative!r}", "the bundle is corrupt or was modified: copy it again or rebuild it")
+        raise UsageError(
+            f"checksum mismatch for bundle file {relative!r}",
+            "the bundle is corrupt or was modified: copy it again or rebuild it",
+        )
     return data
 
 
@@ -191,19 +224,31 @@ def load_bundle(directory: str | os.PathLike[str], verify: str = "full") -> Bund
     if verify not in ("full", "size"):
         raise UsageError(f"verify={verify!r} is not a verification mode", "use 'full' or 'size'")
     if not isinstance(directory, (str, os.PathLike)):
-        raise UsageError(f"bundle {type(directory).__name__} is not a path", "pass the bundle directory as a string or Path")
+        raise UsageError(
+            f"bundle {type(directory).__name__} is not a path", "pass the bundle directory as a string or Path"
+        )
     root = Path(directory)
     try:
         exists, is_dir = root.exists(), root.is_dir()
     except (OSError, ValueError) as exc:
-        raise UsageError(f"bundle directory {ascii(str(root))[:120]} cannot be used: {exc}", "pass the bundle directory written by `adaptive-export build`") from None
+        raise UsageError(
+            f"bundle directory {ascii(str(root))[:120]} cannot be used: {exc}",
+            "pass the bundle directory written by `adaptive-export build`",
+        ) from None
     if not exists:
-        raise UsageError(f"bundle directory {str(root)!r} does not exist", "build one with `adaptive-export build -o DIR`")
+        raise UsageError(
+            f"bundle directory {str(root)!r} does not exist", "build one with `adaptive-export build -o DIR`"
+        )
     if not is_dir:
-        raise UsageError(f"{str(root)!r} is not a directory", "pass the bundle directory written by `adaptive-export build`")
+        raise UsageError(
+            f"{str(root)!r} is not a directory", "pass the bundle directory written by `adaptive-export build`"
+        )
     manifest_path = root / "manifest.json"
     if not os.path.lexists(manifest_path):
-        raise UsageError(f"{str(root)!r} has no manifest.json, so it is not a bundle", "pass a directory written by `adaptive-export build`")
+        raise UsageError(
+            f"{str(root)!r} has no manifest.json, so it is not a bundle",
+            "pass a directory written by `adaptive-export build`",
+        )
     manifest = parse_manifest(limits.read_regular(manifest_path, "manifest", limits.MAX_MANIFEST_BYTES))
     validate(manifest)
     bundle = Bundle(root=root, manifest=manifest)

@@ -1,4 +1,5 @@
 """The one error type users see: a problem and its fix, printed as one line, exit code 2."""
+
 from __future__ import annotations
 
 

@@ -8,24 +8,26 @@ self-speculative loop lives in runtimes/speculative.py and shares this state.
 The loop is one generator (`_loop`): `stream()` hands it to the caller, who gets each piece
 of text as its token is decoded, and `generate()` consumes it (docs/architecture.md section 6).
 """
+
 from __future__ import annotations
 
 import itertools
 import os
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
-from runtimes.backends import Backend, make_backend
-from runtimes.bundle import Bundle, load_bundle
-from runtimes.errors import UsageError
-from runtimes.kv_arena import KVArena
-from runtimes.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_draft_len
-from runtimes.sampling import SamplingParams, choose
-from runtimes.selection import choose_config
-from runtimes.text import StreamDecoder, TextCodec
+from adaptive_export.runtimes.backends import Backend, make_backend
+from adaptive_export.runtimes.bundle import Bundle, load_bundle
+from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.kv_arena import KVArena
+from adaptive_export.runtimes.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_draft_len
+from adaptive_export.runtimes.sampling import SamplingParams, choose
+from adaptive_export.runtimes.selection import choose_config
+from adaptive_export.runtimes.text import StreamDecoder, TextCodec
 
 MODES = ("ar", "spec", "auto")
 
@@ -76,9 +78,14 @@ def _stop_strings(stop: Any) -> list[str]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise UsageError(f"stop must be a list of strings, got {type(stop).__name__}", "pass stop=[] or a list such as ['\\n\\n']")
+        raise UsageError(
+            f"stop must be a list of strings, got {type(stop).__name__}", "pass stop=[] or a list such as ['\\n\\n']"
+        )
     if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise UsageError(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters are allowed", "pass fewer or shorter stop strings")
+        raise UsageError(
+            f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters are allowed",
+            "pass fewer or shorter stop strings",
+        )
     return list(stop)
 
 
@@ -96,26 +103,52 @@ class _Run:
 class Generator:
     """Load once, generate many times. Not thread-safe: one sequence at a time (one arena)."""
 
-    def __init__(self, bundle: Bundle | str | os.PathLike[str], backend: str = "onnx", verify: str = "full", **backend_options: Any) -> None:
+    def __init__(
+        self,
+        bundle: Bundle | str | os.PathLike[str],
+        backend: str = "onnx",
+        verify: str = "full",
+        **backend_options: Any,
+    ) -> None:
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, verify=verify)
         self.backend: Backend = make_backend(self.bundle, backend, **backend_options)
         if not self.backend.executes:
-            raise UsageError(f"backend {backend!r} cannot execute on this machine", "run it on its target platform, or choose --backend onnx")
+            raise UsageError(
+                f"backend {backend!r} cannot execute on this machine",
+                "run it on its target platform, or choose --backend onnx",
+            )
         self.codec = TextCodec(self.bundle)
         model = self.bundle.model
-        self.arena = KVArena(self.bundle.num_layers, self.bundle.max_len, model["num_kv_heads"], model["head_dim"],
-                             layout=self.backend.kv_layout)
+        self.arena = KVArena(
+            self.bundle.num_layers,
+            self.bundle.max_len,
+            model["num_kv_heads"],
+            model["head_dim"],
+            layout=self.backend.kv_layout,
+        )
         self.backend.prepare("prefill")
         self.backend.prepare(self.bundle.config("full")["engines"]["decode"])
 
     # ---- public API -------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, sampling: SamplingParams | None = None,
-                 stop: Sequence[str] = (), raw: bool = False, config: str = "auto", mode: str = "ar",
-                 on_text: Callable[[str], None] | None = None, draft: str | None = None, draft_len: int | None = None) -> GenerationResult:
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 64,
+        sampling: SamplingParams | None = None,
+        stop: Sequence[str] = (),
+        raw: bool = False,
+        config: str = "auto",
+        mode: str = "ar",
+        on_text: Callable[[str], None] | None = None,
+        draft: str | None = None,
+        draft_len: int | None = None,
+    ) -> GenerationResult:
         """Generate to the end; `on_text` gets each text delta as it is decoded. The same loop as
         `stream`, consumed here."""
         if on_text is not None and not callable(on_text):
-            raise UsageError(f"on_text is {type(on_text).__name__}, not a callable", "pass a function taking one str, or None")
+            raise UsageError(
+                f"on_text is {type(on_text).__name__}, not a callable", "pass a function taking one str, or None"
+            )
         run = self._run(prompt, max_new_tokens, sampling, stop, raw, config, mode, draft, draft_len)
         for delta in run:
             if on_text is not None:
@@ -135,31 +168,55 @@ class Generator:
 
         return pieces()
 
-    def _run(self, prompt: str | Sequence[int], max_new_tokens: int = 64, sampling: SamplingParams | None = None,
-             stop: Sequence[str] = (), raw: bool = False, config: str = "auto", mode: str = "ar",
-             draft: str | None = None, draft_len: int | None = None) -> "_Run":
+    def _run(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 64,
+        sampling: SamplingParams | None = None,
+        stop: Sequence[str] = (),
+        raw: bool = False,
+        config: str = "auto",
+        mode: str = "ar",
+        draft: str | None = None,
+        draft_len: int | None = None,
+    ) -> _Run:
         """Check the arguments now; return the (not yet started) generation loop."""
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
-            raise UsageError(f"sampling is {type(sampling).__name__}, not SamplingParams", "pass SamplingParams(...) or None")
+            raise UsageError(
+                f"sampling is {type(sampling).__name__}, not SamplingParams", "pass SamplingParams(...) or None"
+            )
         stop = _stop_strings(stop)
         if not isinstance(config, str):
             raise UsageError(f"config {config!r} is not a configuration id", "pass 'auto' or an id from `inspect`")
         draft_len = check_draft_len(draft_len)
         if isinstance(prompt, str):
             prompt_ids = self.codec.encode(prompt, raw)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
+        ):
             prompt_ids = [int(t) for t in prompt]
         else:
-            raise UsageError(f"the prompt is {type(prompt).__name__}, neither text nor a list of token ids",
-                             "pass a str, or a list of int token ids (decode bytes to str first)")
+            raise UsageError(
+                f"the prompt is {type(prompt).__name__}, neither text nor a list of token ids",
+                "pass a str, or a list of int token ids (decode bytes to str first)",
+            )
         self._check_lengths(prompt_ids, max_new_tokens)
         if not isinstance(mode, str) or mode not in MODES:
             raise UsageError(f"mode {mode!r} is unknown", f"choose one of: {', '.join(MODES)}")
         return _Run(self._loop(prompt_ids, max_new_tokens, sampling, stop, config, mode, draft, draft_len))
 
-    def _loop(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams, stop: list[str], config: str,
-              mode: str, draft: str | None, draft_len: int | None) -> Iterator[str]:
+    def _loop(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        stop: list[str],
+        config: str,
+        mode: str,
+        draft: str | None,
+        draft_len: int | None,
+    ) -> Iterator[str]:
         """The one generation loop: prefill, then one token at a time from the decoder, each
         turned into text as it arrives. Returns (StopIteration.value) the GenerationResult."""
         rng = np.random.default_rng(sampling.seed)
@@ -191,30 +248,54 @@ class Generator:
         stats.tpot_ms = stats.decode_ms / max(1, stats.new_tokens - 1)
         return GenerationResult(text.text, list(seq.tokens), prompt_ids, stats)
 
-    def _decoder(self, seq: Sequence_, stats: GenerationStats, max_new_tokens: int, sampling: SamplingParams,
-                 rng: np.random.Generator, draft: str | None, draft_len: int | None, auto: bool) -> Iterator[int]:
+    def _decoder(
+        self,
+        seq: Sequence_,
+        stats: GenerationStats,
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        rng: np.random.Generator,
+        draft: str | None,
+        draft_len: int | None,
+        auto: bool,
+    ) -> Iterator[int]:
         """Tokens after the first: plain steps or speculative rounds (built only if asked for a token)."""
         if stats.mode == "spec":
-            yield from self._speculative_runner(seq, stats, draft, draft_len, auto).tokens(seq, max_new_tokens, sampling, rng)
+            yield from self._speculative_runner(seq, stats, draft, draft_len, auto).tokens(
+                seq, max_new_tokens, sampling, rng
+            )
         else:
             yield from self._decode_ar(seq, sampling, rng)
 
     # ---- steps ------------------------------------------------------------------------
     def _check_lengths(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-            raise UsageError(f"max-new-tokens must be a positive integer, got {max_new_tokens!r}", "pass --max-new-tokens 1 or more")
+            raise UsageError(
+                f"max-new-tokens must be a positive integer, got {max_new_tokens!r}", "pass --max-new-tokens 1 or more"
+            )
         if not prompt_ids:
             raise UsageError("the prompt has no tokens", "pass a non-empty prompt")
         vocab = self.bundle.model["vocab_size"]
         if any(t < 0 or t >= vocab for t in prompt_ids):
-            raise UsageError(f"a prompt token id is outside the vocabulary 0..{vocab - 1}", "pass ids from this bundle's tokenizer")
+            raise UsageError(
+                f"a prompt token id is outside the vocabulary 0..{vocab - 1}", "pass ids from this bundle's tokenizer"
+            )
         needed = len(prompt_ids) + max_new_tokens
         if needed > self.bundle.max_len:
-            raise UsageError(f"prompt ({len(prompt_ids)} tokens) + max-new-tokens ({max_new_tokens}) = {needed} exceeds the bundle's max_len {self.bundle.max_len}",
-                             "shorten the prompt, lower --max-new-tokens, or rebuild with a larger --max-len")
+            raise UsageError(
+                f"prompt ({len(prompt_ids)} tokens) + max-new-tokens ({max_new_tokens}) = {needed} exceeds the bundle's max_len {self.bundle.max_len}",
+                "shorten the prompt, lower --max-new-tokens, or rebuild with a larger --max-len",
+            )
 
-    def _prefill(self, prompt_ids: list[int], config: str, mode: str, sampling: SamplingParams,
-                 rng: np.random.Generator, draft: str | None = None) -> tuple[Sequence_, GenerationStats]:
+    def _prefill(
+        self,
+        prompt_ids: list[int],
+        config: str,
+        mode: str,
+        sampling: SamplingParams,
+        rng: np.random.Generator,
+        draft: str | None = None,
+    ) -> tuple[Sequence_, GenerationStats]:
         arena = self.arena
         arena.reset()
         out = self.backend.run("prefill", np.asarray([prompt_ids], dtype=np.int64), arena, 0)
@@ -223,8 +304,12 @@ class Generator:
         first = choose(out.logits[0, -1], sampling, rng)
         resolved_mode = self._resolve_mode(mode, chosen, draft)
         stats = GenerationStats(
-            backend=self.backend.name, mode=resolved_mode, config=chosen["id"], kept_layers=list(chosen["kept"]),
-            skipped_layers=self.bundle.num_layers - len(chosen["kept"]), prompt_tokens=len(prompt_ids),
+            backend=self.backend.name,
+            mode=resolved_mode,
+            config=chosen["id"],
+            kept_layers=list(chosen["kept"]),
+            skipped_layers=self.bundle.num_layers - len(chosen["kept"]),
+            prompt_tokens=len(prompt_ids),
         )
         return Sequence_(arena=arena, config=chosen, prompt_ids=list(prompt_ids), tokens=[], pending=first), stats
 
@@ -242,27 +327,33 @@ class Generator:
         _speculative_runner), which falls back to plain steps where drafting does not pay."""
         if mode == "ar":
             return "ar"
-        from runtimes.drafting import draft_source
-        from runtimes.speculative import speculation_available
+        from adaptive_export.runtimes.drafting import draft_source
+        from adaptive_export.runtimes.speculative import speculation_available
 
         if draft is not None:
             draft_source(draft)  # a clear error for an unknown name
         if mode == "spec" and not speculation_available(self.bundle, config, draft):
-            raise UsageError(f"configuration {config['id']!r} has no {draft} draft engines", "use --draft prompt_lookup, --mode ar, or rebuild with --speculate")
+            raise UsageError(
+                f"configuration {config['id']!r} has no {draft} draft engines",
+                "use --draft prompt_lookup, --mode ar, or rebuild with --speculate",
+            )
         return "spec"
 
-    def _speculative_runner(self, seq: Sequence_, stats: GenerationStats, draft: str | None, draft_len: int | None,
-                            auto: bool = False) -> Any:
+    def _speculative_runner(
+        self, seq: Sequence_, stats: GenerationStats, draft: str | None, draft_len: int | None, auto: bool = False
+    ) -> Any:
         """auto: the calibrated source where it pays on average (and has engines for this
         configuration), else prompt lookup; lookup and precision drafts are gated, so a prompt
         whose drafts do not pay decodes plainly."""
-        from runtimes.drafting import FREE_SOURCE
-        from runtimes.speculative import SpeculativeRunner, speculation_available
+        from adaptive_export.runtimes.drafting import FREE_SOURCE
+        from adaptive_export.runtimes.speculative import SpeculativeRunner, speculation_available
 
         if auto:
             spec = self.bundle.manifest.get("speculation") or {}
             if not (spec.get("auto_enabled", False) and speculation_available(self.bundle, seq.config)):
-                return SpeculativeRunner(self.bundle, self.backend, seq.config, stats, FREE_SOURCE, draft_len, gated=True)
+                return SpeculativeRunner(
+                    self.bundle, self.backend, seq.config, stats, FREE_SOURCE, draft_len, gated=True
+                )
             # the calibrated source, still gated: a prompt whose drafts stop paying decodes plainly
             return SpeculativeRunner(self.bundle, self.backend, seq.config, stats, None, draft_len, gated=True)
         return SpeculativeRunner(self.bundle, self.backend, seq.config, stats, draft, draft_len)

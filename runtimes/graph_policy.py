@@ -21,32 +21,85 @@ no path for the backend to resolve and nothing changes between check and use.
 
 To allow a new op or a new input: add it to ALLOWED_OPS or IO_RULES (one place each).
 """
+
 from __future__ import annotations
 
 from pathlib import PurePosixPath
 from typing import Any
 
-from runtimes.bundle import logits_width
-from runtimes.errors import UsageError
+from adaptive_export.runtimes.bundle import logits_width
+from adaptive_export.runtimes.errors import UsageError
 
 # domain -> op types. "" is the default ONNX domain (also spelled "ai.onnx").
 ALLOWED_OPS: dict[str, frozenset[str]] = {
-    "": frozenset({
-        # emitted by exporter/onnx_export.py (torch.export, opset 18) for every graph kind
-        "Add", "Cast", "Concat", "Cos", "Gather", "Gemm", "LessOrEqual", "MatMul", "Mul", "Neg", "Pow", "Range",
-        "Reciprocal", "ReduceMean", "Reshape", "Shape", "Sigmoid", "Sin", "Slice", "Softmax", "Sqrt", "Squeeze",
-        "Transpose", "Unsqueeze", "Where",
-        # elementwise and shape ops the same decomposition emits for other Llama-family variants
-        "Constant", "ConstantOfShape", "Div", "Equal", "Exp", "Expand", "Greater", "GreaterOrEqual", "Identity", "Less",
-        "Max", "Min", "ReduceMax", "ReduceSum", "Split", "Sub", "Tanh", "Erf", "Not", "And", "Or", "Trilu", "Log", "Abs",
-        # the ONNX Runtime flavour (ORT registers it in the default domain)
-        "SimplifiedLayerNormalization",
-    }),
-    "com.microsoft": frozenset({
-        "MatMulNBits",  # exporter/quantize.py (int8 / int4)
-        "GroupQueryAttention", "SkipSimplifiedLayerNormalization", "GatherBlockQuantized", "RotaryEmbedding",
-        "SimplifiedLayerNormalization", "FastGelu",
-    }),
+    "": frozenset(
+        {
+            # emitted by exporter/onnx_export.py (torch.export, opset 18) for every graph kind
+            "Add",
+            "Cast",
+            "Concat",
+            "Cos",
+            "Gather",
+            "Gemm",
+            "LessOrEqual",
+            "MatMul",
+            "Mul",
+            "Neg",
+            "Pow",
+            "Range",
+            "Reciprocal",
+            "ReduceMean",
+            "Reshape",
+            "Shape",
+            "Sigmoid",
+            "Sin",
+            "Slice",
+            "Softmax",
+            "Sqrt",
+            "Squeeze",
+            "Transpose",
+            "Unsqueeze",
+            "Where",
+            # elementwise and shape ops the same decomposition emits for other Llama-family variants
+            "Constant",
+            "ConstantOfShape",
+            "Div",
+            "Equal",
+            "Exp",
+            "Expand",
+            "Greater",
+            "GreaterOrEqual",
+            "Identity",
+            "Less",
+            "Max",
+            "Min",
+            "ReduceMax",
+            "ReduceSum",
+            "Split",
+            "Sub",
+            "Tanh",
+            "Erf",
+            "Not",
+            "And",
+            "Or",
+            "Trilu",
+            "Log",
+            "Abs",
+            # the ONNX Runtime flavour (ORT registers it in the default domain)
+            "SimplifiedLayerNormalization",
+        }
+    ),
+    "com.microsoft": frozenset(
+        {
+            "MatMulNBits",  # exporter/quantize.py (int8 / int4)
+            "GroupQueryAttention",
+            "SkipSimplifiedLayerNormalization",
+            "GatherBlockQuantized",
+            "RotaryEmbedding",
+            "SimplifiedLayerNormalization",
+            "FastGelu",
+        }
+    ),
 }
 _DOMAIN_ALIASES = {"ai.onnx": ""}
 
@@ -85,14 +138,16 @@ _STATIC_KEYS = frozenset({"logit_rows"})
 
 
 def _refuse(where: str, problem: str) -> UsageError:
-    return UsageError(f"engine {where} is refused: {problem}",
-                      "rebuild the bundle with `adaptive-export build`; engines may only hold the ops and inputs the exporter emits")
+    return UsageError(
+        f"engine {where} is refused: {problem}",
+        "rebuild the bundle with `adaptive-export build`; engines may only hold the ops and inputs the exporter emits",
+    )
 
 
 def io_rule(name: str) -> tuple[frozenset[int], tuple[tuple[Any, ...], ...]] | None:
     """(element types, shapes) an input or output of this name may have, or None if unknown."""
     for prefix, types, shapes in IO_RULES:
-        if name == prefix or (prefix.endswith("_") and name.startswith(prefix) and name[len(prefix):].isdigit()):
+        if name == prefix or (prefix.endswith("_") and name.startswith(prefix) and name[len(prefix) :].isdigit()):
             return types, shapes
     return None
 
@@ -100,9 +155,15 @@ def io_rule(name: str) -> tuple[frozenset[int], tuple[tuple[Any, ...], ...]] | N
 def _dims_of(graph_entry: dict[str, Any], model: dict[str, Any], max_len: int | None) -> dict[str, Any]:
     # fused ("ort") graphs choose their logit rows with the `logit_rows` input: dynamic for every kind
     fixed_rows = graph_entry.get("logits", "all") == "last" and graph_entry.get("flavour", "portable") != "ort"
-    return {"kv_heads": model["num_kv_heads"], "head_dim": model["head_dim"], "hidden": model["hidden_size"],
-            "vocab": logits_width(graph_entry, model), "layers": len(graph_entry["layers"]), "max_len": max_len,
-            "logit_rows": 1 if fixed_rows else None}
+    return {
+        "kv_heads": model["num_kv_heads"],
+        "head_dim": model["head_dim"],
+        "hidden": model["hidden_size"],
+        "vocab": logits_width(graph_entry, model),
+        "layers": len(graph_entry["layers"]),
+        "max_len": max_len,
+        "logit_rows": 1 if fixed_rows else None,
+    }
 
 
 def _check_value(where: str, value: Any, graph_entry: dict[str, Any], dims: dict[str, Any]) -> None:
@@ -126,11 +187,17 @@ def _check_value(where: str, value: Any, graph_entry: dict[str, Any], dims: dict
         strict = [isinstance(s, str) and s in _STATIC_KEYS and e is not None for s, e in zip(shape, expected)]
         if any(st and a is None for st, a in zip(strict, actual)):
             continue
-        if all(a is None or (e is not None and a == e) or (e is None and s is None) for a, e, s in zip(actual, expected, shape)):
+        if all(
+            a is None or (e is not None and a == e) or (e is None and s is None)
+            for a, e, s in zip(actual, expected, shape)
+        ):
             # a static size where the runtime varies it (T, P, logits of every row) is refused too
             if all(not (e is None and a is not None) for a, e in zip(actual, expected)):
                 return
-    want = " or ".join(str([dims.get(s, s) if isinstance(s, str) else ("dynamic" if s is None else s) for s in shape]) for shape in shapes)
+    want = " or ".join(
+        str([dims.get(s, s) if isinstance(s, str) else ("dynamic" if s is None else s) for s in shape])
+        for shape in shapes
+    )
     shown = ["dynamic" if a is None else a for a in actual]
     raise _refuse(where, f"{value.name!r} has shape {shown}, the manifest implies {want}")
 
@@ -140,7 +207,11 @@ def _tensors_in_attributes(node: Any) -> list[Any]:
 
     found = []
     for attribute in node.attribute:
-        if attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) or attribute.HasField("g") or len(attribute.graphs):
+        if (
+            attribute.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+            or attribute.HasField("g")
+            or len(attribute.graphs)
+        ):
             raise ValueError(f"node {node.op_type!r} carries a subgraph (attribute {attribute.name!r})")
         if attribute.HasField("t"):
             found.append(attribute.t)
@@ -150,8 +221,15 @@ def _tensors_in_attributes(node: Any) -> list[Any]:
     return found
 
 
-def checked_model_bytes(data: bytes, where: str, graph_entry: dict[str, Any], engine_entry: dict[str, Any],
-                        onnx_entry: dict[str, Any], model: dict[str, Any], max_len: int | None = None) -> bytes:
+def checked_model_bytes(
+    data: bytes,
+    where: str,
+    graph_entry: dict[str, Any],
+    engine_entry: dict[str, Any],
+    onnx_entry: dict[str, Any],
+    model: dict[str, Any],
+    max_len: int | None = None,
+) -> bytes:
     """Parse one engine's bytes (external data is never loaded), refuse anything outside the
     policy above, and return the bytes to create the session from."""
     import onnx
@@ -197,21 +275,35 @@ def checked_model_bytes(data: bytes, where: str, graph_entry: dict[str, Any], en
             raise _refuse(where, f"initializer {init.name!r} refers to external data the runtime does not supply")
         info = {entry.key: entry.value for entry in init.external_data}
         if info.get("location") != weights_name:
-            raise _refuse(where, f"initializer {init.name!r} refers to {info.get('location')!r}, not the bundle's weights file")
+            raise _refuse(
+                where, f"initializer {init.name!r} refers to {info.get('location')!r}, not the bundle's weights file"
+            )
         meta = tensors[init.name]
         if _ONNX_OF_DTYPE[meta["dtype"]] != init.data_type or list(init.dims) != list(meta["shape"]):
-            raise _refuse(where, f"initializer {init.name!r} is type {init.data_type} of shape {list(init.dims)}, "
-                                 f"the weight table says {meta['dtype']} of shape {meta['shape']}")
+            raise _refuse(
+                where,
+                f"initializer {init.name!r} is type {init.data_type} of shape {list(init.dims)}, "
+                f"the weight table says {meta['dtype']} of shape {meta['shape']}",
+            )
         external.add(init.name)
     missing = supplied - external
     if missing:
-        raise _refuse(where, f"the manifest supplies weight {sorted(missing)[0]!r}, which the graph does not take from the weights file")
+        raise _refuse(
+            where,
+            f"the manifest supplies weight {sorted(missing)[0]!r}, which the graph does not take from the weights file",
+        )
     initializer_names = {init.name for init in graph.initializer}
     inputs = [value for value in graph.input if value.name not in initializer_names]
     if [v.name for v in inputs] != list(graph_entry["inputs"]):
-        raise _refuse(where, f"its inputs {[v.name for v in inputs][:6]} differ from the manifest's {list(graph_entry['inputs'])[:6]}")
+        raise _refuse(
+            where,
+            f"its inputs {[v.name for v in inputs][:6]} differ from the manifest's {list(graph_entry['inputs'])[:6]}",
+        )
     if [v.name for v in graph.output] != list(graph_entry["outputs"]):
-        raise _refuse(where, f"its outputs {[v.name for v in graph.output][:6]} differ from the manifest's {list(graph_entry['outputs'])[:6]}")
+        raise _refuse(
+            where,
+            f"its outputs {[v.name for v in graph.output][:6]} differ from the manifest's {list(graph_entry['outputs'])[:6]}",
+        )
     dims = _dims_of(graph_entry, model, max_len)
     for value in [*inputs, *graph.output]:
         _check_value(where, value, graph_entry, dims)
@@ -220,12 +312,14 @@ def checked_model_bytes(data: bytes, where: str, graph_entry: dict[str, Any], en
 
 def checked_engine_bytes(bundle: Any, graph: str, backend: str = "onnx") -> bytes:
     """The policy-checked bytes of `graph`'s engine in `bundle` (read once, hashed, checked)."""
-    from runtimes import limits
-    from runtimes.bundle import read_listed
+    from adaptive_export.runtimes import limits
+    from adaptive_export.runtimes.bundle import read_listed
 
     entry = bundle.backend_entry(backend)
     engine = entry["graphs"].get(graph)
     if engine is None:
         raise UsageError(f"the {backend} backend has no engine for graph {graph!r}", "rebuild the bundle")
     data = read_listed(bundle, engine["file"], limits.MAX_ENGINE_BYTES)
-    return checked_model_bytes(data, repr(engine["file"]), bundle.graph(graph), engine, entry, bundle.model, bundle.max_len)
+    return checked_model_bytes(
+        data, repr(engine["file"]), bundle.graph(graph), engine, entry, bundle.model, bundle.max_len
+    )

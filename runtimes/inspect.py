@@ -1,12 +1,13 @@
 """`inspect`: what a bundle holds and can do, from its manifest alone (fast, torch-free)."""
+
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from runtimes.bundle import Bundle, load_bundle, parse_manifest, read_listed
-from runtimes.errors import UsageError
-from runtimes.limits import MAX_CALIBRATION_BYTES
+from adaptive_export.runtimes.bundle import Bundle, load_bundle, parse_manifest, read_listed
+from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.limits import MAX_CALIBRATION_BYTES
 
 
 def calibration_shares(bundle: Bundle) -> dict[str, float | None]:
@@ -15,13 +16,28 @@ def calibration_shares(bundle: Bundle) -> dict[str, float | None]:
     relative = bundle.manifest.get("calibration")
     if not relative:
         return {}
-    data = parse_manifest(read_listed(bundle, relative, MAX_CALIBRATION_BYTES), relative)  # strict JSON, duplicate keys refused
-    chosen = data.get("configs", {}).get("chosen", []) if isinstance(data, dict) and isinstance(data.get("configs", {}), dict) else None
-    ok = isinstance(chosen, list) and all(isinstance(c, dict) and isinstance(c.get("id"), str)
-                                          and (c.get("share") is None or (isinstance(c["share"], (int, float)) and not isinstance(c["share"], bool)
-                                                                          and 0 <= c["share"] <= 1)) for c in chosen)
+    data = parse_manifest(
+        read_listed(bundle, relative, MAX_CALIBRATION_BYTES), relative
+    )  # strict JSON, duplicate keys refused
+    chosen = (
+        data.get("configs", {}).get("chosen", [])
+        if isinstance(data, dict) and isinstance(data.get("configs", {}), dict)
+        else None
+    )
+    ok = isinstance(chosen, list) and all(
+        isinstance(c, dict)
+        and isinstance(c.get("id"), str)
+        and (
+            c.get("share") is None
+            or (isinstance(c["share"], (int, float)) and not isinstance(c["share"], bool) and 0 <= c["share"] <= 1)
+        )
+        for c in chosen
+    )
     if not ok:
-        raise UsageError(f"the bundle's {relative!r} is malformed (configs.chosen must list {{id, share}})", "rebuild the bundle with `adaptive-export build`")
+        raise UsageError(
+            f"the bundle's {relative!r} is malformed (configs.chosen must list {{id, share}})",
+            "rebuild the bundle with `adaptive-export build`",
+        )
     return {c["id"]: c.get("share") for c in chosen}
 
 
@@ -40,11 +56,28 @@ def describe(directory: str) -> dict[str, Any]:
         "weight_bytes": weight_bytes,
         "size_ratio": round(total / weight_bytes, 4) if weight_bytes else None,
         "backends": {name: sorted(entry["graphs"]) for name, entry in m["backends"].items()},
-        "graphs": {name: {"kind": g["kind"], "layers": len(g["layers"]), "config": g.get("config"), "exit_layer": g.get("exit_layer"),
-                          "precision": g.get("precision"), "prompt_tokens": g.get("prompt_tokens", 0), "draft_vocab": g.get("draft_vocab", 0)}
-                   for name, g in m["graphs"].items()},
-        "configs": [{"id": c["id"], "kept": c["kept"], "skipped": m["model"]["num_layers"] - len(c["kept"]),
-                     "engines": c["engines"], "calibration_share": shares.get(c["id"])} for c in m["configs"]],
+        "graphs": {
+            name: {
+                "kind": g["kind"],
+                "layers": len(g["layers"]),
+                "config": g.get("config"),
+                "exit_layer": g.get("exit_layer"),
+                "precision": g.get("precision"),
+                "prompt_tokens": g.get("prompt_tokens", 0),
+                "draft_vocab": g.get("draft_vocab", 0),
+            }
+            for name, g in m["graphs"].items()
+        },
+        "configs": [
+            {
+                "id": c["id"],
+                "kept": c["kept"],
+                "skipped": m["model"]["num_layers"] - len(c["kept"]),
+                "engines": c["engines"],
+                "calibration_share": shares.get(c["id"]),
+            }
+            for c in m["configs"]
+        ],
         "routers": bool(m["graphs"]["prefill"].get("router_scores")),
         "router_threshold": m["router_threshold"],
         "speculation": m.get("speculation"),
@@ -65,16 +98,25 @@ def render(info: dict[str, Any]) -> str:
         "configurations:",
     ]
     for c in info["configs"]:
-        share = "" if c["calibration_share"] is None else f", served {c['calibration_share']:.0%} of calibration prompts"
-        lines.append(f"  {c['id']:10} keeps {len(c['kept'])} layers, skips {c['skipped']}{share}; engines: {', '.join(f'{role} {name}' for role, name in c['engines'].items())}")
+        share = (
+            "" if c["calibration_share"] is None else f", served {c['calibration_share']:.0%} of calibration prompts"
+        )
+        lines.append(
+            f"  {c['id']:10} keeps {len(c['kept'])} layers, skips {c['skipped']}{share}; engines: {', '.join(f'{role} {name}' for role, name in c['engines'].items())}"
+        )
         if c["skipped"]:  # the shorter list says which layers the engine runs
             skipped = sorted(set(range(info["model"]["num_layers"])) - set(c["kept"]))
-            lines.append(f"  {'':10} " + (f"skipped: {skipped}" if len(skipped) <= len(c["kept"]) else f"kept: {c['kept']}"))
+            lines.append(
+                f"  {'':10} " + (f"skipped: {skipped}" if len(skipped) <= len(c["kept"]) else f"kept: {c['kept']}")
+            )
     spec = info["speculation"]
     lines.append(f"speculation {json.dumps(spec) if spec else 'none'}")
     lines.append("graphs:")
     for name, g in info["graphs"].items():
-        extras = [f"{g['precision']} weights" if g.get("precision") else "", f"{g['prompt_tokens']} PPD prompt tokens" if g.get("prompt_tokens") else "",
-                  f"head over {g['draft_vocab']} tokens" if g.get("draft_vocab") else ""]
+        extras = [
+            f"{g['precision']} weights" if g.get("precision") else "",
+            f"{g['prompt_tokens']} PPD prompt tokens" if g.get("prompt_tokens") else "",
+            f"head over {g['draft_vocab']} tokens" if g.get("draft_vocab") else "",
+        ]
         lines.append(f"  {name:24} {g['kind']:8} {g['layers']:3} layers" + "".join(f", {e}" for e in extras if e))
     return "\n".join(lines)

@@ -10,14 +10,15 @@ rows is just `length = accepted`; nothing is copied or freed. Two layouts, one c
 `seq_view` gives either layout as [max_len, n_kv, head_dim] (a strided view for "head"),
 so code that inspects or fills the cache (check, tests) does not depend on the layout.
 """
+
 from __future__ import annotations
 
 import mmap
 
 import numpy as np
 
-from runtimes.errors import UsageError
-from runtimes.limits import check_arena_bytes
+from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.limits import check_arena_bytes
 
 LAYOUTS = ("seq", "head")
 
@@ -34,12 +35,21 @@ def _zeroed_pages(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 class KVArena:
-    def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: type = np.float32,
-                 layout: str = "seq") -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: type = np.float32,
+        layout: str = "seq",
+    ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"unknown KV layout {layout!r}")
         shape = (max_len, num_kv_heads, head_dim) if layout == "seq" else (1, num_kv_heads, max_len, head_dim)
-        check_arena_bytes(int(np.prod((num_layers, 2, *shape), dtype=object)) * np.dtype(dtype).itemsize)  # before any allocation
+        check_arena_bytes(
+            int(np.prod((num_layers, 2, *shape), dtype=object)) * np.dtype(dtype).itemsize
+        )  # before any allocation
         self.data = _zeroed_pages((num_layers, 2, *shape), np.dtype(dtype))
         self.layout = layout
         self.max_len = max_len
@@ -60,8 +70,10 @@ class KVArena:
 
     def check_room(self, start: int, count: int) -> None:
         if start + count > self.max_len:
-            raise UsageError(f"the sequence needs {start + count} positions but the bundle's max_len is {self.max_len}",
-                             "ask for fewer new tokens, shorten the prompt, or rebuild with a larger --max-len")
+            raise UsageError(
+                f"the sequence needs {start + count} positions but the bundle's max_len is {self.max_len}",
+                "ask for fewer new tokens, shorten the prompt, or rebuild with a larger --max-len",
+            )
 
     def rows(self, layer: int, kv: int, start: int, count: int) -> np.ndarray:
         """Zero-copy view where an engine writes `count` new rows starting at `start`."""
@@ -71,7 +83,9 @@ class KVArena:
     def valid_rows(self, length: int | None = None) -> np.ndarray:
         """A copy of rows [0:length] of every layer as [layers, 2, length, n_kv, head_dim]."""
         length = self.length if length is None else length
-        return np.stack([np.stack([self.seq_view(layer, kv)[:length] for kv in (0, 1)]) for layer in range(self.data.shape[0])])
+        return np.stack(
+            [np.stack([self.seq_view(layer, kv)[:length] for kv in (0, 1)]) for layer in range(self.data.shape[0])]
+        )
 
     def reset(self) -> None:
         self.length = 0

@@ -6,13 +6,14 @@ is far above what a real model needs (SmolLM2: 30 layers, hidden 576, vocab 4915
 max_len 2048; Llama-3-70B: 80 layers, hidden 8192, vocab 128256) and far below what would
 exhaust a device.
 """
+
 from __future__ import annotations
 
 import os
 import stat
 from pathlib import Path
 
-from runtimes.errors import UsageError
+from adaptive_export.runtimes.errors import UsageError
 
 # ---- model dimensions (manifest "model" and "max_len") ------------------------------
 MAX_LEN = 1 << 16  # KV arena length; the exporter traces T and P up to 2**16 (exporter/onnx_export.MAX_DIM)
@@ -59,8 +60,10 @@ def max_threads() -> int:
 def check_threads(threads: object) -> int:
     """0 means the backend's default; otherwise 1..4x the cores (64 threads took 22 s to start on 2 cores)."""
     if not isinstance(threads, int) or isinstance(threads, bool) or not 0 <= threads <= max_threads():
-        raise UsageError(f"--threads {threads!r} is outside 0..{max_threads()} (4 per core on this machine)",
-                         "pass 0 for the default (one per physical core) or a count up to 4 per core")
+        raise UsageError(
+            f"--threads {threads!r} is outside 0..{max_threads()} (4 per core on this machine)",
+            "pass 0 for the default (one per physical core) or a count up to 4 per core",
+        )
     return threads
 
 
@@ -91,23 +94,33 @@ def check_arena_bytes(nbytes: int) -> None:
     if available is not None:
         limit = min(limit, int(available * ARENA_MAX_SHARE_OF_AVAILABLE))
     if nbytes > limit:
-        raise UsageError(f"the bundle's KV arena needs {nbytes / 2**30:.2f} GiB, more than the {limit / 2**30:.2f} GiB allowed here",
-                         "rebuild the bundle with a smaller --max-len, or run it on a machine with more memory")
+        raise UsageError(
+            f"the bundle's KV arena needs {nbytes / 2**30:.2f} GiB, more than the {limit / 2**30:.2f} GiB allowed here",
+            "rebuild the bundle with a smaller --max-len, or run it on a machine with more memory",
+        )
 
 
 def open_regular(path: Path, what: str) -> int:
     """Open a file for reading without following a final symlink or blocking on a FIFO/device;
     refuse anything that is not a regular file. Returns the file descriptor."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(
+            path,
+            os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0),
+        )
     except FileNotFoundError:
         raise UsageError(f"{what} {str(path)!r} does not exist", "pass an existing regular file") from None
     except OSError as exc:
-        raise UsageError(f"cannot open {what} {str(path)!r}: {exc.strerror or exc} (symlinks, FIFOs and devices are refused)",
-                         "pass a regular file") from None
+        raise UsageError(
+            f"cannot open {what} {str(path)!r}: {exc.strerror or exc} (symlinks, FIFOs and devices are refused)",
+            "pass a regular file",
+        ) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise UsageError(f"{what} {str(path)!r} is not a regular file", "pass a regular file (not a directory, FIFO, device or socket)")
+        raise UsageError(
+            f"{what} {str(path)!r} is not a regular file",
+            "pass a regular file (not a directory, FIFO, device or socket)",
+        )
     return fd
 
 
@@ -117,8 +130,9 @@ def read_regular(path: Path, what: str, max_bytes: int) -> bytes:
     try:
         size = os.fstat(fd).st_size
         if size > max_bytes:
-            raise UsageError(f"{what} {str(path)!r} has {size} bytes, more than the {max_bytes} allowed",
-                             "pass a smaller file")
+            raise UsageError(
+                f"{what} {str(path)!r} has {size} bytes, more than the {max_bytes} allowed", "pass a smaller file"
+            )
         chunks, total = [], 0
         while True:
             chunk = os.read(fd, min(1 << 22, max_bytes + 1 - total))
@@ -127,7 +141,9 @@ def read_regular(path: Path, what: str, max_bytes: int) -> bytes:
             chunks.append(chunk)
             total += len(chunk)
             if total > max_bytes:  # grew while reading
-                raise UsageError(f"{what} {str(path)!r} is larger than the {max_bytes} bytes allowed", "pass a smaller file")
+                raise UsageError(
+                    f"{what} {str(path)!r} is larger than the {max_bytes} bytes allowed", "pass a smaller file"
+                )
         return b"".join(chunks)
     except OSError as exc:
         raise UsageError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}", "check the file") from None

@@ -1,11 +1,12 @@
 """Greedy and temperature / top-k / top-p sampling on numpy logits, seeded."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-from runtimes.errors import UsageError
+from adaptive_export.runtimes.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -20,10 +21,19 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise UsageError(f"{name} {value!r} is not a number", f"pass a number for {name}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0)):
+        if (
+            not isinstance(self.top_k, int)
+            or isinstance(self.top_k, bool)
+            or (
+                self.seed is not None
+                and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0)
+            )
+        ):
             raise UsageError("top_k must be an integer and seed a non-negative integer or None", "pass integers")
         if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise UsageError(f"temperature {self.temperature} is invalid", "use 0 (greedy) or a positive number such as 0.7")
+            raise UsageError(
+                f"temperature {self.temperature} is invalid", "use 0 (greedy) or a positive number such as 0.7"
+            )
         if not (0.0 < self.top_p <= 1.0):
             raise UsageError(f"top-p {self.top_p} is outside (0, 1]", "use a value such as 0.9, or 1 to disable it")
         if self.top_k < 0:
@@ -62,7 +72,10 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 def check_finite(logits: np.ndarray) -> None:
     if not np.isfinite(logits).all():
-        raise UsageError("the engine produced non-finite logits (NaN or infinity)", "the bundle is broken: rebuild it, and run `adaptive-export check` on it")
+        raise UsageError(
+            "the engine produced non-finite logits (NaN or infinity)",
+            "the bundle is broken: rebuild it, and run `adaptive-export check` on it",
+        )
 
 
 def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:

@@ -1,7 +1,9 @@
 """Configuration choice at prefill: the superset rule (docs/architecture.md section 2, "Skip configurations")."""
+
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 def choose_config(configs: list[dict[str, Any]], kept: Iterable[int]) -> dict[str, Any]:

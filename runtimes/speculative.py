@@ -28,19 +28,21 @@ for drafting rounds to find that out, and a rewrite starts drafting as soon as i
 would be accepted. Other sources probe with a draft every PROBE_EVERY plain rounds, and
 drafting rounds re-time plain decoding every PLAIN_EVERY rounds.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
-from runtimes.backends import Backend
-from runtimes.bundle import Bundle
-from runtimes.drafting import FREE_SOURCE, SOURCES, draft_source
-from runtimes.errors import UsageError
-from runtimes.sampling import SamplingParams, choose, probabilities
+from adaptive_export.runtimes.backends import Backend
+from adaptive_export.runtimes.bundle import Bundle
+from adaptive_export.runtimes.drafting import FREE_SOURCE, SOURCES, draft_source
+from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.sampling import SamplingParams, choose, probabilities
 
 DEFAULT_LOOKUP_K = 4
 DEFAULT_VERIFY_COST = 1.3  # T=k+1 pass / T=1 pass when the bundle carries no measurement
@@ -73,13 +75,24 @@ class RoundResult:
 class SpeculativeRunner:
     """Runs rounds of draft + verify, yielding each emitted token; the consumer stops it by closing it."""
 
-    def __init__(self, bundle: Bundle, backend: Backend, config: dict[str, Any], stats: Any, source: str | None = None,
-                 draft_len: int | None = None, gated: bool = False) -> None:
+    def __init__(
+        self,
+        bundle: Bundle,
+        backend: Backend,
+        config: dict[str, Any],
+        stats: Any,
+        source: str | None = None,
+        draft_len: int | None = None,
+        gated: bool = False,
+    ) -> None:
         self.bundle, self.backend, self.config, self.stats = bundle, backend, config, stats
         self.source = source or default_source(bundle, config)
         source_class = draft_source(self.source)
         if not source_class.available(config):
-            raise UsageError(f"configuration {config['id']!r} has no {self.source} draft engines", "use --draft prompt_lookup, --mode ar, or rebuild with --speculate")
+            raise UsageError(
+                f"configuration {config['id']!r} has no {self.source} draft engines",
+                "use --draft prompt_lookup, --mode ar, or rebuild with --speculate",
+            )
         calibrated = (bundle.manifest.get("speculation") or {}).get(self.source) or {}
         self.k = int(draft_len or calibrated.get("draft_len", DEFAULT_LOOKUP_K))
         if self.k < 1:
@@ -89,7 +102,9 @@ class SpeculativeRunner:
         self.gated = gated and source_class.gateable
         prepacked = config["engines"]["decode"] in getattr(backend, "prepack", ())  # ORT: T > 1 passes much cheaper
         costs = calibrated.get("verify_cost_prepacked" if prepacked else "verify_cost") or {}
-        draft_cost = float(calibrated.get("draft_cost", 0.0))  # a draft engine's T=1 step in T=1 decode passes (lookup: none)
+        draft_cost = float(
+            calibrated.get("draft_cost", 0.0)
+        )  # a draft engine's T=1 step in T=1 decode passes (lookup: none)
         # a drafting round in T=1 passes by the build's measurement: k draft steps and one T=k+1 pass
         self.round_passes = self.k * draft_cost + float(costs.get(str(self.k), DEFAULT_VERIFY_COST))
         self.since_probe = self.skipped = self.since_plain = 0
@@ -108,12 +123,16 @@ class SpeculativeRunner:
         self.shadow: list[int] = []
         self.shadow_hits = 0
 
-    def tokens(self, seq: Any, max_new_tokens: int, sampling: SamplingParams, rng: np.random.Generator) -> Iterator[int]:
+    def tokens(
+        self, seq: Any, max_new_tokens: int, sampling: SamplingParams, rng: np.random.Generator
+    ) -> Iterator[int]:
         """Emitted tokens, round after round; the consumer records each in seq.tokens before asking for the next."""
         context = list(seq.prompt_ids) + list(seq.tokens)
         try:
             while True:
-                yield from self._round(seq, self.drafter.max_drafts(max_new_tokens - len(seq.tokens)), sampling, rng, context)
+                yield from self._round(
+                    seq, self.drafter.max_drafts(max_new_tokens - len(seq.tokens)), sampling, rng, context
+                )
         finally:
             self.stats.speculation = {
                 "draft_source": self.source,
@@ -128,12 +147,17 @@ class SpeculativeRunner:
                 "gated": self.gated,
                 "rounds_without_drafting": self.skipped,
                 "timed_plain_ms": round(self.plain_s * 1e3, 3) if self.plain_s is not None else None,
-                "timed_draft_ms_per_token": (round(self.draft_round_s / self.mean_emitted * 1e3, 3)
-                                             if self.draft_round_s is not None and self.mean_emitted else None),
+                "timed_draft_ms_per_token": (
+                    round(self.draft_round_s / self.mean_emitted * 1e3, 3)
+                    if self.draft_round_s is not None and self.mean_emitted
+                    else None
+                ),
             }
 
     # ---- one round -------------------------------------------------------------------
-    def _round(self, seq: Any, k: int, sampling: SamplingParams, rng: np.random.Generator, context: list[int]) -> Iterator[int]:
+    def _round(
+        self, seq: Any, k: int, sampling: SamplingParams, rng: np.random.Generator, context: list[int]
+    ) -> Iterator[int]:
         arena, start = seq.arena, seq.arena.length
         round_started = started = time.perf_counter()
         # k = 0: the budget leaves only the bonus row; a gated-out round is a plain T=1 step
@@ -226,8 +250,13 @@ class SpeculativeRunner:
         return False
 
     @staticmethod
-    def _accept(drafts: list[int], draft_logits: list[np.ndarray] | None, verify: np.ndarray, sampling: SamplingParams,
-                rng: np.random.Generator) -> tuple[int, int | None]:
+    def _accept(
+        drafts: list[int],
+        draft_logits: list[np.ndarray] | None,
+        verify: np.ndarray,
+        sampling: SamplingParams,
+        rng: np.random.Generator,
+    ) -> tuple[int, int | None]:
         """(number of accepted drafts, the verifier's token at the first rejection, or the bonus
         token from the row after the last draft when every draft is accepted and the verifier
         scored that row (prompt lookup), else None)."""

@@ -1,11 +1,12 @@
 """Tokenizer, chat formatting and streaming detokenization for the runtime (tokenizers only)."""
+
 from __future__ import annotations
 
 from typing import Any
 
-from runtimes.bundle import Bundle, read_listed
-from runtimes.errors import UsageError
-from runtimes.limits import MAX_TOKENIZER_BYTES
+from adaptive_export.runtimes.bundle import Bundle, read_listed
+from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.limits import MAX_TOKENIZER_BYTES
 
 
 class TextCodec:
@@ -19,23 +20,32 @@ class TextCodec:
         try:
             self.tokenizer = Tokenizer.from_str(data.decode("utf-8"))
         except Exception as exc:  # tokenizers raises a plain Exception for malformed JSON or models
-            raise UsageError(f"the bundle's tokenizer {info['file']!r} cannot be loaded: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}",
-                             "rebuild the bundle with `adaptive-export build`") from None
+            raise UsageError(
+                f"the bundle's tokenizer {info['file']!r} cannot be loaded: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}",
+                "rebuild the bundle with `adaptive-export build`",
+            ) from None
         vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
         if vocab > bundle.model["vocab_size"]:
-            raise UsageError(f"the bundle's tokenizer has {vocab} tokens, more than the model's vocabulary of {bundle.model['vocab_size']}",
-                             "rebuild the bundle with `adaptive-export build`")
+            raise UsageError(
+                f"the bundle's tokenizer has {vocab} tokens, more than the model's vocabulary of {bundle.model['vocab_size']}",
+                "rebuild the bundle with `adaptive-export build`",
+            )
         self.chat = info.get("chat")
         self.eos_ids = set(info.get("eos_token_ids") or [])
         self.prefix_ids = list(info.get("prefix_token_ids") or [])
 
     def encode(self, prompt: str, raw: bool = False) -> list[int]:
         if not isinstance(prompt, str):
-            raise UsageError(f"the prompt is {type(prompt).__name__}, not text", "pass a str (decode bytes first), or a list of token ids")
+            raise UsageError(
+                f"the prompt is {type(prompt).__name__}, not text",
+                "pass a str (decode bytes first), or a list of token ids",
+            )
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError:
-            raise UsageError("the prompt holds a lone surrogate, which is not valid Unicode text", "pass valid UTF-8 text") from None
+            raise UsageError(
+                "the prompt holds a lone surrogate, which is not valid Unicode text", "pass valid UTF-8 text"
+            ) from None
         if not prompt.strip():
             raise UsageError("the prompt is empty", "pass a non-empty prompt with -p TEXT or --prompt-file FILE")
         text = prompt if raw or not self.chat else self.chat["prefix"] + prompt + self.chat["suffix"]
@@ -69,10 +79,10 @@ class StreamDecoder:
         prefix = self.codec.decode(self.ids[self.context : self.read])
         window = self.codec.decode(self.ids[self.context :])
         if window.startswith(prefix) and not window.endswith("\ufffd"):
-            self.committed += window[len(prefix):]
+            self.committed += window[len(prefix) :]
             self.context, self.read = self.read, len(self.ids)
             return self.committed
-        return self.committed + window[len(prefix):] if window.startswith(prefix) else self.committed + window
+        return self.committed + window[len(prefix) :] if window.startswith(prefix) else self.committed + window
 
     def push(self, token: int) -> str:
         self.ids.append(token)

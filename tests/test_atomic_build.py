@@ -1,7 +1,7 @@
 """Builds are atomic: interrupted or failing builds leave the old bundle intact and no partial one."""
+
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtimes import load_bundle
+from adaptive_export.runtimes import load_bundle
 
 ROOT = Path(__file__).parents[1]
 
@@ -23,8 +23,27 @@ def start_build(model: Path, out: Path, *extra: str, preexec=None, hold: str | N
     while that file exists (exporter/bundle_writer._hold_before_commit), so a signal sent
     while the file exists always lands before the point of no return."""
     env = dict(os.environ, ADAPTIVE_EXPORT_HOLD_BEFORE_COMMIT=hold or "")
-    return subprocess.Popen([sys.executable, "-m", "commands.cli", "build", str(model), "-o", str(out), "--force", "--max-len", "96", *extra],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec, env=env)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "adaptive_export.commands.cli",
+            "build",
+            str(model),
+            "-o",
+            str(out),
+            "--force",
+            "--max-len",
+            "96",
+            *extra,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=preexec,
+        env=env,
+    )
 
 
 def wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 180) -> None:
@@ -55,9 +74,12 @@ def old_bundle(tiny_bundle: Path, tmp_path: Path) -> tuple[Path, str]:
     return target, (target / "manifest.json").read_text()
 
 
-@pytest.mark.parametrize("sig,when", [(signal.SIGTERM, "export"), (signal.SIGINT, "export"), (signal.SIGINT, "swallowed")])
-def test_interrupted_build_keeps_old_bundle_and_leaves_nothing(sig: int, when: str, tiny_model_dir: Path, old_bundle: tuple[Path, str],
-                                                               tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "sig,when", [(signal.SIGTERM, "export"), (signal.SIGINT, "export"), (signal.SIGINT, "swallowed")]
+)
+def test_interrupted_build_keeps_old_bundle_and_leaves_nothing(
+    sig: int, when: str, tiny_model_dir: Path, old_bundle: tuple[Path, str], tmp_path: Path
+) -> None:
     """export: the signal lands while ONNX files are being written; swallowed: it lands
     when the bundle is complete, in code that swallows KeyboardInterrupt (as a library
     catching broad exceptions would). The hold file keeps the build from committing
@@ -81,7 +103,9 @@ def test_interrupted_build_keeps_old_bundle_and_leaves_nothing(sig: int, when: s
     assert not list(target.parent.glob(f".{target.name}.*")), "a partial staging directory was left behind"
 
 
-def test_killed_build_keeps_old_bundle_and_next_build_cleans_up(tiny_model_dir: Path, old_bundle: tuple[Path, str], tmp_path: Path) -> None:
+def test_killed_build_keeps_old_bundle_and_next_build_cleans_up(
+    tiny_model_dir: Path, old_bundle: tuple[Path, str], tmp_path: Path
+) -> None:
     target, manifest = old_bundle
     hold = tmp_path / "hold"
     hold.touch()  # the build cannot finish before the kill
@@ -94,7 +118,7 @@ def test_killed_build_keeps_old_bundle_and_next_build_cleans_up(tiny_model_dir: 
     load_bundle(target)
     stale = list(target.parent.glob(f".{target.name}.partial-*"))
     assert stale, "expected the killed build's hidden staging directory"
-    from exporter.bundle_writer import remove_stale_partials
+    from adaptive_export.exporter.bundle_writer import remove_stale_partials
 
     assert remove_stale_partials(target) == stale
     assert not list(target.parent.glob(f".{target.name}.partial-*"))

@@ -1,4 +1,5 @@
 """Tiny-model bundles on ONNX Runtime: every graph against PyTorch, greedy output against HF."""
+
 from __future__ import annotations
 
 import json
@@ -7,19 +8,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loading.artifacts import load_parts
-from exporter.check import engine_parity, greedy_check
-from runtimes import Generator, SamplingParams, load_bundle
-from runtimes.backends import make_backend
+from adaptive_export.exporter.check import engine_parity, greedy_check
+from adaptive_export.loading.artifacts import load_parts
+from adaptive_export.runtimes import Generator, SamplingParams, load_bundle
+from adaptive_export.runtimes.backends import make_backend
 from tests.conftest import TINY_VARIANTS, make_tiny_model
 
 PROMPTS = ["What is the capital of France?", "Write a short poem about the sea.", "The quick brown fox"]
 
 
-@pytest.fixture(scope="module", params=[(v, f) for v in sorted(TINY_VARIANTS) for f in ("ort", "portable")], ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(
+    scope="module",
+    params=[(v, f) for v in sorted(TINY_VARIANTS) for f in ("ort", "portable")],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
 def variant_bundle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every tiny architecture variant in both ONNX flavours: fused ONNX Runtime ops and portable."""
-    from commands.cli import main
+    from adaptive_export.commands.cli import main
 
     variant, flavour = request.param
     root = tmp_path_factory.mktemp(variant)
@@ -68,7 +73,11 @@ def test_weights_stored_once(variant_bundle: Path) -> None:
 
     for path in onnx_files:
         model = onnx.load(str(variant_bundle / path), load_external_data=False)
-        inline = [i.name for i in model.graph.initializer if i.data_location != onnx.TensorProto.EXTERNAL and len(i.raw_data) >= 1024]
+        inline = [
+            i.name
+            for i in model.graph.initializer
+            if i.data_location != onnx.TensorProto.EXTERNAL and len(i.raw_data) >= 1024
+        ]
         assert not inline, f"{path} stores weights inline: {inline}"
         ops = {(n.domain or "ai.onnx", n.op_type) for n in model.graph.node}
         fused_ops = {("com.microsoft", "GroupQueryAttention"), ("com.microsoft", "SkipSimplifiedLayerNormalization")}
@@ -94,8 +103,13 @@ def test_stream_is_incremental(tiny_bundle: Path, mode: str) -> None:
     """stream() yields text while decoding: the first piece arrives after a few engine calls,
     not after all of them, and the pieces are generate()'s text (one loop serves both)."""
     generator = Generator(tiny_bundle)
-    kwargs = dict(max_new_tokens=24, raw=True, mode=mode, draft="prompt_lookup" if mode == "spec" else None,
-                  sampling=SamplingParams(temperature=1.0, seed=3))  # sampled: the random tiny model rarely stops early
+    kwargs = dict(
+        max_new_tokens=24,
+        raw=True,
+        mode=mode,
+        draft="prompt_lookup" if mode == "spec" else None,
+        sampling=SamplingParams(temperature=1.0, seed=3),
+    )  # sampled: the random tiny model rarely stops early
     full = generator.generate("The quick brown fox", **kwargs)
     calls = []
     run = generator.backend.run
@@ -122,7 +136,7 @@ def test_sampling_is_seeded_and_valid(tiny_bundle: Path) -> None:
 
 
 def test_prompt_too_long_is_a_clear_error(tiny_bundle: Path) -> None:
-    from runtimes.errors import UsageError
+    from adaptive_export.runtimes.errors import UsageError
 
     generator = Generator(tiny_bundle)
     with pytest.raises(UsageError, match="exceeds the bundle's max_len 128"):

@@ -1,4 +1,5 @@
 """`check` as a CI gate: passes on a good bundle, exits 1 naming the engine on a broken one."""
+
 from __future__ import annotations
 
 import functools
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from commands.cli import main
+from adaptive_export.commands.cli import main
 
 
 def test_check_passes_and_writes_reports(tiny_bundle: Path, tmp_path: Path) -> None:
@@ -33,7 +34,7 @@ def perturb_weight(bundle: Path, tensor: str) -> None:
     data = bytearray(weights.read_bytes())
     values = np.frombuffer(data, dtype=np.float32, count=meta["bytes"] // 4, offset=meta["offset"]).copy()
     values[:16] += 0.5
-    data[meta["offset"]: meta["offset"] + 64] = values[:16].tobytes()
+    data[meta["offset"] : meta["offset"] + 64] = values[:16].tobytes()
     weights.write_bytes(bytes(data))
     entry = manifest["files"][manifest["backends"]["onnx"]["weights"]]
     entry["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
@@ -58,6 +59,7 @@ def test_broken_engine_fails_the_gate(tiny_bundle: Path, tmp_path: Path, capsys)
 def _fake_reference(margin: float, diverge_at: int = 2):
     """reference_greedy stand-in: the runtime's own tokens, except one at `diverge_at`, where
     the reference's top-1/top-2 logit margin is `margin`."""
+
     def reference(parts, prompt_ids, new_tokens, eos_ids, kept, real=None):
         tokens, steps = real(parts, prompt_ids, new_tokens, eos_ids, kept)
         tokens, steps = list(tokens), list(steps)
@@ -67,17 +69,21 @@ def _fake_reference(margin: float, diverge_at: int = 2):
         row[:2] = (1.0, 1.0 - margin)
         steps[at] = row
         return tokens, steps
+
     return reference
 
 
 @pytest.mark.parametrize("margin,exit_code", [(0.5, 1), (1e-4, 0)])
-def test_greedy_divergence_fails_the_gate_unless_it_is_a_float_tie(margin: float, exit_code: int, tiny_bundle: Path, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_greedy_divergence_fails_the_gate_unless_it_is_a_float_tie(
+    margin: float, exit_code: int, tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The tie rule end to end: the same divergence fails `check` (exit 1, only the greedy
     checks) when the reference's margin is real, and passes when it is below TIE_MARGIN."""
-    import exporter.check as check
+    import adaptive_export.exporter.check as check
 
-    monkeypatch.setattr(check, "reference_greedy", functools.partial(_fake_reference(margin), real=check.reference_greedy))
+    monkeypatch.setattr(
+        check, "reference_greedy", functools.partial(_fake_reference(margin), real=check.reference_greedy)
+    )
     report = tmp_path / "r.json"
     assert main(["check", str(tiny_bundle), "--report", str(report), "--new-tokens", "4"]) == exit_code
     data = json.loads(report.read_text())

@@ -1,18 +1,18 @@
 """CoreML: conversion runs for real on Linux; functions, I/O names and flexible shapes, and
 weight sharing are verified from the package; prediction needs macOS and skips elsewhere."""
+
 from __future__ import annotations
 
 import json
 import platform
-import subprocess
 from pathlib import Path
 
 import pytest
 
 ct = pytest.importorskip("coremltools", reason="coremltools is not installed (pip install adaptive-export[coreml])")
 
-from commands.cli import main  # noqa: E402
-from runtimes import Generator  # noqa: E402
+from adaptive_export.commands.cli import main  # noqa: E402
+from adaptive_export.runtimes import Generator  # noqa: E402
 
 
 def package_bytes(path: Path) -> int:
@@ -48,12 +48,18 @@ def test_package_holds_every_graph_as_a_function(coreml_bundle: Path) -> None:
 
 def test_weights_are_shared_between_functions(coreml_bundle: Path, tmp_path: Path, tiny_model_dir: Path) -> None:
     """A package with 2 functions is far smaller than two single-function packages."""
-    from exporter.coreml_compile import convert_graph
-    from loading.model import load_model
-    from graphs.span_graph import GraphSpec, ModelParts
+    from adaptive_export.exporter.coreml_compile import convert_graph
+    from adaptive_export.graphs.span_graph import GraphSpec, ModelParts
+    from adaptive_export.loading.model import load_model
 
     loaded = load_model(str(tiny_model_dir))
-    single = convert_graph(ct, ModelParts(loaded.hf_model, loaded.spec), GraphSpec("decode_full", "decode", tuple(range(loaded.spec.num_layers))), 96, "float16")
+    single = convert_graph(
+        ct,
+        ModelParts(loaded.hf_model, loaded.spec),
+        GraphSpec("decode_full", "decode", tuple(range(loaded.spec.num_layers))),
+        96,
+        "float16",
+    )
     single.save(str(tmp_path / "one.mlpackage"))
     one = package_bytes(tmp_path / "one.mlpackage")
     multi = package_bytes(coreml_bundle / "coreml" / "model.mlpackage")
@@ -74,7 +80,9 @@ def test_check_reports_coreml_as_converted_not_executed(coreml_bundle: Path, tmp
 @pytest.mark.skipif(platform.system() != "Darwin", reason="CoreML prediction needs macOS")
 def test_coreml_greedy_matches_onnx(coreml_bundle: Path) -> None:
     onnx_tokens = Generator(coreml_bundle).generate("The quick brown fox", max_new_tokens=8, raw=True).tokens
-    coreml_tokens = Generator(coreml_bundle, backend="coreml").generate("The quick brown fox", max_new_tokens=8, raw=True).tokens
+    coreml_tokens = (
+        Generator(coreml_bundle, backend="coreml").generate("The quick brown fox", max_new_tokens=8, raw=True).tokens
+    )
     assert coreml_tokens == onnx_tokens
 
 

@@ -1,6 +1,7 @@
 """VocabTrim: a precision draft whose LM head scores only the ids in draft_vocab.bin. Drafts
 map back to real token ids, speculation stays lossless (greedy and sampling), `check` covers
 the trimmed engine, and a hostile ids file or manifest entry is a clear error."""
+
 from __future__ import annotations
 
 import hashlib
@@ -12,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from calibration.draft_vocab import ranked_ids
-from commands.cli import main
-from runtimes import Generator, SamplingParams
-from runtimes.bundle import load_bundle
-from runtimes.errors import UsageError
+from adaptive_export.calibration.draft_vocab import ranked_ids
+from adaptive_export.commands.cli import main
+from adaptive_export.runtimes import Generator, SamplingParams
+from adaptive_export.runtimes.bundle import load_bundle
+from adaptive_export.runtimes.errors import UsageError
 from tests.conftest import make_tiny_model
 from tests.test_speculative import PROMPTS, assert_same_or_tie
 
@@ -28,8 +29,25 @@ SIZE = 96  # of the tiny tokenizer's ~300 tokens
 def trimmed_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("vocabtrim")
     model = make_tiny_model(root / "model", "gqa_untied", layers=4, seed=3)
-    assert main(["build", str(model), "-o", str(root / "bundle"), "--max-len", "128", "--draft-precision", "int8",
-                 "--draft-vocab", str(SIZE), "--calib", str(ROOT / "samples" / "eval_prompts.jsonl")]) == 0
+    assert (
+        main(
+            [
+                "build",
+                str(model),
+                "-o",
+                str(root / "bundle"),
+                "--max-len",
+                "128",
+                "--draft-precision",
+                "int8",
+                "--draft-vocab",
+                str(SIZE),
+                "--calib",
+                str(ROOT / "samples" / "eval_prompts.jsonl"),
+            ]
+        )
+        == 0
+    )
     return root / "bundle"
 
 
@@ -42,7 +60,10 @@ def test_ranking_keeps_specials_then_frequency_then_low_ids() -> None:
 def test_bundle_ships_ids_and_a_trimmed_engine(trimmed_bundle: Path) -> None:
     manifest = json.loads((trimmed_bundle / "manifest.json").read_text())
     assert manifest["draft_vocab"] == {"file": "draft_vocab.bin", "size": SIZE}
-    assert manifest["graphs"]["pdraft_full_int8"]["draft_vocab"] == SIZE and manifest["graphs"]["decode_full"]["draft_vocab"] == 0
+    assert (
+        manifest["graphs"]["pdraft_full_int8"]["draft_vocab"] == SIZE
+        and manifest["graphs"]["decode_full"]["draft_vocab"] == 0
+    )
     report = json.loads((trimmed_bundle / "calibration.json").read_text())["draft_vocab"]
     assert report["size"] == SIZE and 0.5 <= report["coverage_held_out"] <= 1.0
     ids = np.fromfile(trimmed_bundle / "draft_vocab.bin", dtype="<i4")
@@ -59,7 +80,7 @@ def test_trimmed_precision_draft_is_lossless_and_accepted(trimmed_bundle: Path, 
     """Lossless on raw prompts the vocabulary was not chosen on; on the calibration prompts (whose
     continuations it covers) the trimmed int8 draft is accepted about as often as a full one, which
     fails if drafts were not mapped back from head rows to token ids."""
-    from loading.prompts import read_prompts
+    from adaptive_export.loading.prompts import read_prompts
 
     generator = Generator(trimmed_bundle)
     for prompt in PROMPTS:
@@ -87,19 +108,43 @@ def test_trimmed_draft_sampling_matches_plain_sampling(trimmed_bundle: Path) -> 
     params = lambda seed: SamplingParams(temperature=1.0, top_k=8, seed=seed)  # noqa: E731
     runs = 600
     ar = [tuple(generator.generate(ids, max_new_tokens=3, sampling=params(s)).tokens[1:3]) for s in range(runs)]
-    spec = [tuple(generator.generate(ids, max_new_tokens=3, sampling=params(10_000 + s), mode="spec", draft="precision",
-                                     draft_len=2).tokens[1:3]) for s in range(runs)]
+    spec = [
+        tuple(
+            generator.generate(
+                ids, max_new_tokens=3, sampling=params(10_000 + s), mode="spec", draft="precision", draft_len=2
+            ).tokens[1:3]
+        )
+        for s in range(runs)
+    ]
     for position in (0, 1):
         categories = sorted({t[position] for t in ar + spec})
-        table = np.array([[sum(t[position] == c for t in ar) for c in categories], [sum(t[position] == c for t in spec) for c in categories]])
+        table = np.array(
+            [
+                [sum(t[position] == c for t in ar) for c in categories],
+                [sum(t[position] == c for t in spec) for c in categories],
+            ]
+        )
         table = table[:, table.sum(0) >= 5]
         assert chi2_contingency(table).pvalue > 1e-3, table
 
 
 def test_check_covers_the_trimmed_engine(trimmed_bundle: Path, tmp_path: Path) -> None:
     report = tmp_path / "r.json"
-    assert main(["check", str(trimmed_bundle), "--report", str(report), "--new-tokens", "12",
-                 "--prompts", str(ROOT / "samples" / "eval_prompts.jsonl")]) == 0
+    assert (
+        main(
+            [
+                "check",
+                str(trimmed_bundle),
+                "--report",
+                str(report),
+                "--new-tokens",
+                "12",
+                "--prompts",
+                str(ROOT / "samples" / "eval_prompts.jsonl"),
+            ]
+        )
+        == 0
+    )
     results = json.loads(report.read_text())["results"]
     assert any(r["engine"] == "pdraft_full_int8" and r["check"] == "parity" for r in results)
     assert any(r["engine"] == "pdraft_full_int8" and r["check"] == "quality[mean]" and r["passed"] for r in results)
@@ -121,18 +166,25 @@ def _rewrite(bundle: Path, tmp_path: Path, data: bytes) -> Path:
 @pytest.mark.parametrize("case", ["descending", "outside", "short"])
 def test_hostile_ids_are_refused(trimmed_bundle: Path, tmp_path: Path, case: str) -> None:
     ids = np.fromfile(trimmed_bundle / "draft_vocab.bin", dtype="<i4")
-    data = {"descending": ids[::-1], "outside": np.append(ids[:-1], 10_000_000), "short": ids[:-1]}[case].astype("<i4").tobytes()
+    data = (
+        {"descending": ids[::-1], "outside": np.append(ids[:-1], 10_000_000), "short": ids[:-1]}[case]
+        .astype("<i4")
+        .tobytes()
+    )
     generator = Generator(_rewrite(trimmed_bundle, tmp_path, data))
     with pytest.raises(UsageError, match="draft vocabulary file 'draft_vocab.bin'"):
         generator.generate("The quick brown fox", max_new_tokens=4, mode="spec", draft="precision")
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda m: m.pop("draft_vocab"), "no 'draft_vocab' file"),
-    (lambda m: m["draft_vocab"].update(size=SIZE + 1), "differs from the bundle's draft_vocab size"),
-    (lambda m: m["graphs"]["decode_full"].update(draft_vocab=SIZE), "bad draft_vocab"),
-    (lambda m: m["draft_vocab"].update(size=10**6), "size in 1.."),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: m.pop("draft_vocab"), "no 'draft_vocab' file"),
+        (lambda m: m["draft_vocab"].update(size=SIZE + 1), "differs from the bundle's draft_vocab size"),
+        (lambda m: m["graphs"]["decode_full"].update(draft_vocab=SIZE), "bad draft_vocab"),
+        (lambda m: m["draft_vocab"].update(size=10**6), "size in 1.."),
+    ],
+)
 def test_bad_draft_vocab_manifest_is_refused(trimmed_bundle: Path, tmp_path: Path, edit, message: str) -> None:
     copy = tmp_path / "copy"
     shutil.copytree(trimmed_bundle, copy)
@@ -147,5 +199,8 @@ def test_draft_vocab_needs_a_precision_draft(tmp_path: Path, capsys: pytest.Capt
     model = make_tiny_model(tmp_path / "model", "gqa_untied", layers=2)
     assert main(["build", str(model), "-o", str(tmp_path / "b"), "--draft-vocab", "64"]) == 2
     assert "--draft-vocab 64 trims the precision draft's LM head" in capsys.readouterr().err
-    assert main(["build", str(model), "-o", str(tmp_path / "b"), "--draft-precision", "int8", "--draft-vocab", "100000"]) == 2
+    assert (
+        main(["build", str(model), "-o", str(tmp_path / "b"), "--draft-precision", "int8", "--draft-vocab", "100000"])
+        == 2
+    )
     assert "is not below this model's vocabulary" in capsys.readouterr().err

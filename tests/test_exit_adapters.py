@@ -1,5 +1,6 @@
 """Exit adapters on tiny models: fitting raises early-exit agreement, the draft engine computes
 head(adapter(h_E)) like PyTorch, speculation through it stays lossless, bad files are refused."""
+
 from __future__ import annotations
 
 import json
@@ -9,17 +10,23 @@ import numpy as np
 import pytest
 import torch
 
-from loading.artifacts import ADAPTERS_FILE, load_parts
-from exporter.check import engine_parity
-from commands.cli import main
-from runtimes import Generator, load_bundle
-from runtimes.backends import make_backend
-from runtimes.errors import UsageError
+from adaptive_export.commands.cli import main
+from adaptive_export.exporter.check import engine_parity
+from adaptive_export.loading.artifacts import ADAPTERS_FILE, load_parts
+from adaptive_export.runtimes import Generator, load_bundle
+from adaptive_export.runtimes.backends import make_backend
+from adaptive_export.runtimes.errors import UsageError
 from tests.conftest import make_tiny_model
 from tests.test_speculative import PROMPTS, assert_same_or_tie
 
-CALIB = ["The quick brown fox jumps over the lazy dog.", "What is the capital of France?", "Write a short poem about the sea and the sky.",
-         "Static graphs make edge compilers happy.", "the sea and the stars", "Paris is the capital of France."]
+CALIB = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France?",
+    "Write a short poem about the sea and the sky.",
+    "Static graphs make edge compilers happy.",
+    "the sea and the stars",
+    "Paris is the capital of France.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +35,31 @@ def adapter_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
     model = make_tiny_model(root / "model", "gqa_untied", layers=6, seed=3)
     calib = root / "calib.jsonl"
     calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CALIB))
-    assert main(["build", str(model), "-o", str(root / "bundle"), "--max-len", "128", "--speculate", "auto", "--exit-adapter", "fit",
-                 "--calib", str(calib)]) == 0
+    assert (
+        main(
+            [
+                "build",
+                str(model),
+                "-o",
+                str(root / "bundle"),
+                "--max-len",
+                "128",
+                "--speculate",
+                "auto",
+                "--exit-adapter",
+                "fit",
+                "--calib",
+                str(calib),
+            ]
+        )
+        == 0
+    )
     return model, root / "bundle"
 
 
 def test_fitting_raises_train_agreement(adapter_setup: tuple[Path, Path]) -> None:
-    from calibration.exit_adapters import fit_exit_adapters
-    from loading.model import load_model
+    from adaptive_export.calibration.exit_adapters import fit_exit_adapters
+    from adaptive_export.loading.model import load_model
 
     loaded = load_model(str(adapter_setup[0]))
     fit = fit_exit_adapters(loaded, CALIB, [2, 4], rank=16, epochs=4, new_tokens=12, progress=False)
@@ -55,7 +79,9 @@ def test_bundle_ships_the_chosen_adapter(adapter_setup: tuple[Path, Path]) -> No
     calibration = json.loads((bundle.root / "calibration.json").read_text())["speculation"]
     assert calibration["early_exit_through_adapter"] and calibration["exit_adapters"]["shipped"] == spec["exit_layer"]
     assert set(calibration["exit_adapters"]["per_exit"]) == {"3", "4", "5"}
-    assert sorted(int(k.split(":")[0]) for k in calibration["early_exit_tokens_per_round"])[0] == 3  # only the adapters' exits
+    assert (
+        sorted(int(k.split(":")[0]) for k in calibration["early_exit_tokens_per_round"])[0] == 3
+    )  # only the adapters' exits
 
 
 def test_draft_engine_matches_pytorch_head_of_adapter(adapter_setup: tuple[Path, Path]) -> None:
@@ -69,7 +95,7 @@ def test_draft_engine_matches_pytorch_head_of_adapter(adapter_setup: tuple[Path,
         result = engine_parity(bundle, backend, parts, name)
         assert result.passed, (name, result.detail)
     # independent of SpanGraph: HF hidden_states[E] -> adapter -> final norm + LM head
-    from graphs.layers import Head
+    from adaptive_export.graphs.layers import Head
 
     generator = Generator(bundle)
     draft_name = bundle.config("full")["engines"]["draft"]
@@ -101,9 +127,9 @@ def test_greedy_speculation_through_adapter_equals_plain_decoding(adapter_setup:
 
 def test_adapter_file_round_trip(adapter_setup: tuple[Path, Path]) -> None:
     """--speculate E:k --exit-adapter FILE ships the same adapter (planning only: the export is tested above)."""
-    from calibration.speculation import SpeculationOptions, plan_speculation
-    from loading.model import load_model
-    from graphs.span_graph import ModelParts
+    from adaptive_export.calibration.speculation import SpeculationOptions, plan_speculation
+    from adaptive_export.graphs.span_graph import ModelParts
+    from adaptive_export.loading.model import load_model
 
     model, bundle = adapter_setup
     e = json.loads((bundle / "manifest.json").read_text())["speculation"]["exit_layer"]
@@ -117,21 +143,54 @@ def test_adapter_file_round_trip(adapter_setup: tuple[Path, Path]) -> None:
         plan_speculation(SpeculationOptions(f"{6 - e if e != 3 else 2}:2", exit_adapter=adapter_file), loaded, parts)
 
 
-def test_adapter_file_with_wrong_shapes_is_rejected(adapter_setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_adapter_file_with_wrong_shapes_is_rejected(
+    adapter_setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from safetensors.torch import save_file
 
     bad = tmp_path / "bad.safetensors"
-    save_file({"3.norm_weight": torch.ones(5), "3.down.weight": torch.zeros(4, 5), "3.up.weight": torch.zeros(5, 4)}, str(bad))
-    assert main(["build", str(adapter_setup[0]), "-o", str(tmp_path / "o"), "--speculate", "3:2", "--exit-adapter", str(bad)]) == 2
+    save_file(
+        {"3.norm_weight": torch.ones(5), "3.down.weight": torch.zeros(4, 5), "3.up.weight": torch.zeros(5, 4)}, str(bad)
+    )
+    assert (
+        main(
+            [
+                "build",
+                str(adapter_setup[0]),
+                "-o",
+                str(tmp_path / "o"),
+                "--speculate",
+                "3:2",
+                "--exit-adapter",
+                str(bad),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()[-1]  # earlier lines: the model loader's progress bars
     assert err.startswith("error: exit adapter file") and "Fix:" in err
     assert "down.weight (rank, 64)" in err and not (tmp_path / "o").exists()
 
 
-def test_missing_adapter_file_or_no_speculation_fails_fast(adapter_setup: tuple[Path, Path], tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_adapter_file_or_no_speculation_fails_fast(
+    adapter_setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     model = str(adapter_setup[0])
-    assert main(["build", model, "-o", str(tmp_path / "o"), "--speculate", "3:2", "--exit-adapter", str(tmp_path / "nope.safetensors")]) == 2
+    assert (
+        main(
+            [
+                "build",
+                model,
+                "-o",
+                str(tmp_path / "o"),
+                "--speculate",
+                "3:2",
+                "--exit-adapter",
+                str(tmp_path / "nope.safetensors"),
+            ]
+        )
+        == 2
+    )
     assert "does not exist" in capsys.readouterr().err
     assert main(["build", model, "-o", str(tmp_path / "o"), "--exit-adapter", "fit"]) == 2
     assert "needs --speculate" in capsys.readouterr().err

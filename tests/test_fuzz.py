@@ -1,5 +1,6 @@
 """Property tests: manifests, runtime arguments and token inputs only ever produce the
 documented errors (UsageError), never a crash or a hang."""
+
 from __future__ import annotations
 
 import copy
@@ -12,13 +13,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtimes import Generator, SamplingParams, UsageError
-from runtimes.manifest import validate
+from adaptive_export.runtimes import Generator, SamplingParams, UsageError
+from adaptive_export.runtimes.manifest import validate
 from tests.test_fuzz_bundles import exercise, paths_of
 
-JSON_LEAVES = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=True), st.text(max_size=8))
-JSON_VALUES = st.recursive(JSON_LEAVES, lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)), max_leaves=6)
-FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+JSON_LEAVES = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=True), st.text(max_size=8)
+)
+JSON_VALUES = st.recursive(
+    JSON_LEAVES,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=6,
+)
+FUZZ = settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +44,9 @@ def fuzz_root(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 @FUZZ
 @given(data=st.data())
-def test_mutated_manifests_are_valid_or_usage_errors(manifest: dict[str, Any], fuzz_root: Path, data: st.DataObject) -> None:
+def test_mutated_manifests_are_valid_or_usage_errors(
+    manifest: dict[str, Any], fuzz_root: Path, data: st.DataObject
+) -> None:
     """A manifest that validates is also loaded and run (a valid-looking manifest the runtime
     then trips over, e.g. speculation {"prompt_lookup": "x"} under --mode auto, fails here)."""
     mutated = copy.deepcopy(manifest)
@@ -70,9 +81,16 @@ def generator(tiny_bundle: Path) -> Generator:
 
 
 @FUZZ
-@given(temperature=st.one_of(st.floats(-2, 3), st.just(float("nan")), st.just(float("inf"))), top_p=st.one_of(st.floats(-0.5, 1.5), st.just(float("nan"))), top_k=st.integers(-3, 400),
-       max_new=st.integers(-3, 140), seed=st.integers(0, 2**32 - 1))
-def test_runtime_arguments_generate_or_raise_usage_error(generator: Generator, temperature: float, top_p: float, top_k: int, max_new: int, seed: int) -> None:
+@given(
+    temperature=st.one_of(st.floats(-2, 3), st.just(float("nan")), st.just(float("inf"))),
+    top_p=st.one_of(st.floats(-0.5, 1.5), st.just(float("nan"))),
+    top_k=st.integers(-3, 400),
+    max_new=st.integers(-3, 140),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_runtime_arguments_generate_or_raise_usage_error(
+    generator: Generator, temperature: float, top_p: float, top_k: int, max_new: int, seed: int
+) -> None:
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         result = generator.generate("The sea", max_new_tokens=max_new, sampling=params, raw=True)

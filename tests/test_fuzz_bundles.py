@@ -6,6 +6,7 @@ time bound per case; RSS must stay bounded over the run.
 
 Seeded: ADAPTIVE_EXPORT_FUZZ_SEED picks another sequence (failures print the seed and case).
 """
+
 from __future__ import annotations
 
 import copy
@@ -21,8 +22,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from runtimes import Generator, UsageError, load_bundle
-from runtimes.inspect import describe, render
+from adaptive_export.runtimes import Generator, UsageError, load_bundle
+from adaptive_export.runtimes.inspect import describe, render
 from tests.test_hardening import resign
 from tests.test_soak import rss_mb
 
@@ -31,12 +32,60 @@ SEED = int(os.environ.get("ADAPTIVE_EXPORT_FUZZ_SEED", "16"))
 CASE_LIMIT_S = 10.0
 RSS_GROWTH_LIMIT_MB = 400
 
-JSON_VALUES: list[Any] = [None, True, False, 0, -1, 1, 2, 7, 10**12, -(10**12), 0.5, 1e308, "", "x", "full", "prefill", "../x", "/etc/passwd",
-                          "onnx/weights.bin", "tokenizer.json", "a\u0085b", "\udc80", [], [0], [0, 0], [-1], ["x"], {}, {"x": 1},
-                          {"prompt_lookup": "x"}, {"draft_len": 0}, {"prefix": "a", "suffix": "b"}]
-ELEM_TYPES = [TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL, TensorProto.STRING, TensorProto.DOUBLE]
-OPS = [("", "Loop"), ("", "If"), ("", "Scan"), ("", "Identity"), ("", "Add"), ("custom.evil", "Spin"), ("com.microsoft", "Attention"),
-       ("", "ConstantOfShape"), ("ai.onnx.ml", "TreeEnsembleClassifier")]
+JSON_VALUES: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2,
+    7,
+    10**12,
+    -(10**12),
+    0.5,
+    1e308,
+    "",
+    "x",
+    "full",
+    "prefill",
+    "../x",
+    "/etc/passwd",
+    "onnx/weights.bin",
+    "tokenizer.json",
+    "a\u0085b",
+    "\udc80",
+    [],
+    [0],
+    [0, 0],
+    [-1],
+    ["x"],
+    {},
+    {"x": 1},
+    {"prompt_lookup": "x"},
+    {"draft_len": 0},
+    {"prefix": "a", "suffix": "b"},
+]
+ELEM_TYPES = [
+    TensorProto.FLOAT,
+    TensorProto.FLOAT16,
+    TensorProto.INT64,
+    TensorProto.INT32,
+    TensorProto.BOOL,
+    TensorProto.STRING,
+    TensorProto.DOUBLE,
+]
+OPS = [
+    ("", "Loop"),
+    ("", "If"),
+    ("", "Scan"),
+    ("", "Identity"),
+    ("", "Add"),
+    ("custom.evil", "Spin"),
+    ("com.microsoft", "Attention"),
+    ("", "ConstantOfShape"),
+    ("ai.onnx.ml", "TreeEnsembleClassifier"),
+]
 
 
 def paths_of(node: Any, prefix: tuple = ()) -> list[tuple]:
@@ -94,11 +143,18 @@ def mutate_graph(rng: random.Random, root: Path, manifest: dict[str, Any]) -> st
         init.data_location = TensorProto.EXTERNAL
         del init.external_data[:]
         entry = init.external_data.add()
-        entry.key, entry.value = "location", rng.choice(["weights.bin", "../tokenizer.json", "/etc/hostname", "../../x", "prefill.onnx"])
+        entry.key, entry.value = (
+            "location",
+            rng.choice(["weights.bin", "../tokenizer.json", "/etc/hostname", "../../x", "prefill.onnx"]),
+        )
     elif choice == 5:
         del model.graph.output[rng.randrange(len(model.graph.output))]
     else:
-        model.functions.append(helper.make_function("local", "f", ["a"], ["b"], [helper.make_node("Identity", ["a"], ["b"])], [helper.make_opsetid("", 18)]))
+        model.functions.append(
+            helper.make_function(
+                "local", "f", ["a"], ["b"], [helper.make_node("Identity", ["a"], ["b"])], [helper.make_opsetid("", 18)]
+            )
+        )
     path.write_bytes(model.SerializeToString())
     return f"graph {graph} mutation {choice}"
 
@@ -168,7 +224,13 @@ def test_fuzzed_bundles_are_valid_or_usage_errors(base: Path, tmp_path: Path) ->
         if rng.random() < 0.9:  # re-signed, as an attacker would; sometimes not
             try:
                 resign(root, manifest)
-            except (OSError, TypeError, AttributeError, ValueError, KeyError):  # a mutation broke the files table itself
+            except (
+                OSError,
+                TypeError,
+                AttributeError,
+                ValueError,
+                KeyError,
+            ):  # a mutation broke the files table itself
                 (root / "manifest.json").write_text(json.dumps(manifest))
         else:
             (root / "manifest.json").write_text(json.dumps(manifest))
@@ -180,7 +242,9 @@ def test_fuzzed_bundles_are_valid_or_usage_errors(base: Path, tmp_path: Path) ->
             assert "\n" not in exc.one_line()
             outcomes["usage_error"] += 1
         except Exception as exc:  # pragma: no cover - the failure this test exists to find
-            raise AssertionError(f"seed {SEED} case {case} ({'; '.join(described)}): {type(exc).__name__}: {exc}") from exc
+            raise AssertionError(
+                f"seed {SEED} case {case} ({'; '.join(described)}): {type(exc).__name__}: {exc}"
+            ) from exc
         elapsed = time.monotonic() - started
         assert elapsed < CASE_LIMIT_S, f"seed {SEED} case {case} ({'; '.join(described)}) took {elapsed:.1f} s"
         shutil.rmtree(root, ignore_errors=True)

@@ -5,6 +5,7 @@ the window, so a graph that ignored the window at decode time, used one rotary t
 layer types, missed a norm, the (1 + w) weight, the embedding scale or the query scale
 would diverge from HF.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,12 +13,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from commands.cli import main
+from adaptive_export.commands.cli import main
 from tests.conftest import make_tokenizer
 
 WINDOW = 8
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
-PROMPTS = ["What is the capital of France?", "Write a short poem about the sea.", "The quick brown fox", "Static graphs"]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "The quick brown fox",
+    "Static graphs",
+]
 NEW_TOKENS = 3 * WINDOW
 
 
@@ -28,10 +34,19 @@ def make_tiny_gemma3(directory: Path, seed: int = 0) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(directory)
     config = Gemma3TextConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=len(LAYER_TYPES),
-        num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=WINDOW, layer_types=LAYER_TYPES,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(LAYER_TYPES),
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=WINDOW,
+        layer_types=LAYER_TYPES,
         query_pre_attn_scalar=24,  # not head_dim, so a graph scaling by head_dim ** -0.5 would differ
-        max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
@@ -60,7 +75,7 @@ def gemma_bundle(gemma_dir: Path, request: pytest.FixtureRequest) -> Path:
 
 @pytest.fixture(scope="module")
 def hf(gemma_dir: Path):
-    from loading.model import load_model
+    from adaptive_export.loading.model import load_model
 
     return load_model(str(gemma_dir))
 
@@ -73,9 +88,26 @@ def test_check_passes_on_every_engine(gemma_bundle: Path, gemma_dir: Path, tmp_p
     import json
 
     report, prompts = tmp_path / "r.json", tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))  # chat-templated (about 40 tokens) + 16 new fit max_len 64
-    assert main(["check", str(gemma_bundle), "--model", str(gemma_dir), "--report", str(report), "--prompts", str(prompts),
-                 "--new-tokens", str(2 * WINDOW)]) == 0
+    prompts.write_text(
+        "".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS)
+    )  # chat-templated (about 40 tokens) + 16 new fit max_len 64
+    assert (
+        main(
+            [
+                "check",
+                str(gemma_bundle),
+                "--model",
+                str(gemma_dir),
+                "--report",
+                str(report),
+                "--prompts",
+                str(prompts),
+                "--new-tokens",
+                str(2 * WINDOW),
+            ]
+        )
+        == 0
+    )
     data = json.loads(report.read_text())
     engines = {r["engine"] for r in data["results"] if r["check"] == "parity"}
     assert {"prefill", "decode_full"} <= engines and data["passed"]
@@ -84,7 +116,7 @@ def test_check_passes_on_every_engine(gemma_bundle: Path, gemma_dir: Path, tmp_p
 def test_greedy_equals_hf_generate_past_the_window(gemma_bundle: Path, hf) -> None:
     import torch
 
-    from runtimes import Generator
+    from adaptive_export.runtimes import Generator
 
     generator = Generator(gemma_bundle)
     eos = sorted(generator.codec.eos_ids)
@@ -92,9 +124,14 @@ def test_greedy_equals_hf_generate_past_the_window(gemma_bundle: Path, hf) -> No
         ids = prompt_ids(hf.tokenizer, prompt)
         ours = generator.generate(ids, max_new_tokens=NEW_TOKENS, raw=True).tokens
         with torch.no_grad():
-            out = hf.hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos,
-                                       pad_token_id=hf.tokenizer.pad_token_id)
-        theirs = out[0, len(ids):].tolist()
+            out = hf.hf_model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=hf.tokenizer.pad_token_id,
+            )
+        theirs = out[0, len(ids) :].tolist()
         assert ours == theirs, (prompt, ours, theirs)
         assert len(ids) + len(ours) > 2 * WINDOW  # the window mattered
 
@@ -104,8 +141,8 @@ def test_logits_match_hf_prefill_and_decode(gemma_bundle: Path, hf) -> None:
     the window (the arena holds more rows than a sliding layer may see)."""
     import torch
 
-    from exporter.check import teacher_forced_logits
-    from runtimes import Generator
+    from adaptive_export.exporter.check import teacher_forced_logits
+    from adaptive_export.runtimes import Generator
 
     generator = Generator(gemma_bundle)
     rng = np.random.default_rng(0)
@@ -115,7 +152,7 @@ def test_logits_match_hf_prefill_and_decode(gemma_bundle: Path, hf) -> None:
         ours = teacher_forced_logits(generator, ids, continuation)
         with torch.no_grad():
             full = hf.hf_model(torch.tensor([ids + continuation[:-1]])).logits[0].numpy()
-        theirs = full[len(ids) - 1:]
+        theirs = full[len(ids) - 1 :]
         assert ours.shape == theirs.shape
         np.testing.assert_allclose(ours[0], theirs[0], atol=1e-4, rtol=1e-4)  # prefill
         np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)  # decode past the window
@@ -123,25 +160,27 @@ def test_logits_match_hf_prefill_and_decode(gemma_bundle: Path, hf) -> None:
 
 def test_sliding_window_masks_the_arena_at_decode() -> None:
     """Decode at P past the window: a sliding layer's mask hides every row older than the window."""
-    from graphs.architectures import LayerAttention
-    from graphs.layers import MASK_VALUE, layer_masks
+    from adaptive_export.graphs.architectures import LayerAttention
+    from adaptive_export.graphs.layers import MASK_VALUE, layer_masks
 
     sliding, full = layer_masks([LayerAttention(rope="sliding_attention", window=WINDOW), LayerAttention()], 20, 1)
-    assert (sliding[0, 20 - WINDOW + 1:] == 0).all() and (sliding[0, :20 - WINDOW + 1] == MASK_VALUE).all()
+    assert (sliding[0, 20 - WINDOW + 1 :] == 0).all() and (sliding[0, : 20 - WINDOW + 1] == MASK_VALUE).all()
     assert (full == 0).all()
 
 
 def test_config_reading(gemma_dir: Path) -> None:
     from transformers import AutoConfig
 
-    from graphs.architectures import DEFAULT_ROPE, architecture
+    from adaptive_export.graphs.architectures import DEFAULT_ROPE, architecture
 
     config = AutoConfig.from_pretrained(gemma_dir)
     arch = architecture("gemma3_text")
     spec = arch.spec_from_config(config)
     assert [arch.layer_attention(config, i).window for i in range(4)] == [WINDOW, None, WINDOW, WINDOW]
-    assert [arch.layer_attention(config, i).rope for i in range(4)] == ["sliding_attention", DEFAULT_ROPE] + ["sliding_attention"] * 2
-    assert arch.attention_scale(spec, config) == pytest.approx(24 ** -0.5)
+    assert [arch.layer_attention(config, i).rope for i in range(4)] == ["sliding_attention", DEFAULT_ROPE] + [
+        "sliding_attention"
+    ] * 2
+    assert arch.attention_scale(spec, config) == pytest.approx(24**-0.5)
     assert arch.embed_scale(spec) == 8.0 and spec.tie_word_embeddings
     assert arch.unsupported(config) is None
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -159,7 +198,9 @@ def test_softcapping_is_refused_by_build(gemma_dir: Path, tmp_path: Path, capsys
     config = json.loads((model / "config.json").read_text())
     config["final_logit_softcapping"] = 30.0
     (model / "config.json").write_text(json.dumps(config))
-    assert main(["build", str(model), "-o", str(tmp_path / "out"), "--max-len", "64", "--onnx-flavour", "portable"]) != 0
+    assert (
+        main(["build", str(model), "-o", str(tmp_path / "out"), "--max-len", "64", "--onnx-flavour", "portable"]) != 0
+    )
     assert "final_logit_softcapping" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -188,15 +229,26 @@ def test_static_stack_matches_hf_with_linear_rope_on_full_layers() -> None:
     import torch
     from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
-    from graphs.architectures import architecture
-    from graphs.layers import DecoderStack
+    from adaptive_export.graphs.architectures import architecture
+    from adaptive_export.graphs.layers import DecoderStack
 
     config = Gemma3TextConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, layer_types=list(reversed(LAYER_TYPES)),
-        query_pre_attn_scalar=16, max_position_embeddings=512,
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=WINDOW,
+        layer_types=list(reversed(LAYER_TYPES)),
+        query_pre_attn_scalar=16,
+        max_position_embeddings=512,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+    )
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -240,11 +292,49 @@ def test_routers_and_speculation_on_gemma3(gemma_dir: Path, tmp_path: Path) -> N
     calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ROUTER_CALIB))
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
     out, report = tmp_path / "routed", tmp_path / "r.json"
-    assert main(["build", str(gemma_dir), "-o", str(out), "--max-len", "96", "--routers", "train", "--calib", str(calib),
-                 "--router-lambda", "2.0", "--router-lr", "0.02", "--min-config-agreement", "0", "--speculate", "2:2"]) == 0
+    assert (
+        main(
+            [
+                "build",
+                str(gemma_dir),
+                "-o",
+                str(out),
+                "--max-len",
+                "96",
+                "--routers",
+                "train",
+                "--calib",
+                str(calib),
+                "--router-lambda",
+                "2.0",
+                "--router-lr",
+                "0.02",
+                "--min-config-agreement",
+                "0",
+                "--speculate",
+                "2:2",
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     assert len(manifest["configs"]) >= 2, manifest["configs"]  # full plus at least one skip configuration
-    assert main(["check", str(out), "--model", str(gemma_dir), "--report", str(report), "--prompts", str(prompts),
-                 "--new-tokens", str(WINDOW)]) == 0
+    assert (
+        main(
+            [
+                "check",
+                str(out),
+                "--model",
+                str(gemma_dir),
+                "--report",
+                str(report),
+                "--prompts",
+                str(prompts),
+                "--new-tokens",
+                str(WINDOW),
+            ]
+        )
+        == 0
+    )
     engines = {r["engine"] for r in json.loads(report.read_text())["results"]}
     assert {"spec:full:early_exit", "spec:full:prompt_lookup"} <= engines, engines

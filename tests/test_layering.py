@@ -4,6 +4,7 @@ other (only commands joins them); loading imports graphs and runtimes; graphs no
 the project; runtimes only itself. Checked on the source with `ast`, so lazy imports inside
 functions count too.
 """
+
 from __future__ import annotations
 
 import ast
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+IMPORT_NAME = "adaptive_export"
 PROJECT = ("graphs", "loading", "exporter", "calibration", "runtimes", "commands")
 FORBIDDEN = {
     "runtimes": {"graphs", "loading", "exporter", "calibration", "commands"},
@@ -25,17 +27,24 @@ FORBIDDEN = {
 
 def imported_packages(path: Path) -> set[tuple[str, int]]:
     """(top-level project package, line) of every import in the file, relative ones resolved."""
-    package = path.relative_to(ROOT).parts[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            names = [package] if node.level else [node.module or ""]
+            names = [f"{IMPORT_NAME}.{path.relative_to(ROOT).parts[0]}"] if node.level else [node.module or ""]
         else:
             continue
-        found |= {(name.split(".")[0], node.lineno) for name in names if name.split(".")[0] in PROJECT}
+        found |= {(top, node.lineno) for top in map(project_package, names) if top in PROJECT}
     return found
+
+
+def project_package(module: str) -> str:
+    """'adaptive_export.runtimes.x' -> 'runtimes'; a bare 'runtimes.x' stays 'bare:runtimes'."""
+    parts = module.split(".")
+    if parts[0] == IMPORT_NAME and len(parts) > 1:
+        return parts[1]
+    return f"bare:{parts[0]}" if parts[0] in PROJECT else parts[0]
 
 
 def project_modules() -> list[Path]:
@@ -52,3 +61,22 @@ def test_imports_go_down_only(path: Path) -> None:
     package = path.relative_to(ROOT).parts[0]
     bad = sorted((line, name) for name, line in imported_packages(path) if name in FORBIDDEN[package])
     assert not bad, f"{path.relative_to(ROOT)} imports " + ", ".join(f"{name} (line {line})" for line, name in bad)
+
+
+@pytest.mark.parametrize(
+    "path",
+    project_modules() + sorted((ROOT / "tests").glob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py")),
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_imports_use_the_one_import_name(path: Path) -> None:
+    """Installed, the packages live under `adaptive_export`; a bare `runtimes` would import a second copy."""
+    tree = ast.parse(path.read_text(), str(path))
+    bare = []
+    for node in ast.walk(tree):
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else ([node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        )
+        bare += [(node.lineno, n) for n in names if n.split(".")[0] in PROJECT]
+    assert not bare, f"{path.relative_to(ROOT)} imports bare project names: {bare}"

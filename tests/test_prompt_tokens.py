@@ -1,6 +1,7 @@
 """PPD prompt tokens: the chain simulation calibration prices them with, the masks that train
 many groups in one pass, the portable flavour's embedding of them (engine parity and lossless
 greedy through `check`), and a clear error for a foreign prompt-tokens file."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from calibration.prompt_tokens import FrozenSequence, simulate_chain
-from commands.cli import main
-from runtimes.errors import UsageError
+from adaptive_export.calibration.prompt_tokens import FrozenSequence, simulate_chain
+from adaptive_export.commands.cli import main
+from adaptive_export.runtimes.errors import UsageError
 from tests.conftest import make_tiny_model
 
 ROOT = Path(__file__).parents[1]
@@ -31,14 +32,16 @@ def test_chain_simulation_follows_the_runtime_rounds() -> None:
 
 
 def test_frame_at_equals_the_causal_frame(tmp_path: Path) -> None:
-    from graphs.layers import DecoderStack
-    from loading.model import load_model
+    from adaptive_export.graphs.layers import DecoderStack
+    from adaptive_export.loading.model import load_model
 
     loaded = load_model(str(make_tiny_model(tmp_path / "m", "gqa_untied", layers=2)))
     stack = DecoderStack(loaded.hf_model, loaded.spec, range(2))
     past, new = 3, 4
     query, keys = torch.arange(past, past + new), torch.arange(past + new)
-    for (cos, sin, mask), (cos2, sin2, mask2) in zip(stack.frame(past, new), stack.frame_at(query, keys, keys[None, :] <= query[:, None])):
+    for (cos, sin, mask), (cos2, sin2, mask2) in zip(
+        stack.frame(past, new), stack.frame_at(query, keys, keys[None, :] <= query[:, None])
+    ):
         torch.testing.assert_close(cos, cos2)
         torch.testing.assert_close(sin, sin2)
         torch.testing.assert_close(mask, mask2)
@@ -47,27 +50,63 @@ def test_frame_at_equals_the_causal_frame(tmp_path: Path) -> None:
 def test_portable_bundle_embeds_prompt_tokens_and_checks(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "model", "mha_tied", layers=4, seed=5)
     bundle = tmp_path / "bundle"
-    assert main(["build", str(model), "-o", str(bundle), "--max-len", "96", "--onnx-flavour", "portable", "--prompt-tokens", "3",
-                 "--calib", str(ROOT / "samples" / "eval_prompts.jsonl")]) == 0
+    assert (
+        main(
+            [
+                "build",
+                str(model),
+                "-o",
+                str(bundle),
+                "--max-len",
+                "96",
+                "--onnx-flavour",
+                "portable",
+                "--prompt-tokens",
+                "3",
+                "--calib",
+                str(ROOT / "samples" / "eval_prompts.jsonl"),
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((bundle / "manifest.json").read_text())
-    assert manifest["graphs"]["decode_full"]["prompt_tokens"] == 3 and manifest["graphs"]["prefill"]["prompt_tokens"] == 0
+    assert (
+        manifest["graphs"]["decode_full"]["prompt_tokens"] == 3 and manifest["graphs"]["prefill"]["prompt_tokens"] == 0
+    )
     assert (bundle / "prompt_tokens.safetensors").stat().st_size < 64 * 3 * 4 + 256  # m x hidden floats and a header
     report = tmp_path / "report.json"
     assert main(["check", str(bundle), "--report", str(report), "--new-tokens", "12"]) == 0
     results = json.loads(report.read_text())["results"]
     assert any(r["check"] == "parity" and r["engine"] == "decode_full" and r["passed"] for r in results)
-    assert [r for r in results if r["check"].startswith("greedy") and "ppd" in json.dumps(r)], "check ran no PPD speculation"
+    assert [r for r in results if r["check"].startswith("greedy") and "ppd" in json.dumps(r)], (
+        "check ran no PPD speculation"
+    )
     # a previous build's file is reused as is
     again = tmp_path / "again"
-    assert main(["build", str(model), "-o", str(again), "--max-len", "96", "--prompt-tokens", str(bundle / "prompt_tokens.safetensors"),
-                 "--calib", str(ROOT / "samples" / "eval_prompts.jsonl")]) == 0
+    assert (
+        main(
+            [
+                "build",
+                str(model),
+                "-o",
+                str(again),
+                "--max-len",
+                "96",
+                "--prompt-tokens",
+                str(bundle / "prompt_tokens.safetensors"),
+                "--calib",
+                str(ROOT / "samples" / "eval_prompts.jsonl"),
+            ]
+        )
+        == 0
+    )
     assert (again / "prompt_tokens.safetensors").read_bytes() == (bundle / "prompt_tokens.safetensors").read_bytes()
 
 
 def test_foreign_prompt_tokens_file_is_a_clear_error(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    from loading.artifacts import load_prompt_tokens
+    from adaptive_export.loading.artifacts import load_prompt_tokens
 
     path = tmp_path / "p.safetensors"
     save_file({"prompt_tokens": torch.zeros(3, 32)}, str(path))

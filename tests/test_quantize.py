@@ -1,4 +1,5 @@
 """Quantized bundles: MatMulNBits engines, weights still stored once, quality reported by check."""
+
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ from pathlib import Path
 import onnx
 import pytest
 
-from commands.cli import main
+from adaptive_export.commands.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +40,14 @@ def test_check_reports_quality_for_quantized_bundle(int8_bundle: Path, tmp_path:
     results = json.loads(report.read_text())["results"]
     per_prompt = [r for r in results if r["check"].startswith("quality[") and r["check"] != "quality[mean]"]
     gate = [r for r in results if r["check"] == "quality[mean]"]
-    assert len(per_prompt) == 3 and all("top-1 agreement" in r["detail"] and "perplexity" in r["detail"] for r in per_prompt)
+    assert len(per_prompt) == 3 and all(
+        "top-1 agreement" in r["detail"] and "perplexity" in r["detail"] for r in per_prompt
+    )
     assert len(gate) == 1 and gate[0]["passed"] and "mean top-1 agreement" in gate[0]["detail"]
 
 
 def test_int8_run_generates(int8_bundle: Path) -> None:
-    from runtimes import Generator
+    from adaptive_export.runtimes import Generator
 
     result = Generator(int8_bundle).generate("The quick brown fox", max_new_tokens=6, raw=True)
     assert len(result.tokens) == 6 or result.stats.stop_reason == "eos"

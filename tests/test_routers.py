@@ -1,5 +1,6 @@
 """FiRST routers end to end on tiny models: training, configuration choice (superset rule),
 engines per configuration against PyTorch, router scores, selection at prefill."""
+
 from __future__ import annotations
 
 import json
@@ -9,15 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from loading.artifacts import load_parts
-from calibration.configs import choose_configs, layers_saved, served_share
-from exporter.check import engine_parity, greedy_check
-from commands.cli import main
-from runtimes import Generator, load_bundle
-from runtimes.backends import make_backend
-from runtimes.selection import choose_config
-
-from tests.conftest import ROUTER_CALIB as CALIB  # router_setup (the routed tiny bundle) is a session fixture in conftest.py
+from adaptive_export.calibration.configs import choose_configs, layers_saved, served_share
+from adaptive_export.commands.cli import main
+from adaptive_export.exporter.check import engine_parity, greedy_check
+from adaptive_export.loading.artifacts import load_parts
+from adaptive_export.runtimes import Generator, load_bundle
+from adaptive_export.runtimes.backends import make_backend
+from adaptive_export.runtimes.selection import choose_config
+from tests.conftest import (
+    ROUTER_CALIB as CALIB,
+)  # router_setup (the routed tiny bundle) is a session fixture in conftest.py
 from tests.conftest import make_tiny_model
 
 
@@ -29,7 +31,9 @@ def test_bundle_has_skip_configurations_and_calibration(router_setup: tuple[Path
     calibration = json.loads((routed / "calibration.json").read_text())
     shares = {c["id"]: c["share"] for c in calibration["configs"]["chosen"]}
     assert abs(sum(shares.values()) - 1.0) < 1e-6
-    assert calibration["routers"]["training"]["loss_last_epoch"] < calibration["routers"]["training"]["loss_first_epoch"]
+    assert (
+        calibration["routers"]["training"]["loss_last_epoch"] < calibration["routers"]["training"]["loss_first_epoch"]
+    )
 
 
 def test_every_engine_and_router_scores_match_pytorch(router_setup: tuple[Path, Path, Path]) -> None:
@@ -59,8 +63,13 @@ def test_runtime_picks_config_by_superset_rule(router_setup: tuple[Path, Path, P
         kept = {i for i, s in enumerate(scores) if s >= bundle.manifest["router_threshold"]}
         config = bundle.config(result.stats.config)
         assert kept <= set(config["kept"])
-        assert result.stats.skipped_layers == bundle.num_layers - len(config["kept"]) and result.stats.kept_layers == config["kept"]
-        cheaper = [c for c in bundle.manifest["configs"] if kept <= set(c["kept"]) and len(c["kept"]) < len(config["kept"])]
+        assert (
+            result.stats.skipped_layers == bundle.num_layers - len(config["kept"])
+            and result.stats.kept_layers == config["kept"]
+        )
+        cheaper = [
+            c for c in bundle.manifest["configs"] if kept <= set(c["kept"]) and len(c["kept"]) < len(config["kept"])
+        ]
         assert not cheaper
 
 
@@ -68,7 +77,10 @@ def test_config_full_equals_bundle_without_routers(router_setup: tuple[Path, Pat
     _, routed, plain = router_setup
     with_routers, without = Generator(routed), Generator(plain)
     for prompt in CALIB:
-        assert with_routers.generate(prompt, max_new_tokens=16, config="full").tokens == without.generate(prompt, max_new_tokens=16).tokens
+        assert (
+            with_routers.generate(prompt, max_new_tokens=16, config="full").tokens
+            == without.generate(prompt, max_new_tokens=16).tokens
+        )
 
 
 def test_superset_choice_on_handmade_histograms() -> None:
@@ -84,18 +96,24 @@ def test_superset_choice_on_handmade_histograms() -> None:
     # under a quality floor: the best passing candidate replaces a failing one
     assert choose_configs(hist, 6, 1, acceptable=lambda kept: kept != frozenset({0, 1, 2, 3})) == [frozenset({0, 1, 2})]
     restored = choose_configs(Counter({frozenset({0, 1, 2}): 5}), 6, 1, acceptable=lambda kept: len(kept) >= 4)
-    assert len(restored) == 1 and len(restored[0]) == 4 and frozenset({0, 1, 2}) < restored[0]  # one skipped layer kept again
+    assert (
+        len(restored) == 1 and len(restored[0]) == 4 and frozenset({0, 1, 2}) < restored[0]
+    )  # one skipped layer kept again
     assert choose_configs(hist, 6, 2, acceptable=lambda kept: False) == []
-    configs = [{"id": "full", "kept": list(range(6))}, {"id": "a", "kept": [0, 1, 2]}, {"id": "b", "kept": [0, 1, 2, 3, 4]}]
+    configs = [
+        {"id": "full", "kept": list(range(6))},
+        {"id": "a", "kept": [0, 1, 2]},
+        {"id": "b", "kept": [0, 1, 2, 3, 4]},
+    ]
     assert choose_config(configs, [0, 2])["id"] == "a"
     assert choose_config(configs, [0, 3])["id"] == "b"
     assert choose_config(configs, [5])["id"] == "full"
 
 
 def test_training_reacts_to_lambda(router_setup: tuple[Path, Path, Path]) -> None:
-    from calibration.measure import greedy_sequence
-    from calibration.routers import TrainingSequence, train_routers
-    from loading.model import load_model
+    from adaptive_export.calibration.measure import greedy_sequence
+    from adaptive_export.calibration.routers import TrainingSequence, train_routers
+    from adaptive_export.loading.model import load_model
 
     model, _, _ = router_setup
     loaded = load_model(str(model))
@@ -105,7 +123,9 @@ def test_training_reacts_to_lambda(router_setup: tuple[Path, Path, Path]) -> Non
     assert high.mean_p_last < low.mean_p_last
 
 
-def test_routers_file_with_wrong_shape_is_rejected(router_setup: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_routers_file_with_wrong_shape_is_rejected(
+    router_setup: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from safetensors.torch import save_file
 
     model, _, _ = router_setup
@@ -118,16 +138,35 @@ def test_routers_file_with_wrong_shape_is_rejected(router_setup: tuple[Path, Pat
 
 def test_routers_file_round_trip(router_setup: tuple[Path, Path, Path], tmp_path: Path) -> None:
     model, routed, _ = router_setup
-    assert main(["build", str(model), "-o", str(tmp_path / "again"), "--max-len", "96", "--routers", str(routed / "routers.safetensors"),
-                 "--calib", str(routed.parent / "calib.jsonl"), "--min-config-agreement", "0"]) == 0
+    assert (
+        main(
+            [
+                "build",
+                str(model),
+                "-o",
+                str(tmp_path / "again"),
+                "--max-len",
+                "96",
+                "--routers",
+                str(routed / "routers.safetensors"),
+                "--calib",
+                str(routed.parent / "calib.jsonl"),
+                "--min-config-agreement",
+                "0",
+            ]
+        )
+        == 0
+    )
     first = json.loads((routed / "manifest.json").read_text())["configs"]
     second = json.loads((tmp_path / "again" / "manifest.json").read_text())["configs"]
     assert [c["kept"] for c in first] == [c["kept"] for c in second]
 
 
-def test_configurations_below_the_quality_floor_get_no_engine(router_setup: tuple[Path, Path, Path], tmp_path: Path) -> None:
-    from calibration.router_pipeline import RouterOptions, plan_routers
-    from loading.model import load_model
+def test_configurations_below_the_quality_floor_get_no_engine(
+    router_setup: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    from adaptive_export.calibration.router_pipeline import RouterOptions, plan_routers
+    from adaptive_export.loading.model import load_model
 
     model, routed, _ = router_setup
     calib = tmp_path / "calib.jsonl"
@@ -135,15 +174,25 @@ def test_configurations_below_the_quality_floor_get_no_engine(router_setup: tupl
     loaded = load_model(str(model))
     results = {}
     for floor in (0.0, 1.01):  # nothing is dropped / everything is (agreement cannot exceed 1)
-        options = RouterOptions(routers="train", calib=str(calib), router_lambda=2.0, router_lr=0.02, seed=0, max_configs=3,
-                                min_config_agreement=floor)
+        options = RouterOptions(
+            routers="train",
+            calib=str(calib),
+            router_lambda=2.0,
+            router_lr=0.02,
+            seed=0,
+            max_configs=3,
+            min_config_agreement=floor,
+        )
         _, configs, report, _ = plan_routers(options, loaded)
         results[floor] = (configs, report["configs"]["quality"])
     kept_all, quality_all = results[0.0]
-    assert kept_all and not quality_all["dropped"] and all(0.0 <= row["agreement"] <= 1.0 for row in quality_all["measured"])
+    assert (
+        kept_all
+        and not quality_all["dropped"]
+        and all(0.0 <= row["agreement"] <= 1.0 for row in quality_all["measured"])
+    )
     none, quality_none = results[1.01]
     assert none == [] and quality_none["dropped"] and len(quality_none["dropped"]) == len(quality_none["measured"])
-
 
 
 def test_training_does_not_depend_on_the_size_of_activations(tmp_path: Path) -> None:
@@ -155,9 +204,9 @@ def test_training_does_not_depend_on_the_size_of_activations(tmp_path: Path) -> 
     to skip) first."""
     from transformers import AutoModelForCausalLM
 
-    from calibration.measure import greedy_sequence
-    from calibration.routers import TrainingSequence, router_scores, train_routers
-    from loading.model import load_model
+    from adaptive_export.calibration.measure import greedy_sequence
+    from adaptive_export.calibration.routers import TrainingSequence, router_scores, train_routers
+    from adaptive_export.loading.model import load_model
 
     directory = make_tiny_model(tmp_path / "model", "gqa_untied", layers=6)
     scaled_dir = tmp_path / "scaled"
@@ -183,7 +232,9 @@ def test_training_does_not_depend_on_the_size_of_activations(tmp_path: Path) -> 
     assert torch.allclose(scores[0], scores[1], atol=1e-3), (scores[0] - scores[1]).abs().max()
 
 
-def test_inspect_lists_configurations_with_their_layers(router_setup: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_lists_configurations_with_their_layers(
+    router_setup: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     _, routed, _ = router_setup
     assert main(["inspect", str(routed)]) == 0
     text = capsys.readouterr().out

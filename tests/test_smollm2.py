@@ -1,4 +1,5 @@
 """Integration on the real SmolLM2-135M-Instruct: build, run torch-free, check, greedy parity."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from commands.cli import main
-from loading.prompts import read_prompts
+from adaptive_export.commands.cli import main
+from adaptive_export.loading.prompts import read_prompts
 from tests.conftest import needs_smollm2
 from tests.test_torch_free import BLOCKER
 
@@ -28,8 +29,20 @@ def test_bundle_size_and_graphs(smol_bundle: Path) -> None:
 
 def test_check_passes_with_reports(smol_bundle: Path, tmp_path: Path) -> None:
     report, junit = tmp_path / "r.json", tmp_path / "r.xml"
-    rc = main(["check", str(smol_bundle), "--report", str(report), "--junit", str(junit),
-               "--prompts", str(ROOT / "samples" / "eval_prompts.jsonl"), "--new-tokens", "32"])
+    rc = main(
+        [
+            "check",
+            str(smol_bundle),
+            "--report",
+            str(report),
+            "--junit",
+            str(junit),
+            "--prompts",
+            str(ROOT / "samples" / "eval_prompts.jsonl"),
+            "--new-tokens",
+            "32",
+        ]
+    )
     data = json.loads(report.read_text())
     assert rc == 0, [r for r in data["results"] if not r["passed"]]
     assert data["passed"] and data["summary"]["failed"] == 0
@@ -37,18 +50,27 @@ def test_check_passes_with_reports(smol_bundle: Path, tmp_path: Path) -> None:
     prompts = len(read_prompts(str(ROOT / "samples" / "eval_prompts.jsonl")))
     by_engine = {engine: sum(r["engine"] == engine for r in greedy) for engine in {r["engine"] for r in greedy}}
     # plain decoding and speculation with each draft source, each on every prompt
-    assert by_engine == {"decode_full": prompts, "spec:full:early_exit": prompts, "spec:full:prompt_lookup": prompts,
-                         "spec:full:precision": prompts, "spec:full:ppd": prompts}
+    assert by_engine == {
+        "decode_full": prompts,
+        "spec:full:early_exit": prompts,
+        "spec:full:prompt_lookup": prompts,
+        "spec:full:precision": prompts,
+        "spec:full:ppd": prompts,
+    }
     assert all("identical" in r["detail"] or "float tie" in r["detail"] for r in greedy)
-    assert {"prefill", "decode_full", "draft_full_e24", "verify_full_e24", "pdraft_full_int8"} <= {r["engine"] for r in data["results"] if r["check"] == "parity"}
+    assert {"prefill", "decode_full", "draft_full_e24", "verify_full_e24", "pdraft_full_int8"} <= {
+        r["engine"] for r in data["results"] if r["check"] == "parity"
+    }
     draft_gate = next(r for r in data["results"] if r["engine"] == "pdraft_full_int8" and r["check"] == "quality[mean]")
-    assert draft_gate["passed"] and 1.0 - draft_gate["max_abs"] >= 0.9, draft_gate  # the int8 draft's agreement with fp32
+    assert draft_gate["passed"] and 1.0 - draft_gate["max_abs"] >= 0.9, (
+        draft_gate
+    )  # the int8 draft's agreement with fp32
     assert junit.read_text().count("<testcase") == len(data["results"])
 
 
 def test_run_json_without_torch(smol_bundle: Path) -> None:
     code = f"""
-from commands.cli import main
+from adaptive_export.commands.cli import main
 raise SystemExit(main(['run', {str(smol_bundle)!r}, '-p', 'What is the capital of France?', '--max-new-tokens', '12', '--json']))
 """
     proc = subprocess.run([sys.executable, "-c", BLOCKER + code], capture_output=True, text=True, cwd=ROOT, timeout=300)

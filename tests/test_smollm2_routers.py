@@ -1,6 +1,7 @@
 """FiRST routers on the real SmolLM2: `build --routers train` with the defaults gives the full
 model plus skip configurations above the quality floor, every engine passes `check`,
 `--config full` equals the plain bundle and `run` reports the configuration it chose."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from commands.cli import main
-from runtimes import Generator
+from adaptive_export.commands.cli import main
+from adaptive_export.runtimes import Generator
 from tests.conftest import build_smollm2, needs_smollm2
 
 pytestmark = [needs_smollm2, pytest.mark.slow]
@@ -18,7 +19,9 @@ ROOT = Path(__file__).parents[1]
 
 @pytest.fixture(scope="module")
 def routed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_smollm2(tmp_path_factory, "smol_routed", "--max-len", "256", "--routers", "train", "--quantize", "none")
+    return build_smollm2(
+        tmp_path_factory, "smol_routed", "--max-len", "256", "--routers", "train", "--quantize", "none"
+    )
 
 
 def test_routed_build_has_skip_configurations_and_passes_check(routed: Path, tmp_path: Path) -> None:
@@ -32,19 +35,36 @@ def test_routed_build_has_skip_configurations_and_passes_check(routed: Path, tmp
     total = sum(f["bytes"] for f in manifest["files"].values())
     assert total <= 1.05 * manifest["backends"]["onnx"]["weight_bytes"]
     report = tmp_path / "r.json"
-    rc = main(["check", str(routed), "--report", str(report), "--prompts", str(ROOT / "samples" / "eval_prompts.jsonl"), "--new-tokens", "16"])
+    rc = main(
+        [
+            "check",
+            str(routed),
+            "--report",
+            str(report),
+            "--prompts",
+            str(ROOT / "samples" / "eval_prompts.jsonl"),
+            "--new-tokens",
+            "16",
+        ]
+    )
     data = json.loads(report.read_text())
     assert rc == 0, [r for r in data["results"] if not r["passed"]]
     checked = {r["engine"] for r in data["results"]}
     assert {f"decode_{c['id']}" for c in manifest["configs"]} <= checked
 
 
-def test_config_full_equals_plain_bundle_and_auto_reports_its_choice(routed: Path, smol_bundle: Path,
-                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_config_full_equals_plain_bundle_and_auto_reports_its_choice(
+    routed: Path, smol_bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     prompt = "What is the capital of France?"
     with_routers, plain = Generator(routed), Generator(smol_bundle)
-    assert with_routers.generate(prompt, max_new_tokens=24, config="full").tokens == plain.generate(prompt, max_new_tokens=24).tokens
+    assert (
+        with_routers.generate(prompt, max_new_tokens=24, config="full").tokens
+        == plain.generate(prompt, max_new_tokens=24).tokens
+    )
     assert main(["run", str(routed), "-p", prompt, "--max-new-tokens", "8", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]
-    config = next(c for c in json.loads((routed / "manifest.json").read_text())["configs"] if c["id"] == stats["config"])
+    config = next(
+        c for c in json.loads((routed / "manifest.json").read_text())["configs"] if c["id"] == stats["config"]
+    )
     assert stats["kept_layers"] == config["kept"] and stats["skipped_layers"] == 30 - len(config["kept"])

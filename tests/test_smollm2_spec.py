@@ -2,14 +2,15 @@
 int8 precision draft, PPD prompt tokens and a vocabulary-trimmed native4 draft over GGUF-exact
 weights, and its drafts are accepted as often as they were when measured: a
 speculation that silently stopped paying fails here even though it would stay lossless."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from loading.prompts import read_prompts
-from runtimes import Generator
+from adaptive_export.loading.prompts import read_prompts
+from adaptive_export.runtimes import Generator
 from tests.conftest import build_smollm2, needs_smollm2
 from tests.test_speculative import assert_same_or_tie
 
@@ -22,7 +23,9 @@ NEW_TOKENS = 24
 ACCEPTANCE_FLOOR = {"precision": 0.85, "early_exit": 0.08, "prompt_lookup": 0.08, "ppd": 0.05}
 
 
-def speculate_against_plain(generator: Generator, prompts: list[str], drafts: list[str]) -> tuple[int, dict[str, float]]:
+def speculate_against_plain(
+    generator: Generator, prompts: list[str], drafts: list[str]
+) -> tuple[int, dict[str, float]]:
     """Decode each prompt plainly, then speculatively with each draft; every speculative output
     must be plain decoding's (or part from it only at a shown tie). Returns how many outputs were
     identical and each draft's acceptance over all prompts."""
@@ -57,8 +60,8 @@ def test_ppd_runtime_acceptance_matches_calibration(smol_bundle: Path) -> None:
     are the rounds calibration simulated in PyTorch: same acceptance within 0.05."""
     import json
 
-    from calibration.exit_adapters import is_held_out
-    from calibration.prompt_tokens import PPD_CALIB_TOKENS
+    from adaptive_export.calibration.exit_adapters import is_held_out
+    from adaptive_export.calibration.prompt_tokens import PPD_CALIB_TOKENS
 
     ppd = json.loads((smol_bundle / "calibration.json").read_text())["speculation"]["ppd"]
     k = str(ppd["prompt_tokens"])
@@ -66,7 +69,9 @@ def test_ppd_runtime_acceptance_matches_calibration(smol_bundle: Path) -> None:
     rates = []
     for index, prompt in enumerate(read_prompts(str(ROOT / "samples" / "eval_prompts.jsonl"))):
         if is_held_out(index):
-            stats = generator.generate(generator.codec.encode(prompt), max_new_tokens=PPD_CALIB_TOKENS, mode="spec", draft="ppd").stats.speculation
+            stats = generator.generate(
+                generator.codec.encode(prompt), max_new_tokens=PPD_CALIB_TOKENS, mode="spec", draft="ppd"
+            ).stats.speculation
             rates.append(stats["accepted"] / max(stats["drafted"], 1))
     measured = sum(rates) / len(rates)
     assert abs(measured - ppd["per_k"][k]["acceptance"]) <= 0.05, (measured, ppd["per_k"][k])
@@ -83,9 +88,22 @@ TRIMMED_FLOOR = 0.55
 def trimmed_native_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bundle #15 aims at: GGUF-exact weights verified at accuracy 1, drafted at accuracy 4
     (native4) through an LM head of TRIMMED_VOCAB rows chosen on the eval prompts."""
-    return build_smollm2(tmp_path_factory, "trimmed", "--max-len", "512", "--quantize", "native", "--quant-accuracy", "1",
-                         "--draft-precision", "native4", "--draft-vocab", str(TRIMMED_VOCAB),
-                         "--calib", str(ROOT / "samples" / "eval_prompts.jsonl"))
+    return build_smollm2(
+        tmp_path_factory,
+        "trimmed",
+        "--max-len",
+        "512",
+        "--quantize",
+        "native",
+        "--quant-accuracy",
+        "1",
+        "--draft-precision",
+        "native4",
+        "--draft-vocab",
+        str(TRIMMED_VOCAB),
+        "--calib",
+        str(ROOT / "samples" / "eval_prompts.jsonl"),
+    )
 
 
 def test_trimmed_native4_draft_is_lossless_on_50_prompts(trimmed_native_bundle: Path) -> None:

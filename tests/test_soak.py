@@ -7,12 +7,13 @@ run (sessions, arena and buffers all exist) and may grow by at most GROWTH_LIMIT
 the remaining repetitions: a leak of even one arena or logits buffer per generation
 (about 0.2 MB here) exceeds it within the run.
 """
+
 from __future__ import annotations
 
 import resource
 from pathlib import Path
 
-from runtimes import Generator, SamplingParams
+from adaptive_export.runtimes import Generator, SamplingParams
 
 GROWTH_LIMIT_MB = 2.0
 ROUNDS = 4
@@ -35,7 +36,11 @@ def test_repeated_generation_to_max_len_is_stable(router_setup: tuple[Path, Path
     budget = generator.bundle.max_len - len(prompt)
     generator.codec.eos_ids = set()  # run all the way to max_len every time
     settings = [(c, "ar", SamplingParams()) for c in configs]
-    settings += [("auto", "auto", SamplingParams()), (configs[-1], "ar", SamplingParams(temperature=0.8, seed=3)), ("full", "spec", SamplingParams())]
+    settings += [
+        ("auto", "auto", SamplingParams()),
+        (configs[-1], "ar", SamplingParams(temperature=0.8, seed=3)),
+        ("full", "spec", SamplingParams()),
+    ]
     first: dict[int, list[int]] = {}
     baseline = None
     for repetition in range(ROUNDS * len(settings)):

@@ -1,5 +1,6 @@
 """`--speculate auto`: acceptance simulated in PyTorch x engine latencies measured on the
 staged bundle decide the draft source, k, and whether `--mode auto` speculates."""
+
 from __future__ import annotations
 
 import json
@@ -7,19 +8,26 @@ from pathlib import Path
 
 import pytest
 
-from calibration.latency import MIN_SPEEDUP, choose_measured
-from calibration.draft_sources import simulate_rounds
-from commands.cli import main
-from runtimes import Generator
+from adaptive_export.calibration.draft_sources import simulate_rounds
+from adaptive_export.calibration.latency import MIN_SPEEDUP, choose_measured
+from adaptive_export.commands.cli import main
+from adaptive_export.runtimes import Generator
 from tests.conftest import make_tiny_model
 
-CALIB = ["The quick brown fox jumps over the lazy dog. The quick brown fox", "What is the capital of France?",
-         "Repeat: the sea and the sky and the stars", "Write a short poem about the sea"]
+CALIB = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "What is the capital of France?",
+    "Repeat: the sea and the sky and the stars",
+    "Write a short poem about the sea",
+]
 
 
 def _measured(lookup_tokens: float, hit_rate: float, early_tokens: float) -> dict:
-    return {"prompt_lookup_tokens_per_round": {"2": lookup_tokens}, "prompt_lookup_hit_rate": {"2": hit_rate},
-            "early_exit_tokens_per_round": {"6:2": early_tokens}}
+    return {
+        "prompt_lookup_tokens_per_round": {"2": lookup_tokens},
+        "prompt_lookup_hit_rate": {"2": hit_rate},
+        "early_exit_tokens_per_round": {"6:2": early_tokens},
+    }
 
 
 def test_choice_uses_measured_latencies() -> None:
@@ -51,7 +59,23 @@ def auto_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = make_tiny_model(root / "model", "gqa_untied", layers=6, seed=3)
     calib = root / "calib.jsonl"
     calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CALIB))
-    assert main(["build", str(model), "-o", str(root / "bundle"), "--max-len", "128", "--speculate", "auto", "--calib", str(calib)]) == 0
+    assert (
+        main(
+            [
+                "build",
+                str(model),
+                "-o",
+                str(root / "bundle"),
+                "--max-len",
+                "128",
+                "--speculate",
+                "auto",
+                "--calib",
+                str(calib),
+            ]
+        )
+        == 0
+    )
     return root / "bundle"
 
 
@@ -71,14 +95,18 @@ def test_auto_build_records_latencies_and_choice(auto_bundle: Path) -> None:
 def test_mode_auto_follows_the_calibrated_choice(auto_bundle: Path) -> None:
     generator = Generator(auto_bundle)
     spec = generator.bundle.manifest["speculation"]
-    assert set(spec["prompt_lookup"]["verify_cost"]) >= {"1", "2", "4"} and set(spec["prompt_lookup"]["verify_cost_prepacked"]) >= {"1", "2", "4"}
+    assert set(spec["prompt_lookup"]["verify_cost"]) >= {"1", "2", "4"} and set(
+        spec["prompt_lookup"]["verify_cost_prepacked"]
+    ) >= {"1", "2", "4"}
     ids = generator.codec.encode(CALIB[0], raw=True)
     plain = generator.generate(ids, max_new_tokens=20)
     auto = generator.generate(ids, max_new_tokens=20, mode="auto")
     used = auto.stats.speculation
     if spec["auto_enabled"]:
         # the calibrated source; lookup and precision drafts stay gated (they fall back to plain steps)
-        assert used["draft_source"] == spec["source"] and used["gated"] == (spec["source"] in ("prompt_lookup", "precision"))
+        assert used["draft_source"] == spec["source"] and used["gated"] == (
+            spec["source"] in ("prompt_lookup", "precision")
+        )
         assert used["draft_len"] == spec[spec["source"]]["draft_len"]
     else:
         assert used["draft_source"] == "prompt_lookup" and used["gated"]
@@ -93,8 +121,8 @@ def test_gated_drafting_follows_the_round_times_it_measures(auto_bundle: Path, m
     n-gram. Output is plain decoding's either way."""
     import time
 
-    from runtimes.drafting.prompt_lookup import PromptLookup
-    from runtimes.speculative import PLAIN_EVERY, PROBE_EVERY
+    from adaptive_export.runtimes.drafting.prompt_lookup import PromptLookup
+    from adaptive_export.runtimes.speculative import PLAIN_EVERY, PROBE_EVERY
 
     generator = Generator(auto_bundle)
     spec = generator.bundle.manifest["speculation"]
@@ -106,6 +134,7 @@ def test_gated_drafting_follows_the_round_times_it_measures(auto_bundle: Path, m
     verify = PromptLookup.verify
     runs = {}
     for slow in ("drafting", "plain"):
+
         def slowed(self, pending, drafts, start, arena, slow=slow):  # noqa: ANN001, ANN202
             if bool(drafts) == (slow == "drafting"):
                 time.sleep(0.04)
@@ -132,7 +161,7 @@ def test_gated_lookup_scores_proposals_on_plain_rounds(auto_bundle: Path, monkey
     """Prompt lookup's proposals are free, so plain rounds score them: when every proposal
     would be rejected, gated lookup never pays for a drafting round (no probes either); when
     proposals are the very tokens plain decoding emits, it drafts."""
-    from runtimes.drafting.prompt_lookup import PromptLookup
+    from adaptive_export.runtimes.drafting.prompt_lookup import PromptLookup
 
     generator = Generator(auto_bundle)
     spec = generator.bundle.manifest["speculation"]
@@ -148,7 +177,7 @@ def test_gated_lookup_scores_proposals_on_plain_rounds(auto_bundle: Path, monkey
 
     def oracle(self, pending, context, k, *rest):  # noqa: ANN001, ANN202
         done = len(context) - len(ids)
-        return plain[done:done + k], None
+        return plain[done : done + k], None
 
     monkeypatch.setattr(PromptLookup, "propose", oracle)
     right = generator.generate(ids, max_new_tokens=40, mode="auto").stats.speculation
@@ -165,8 +194,13 @@ def test_simulated_acceptance_matches_the_runtime(auto_bundle: Path) -> None:
     for k in (1, 2, 4):
         per_prompt = []
         for prompt in CALIB:
-            result = generator.generate(generator.codec.encode(prompt), max_new_tokens=measured["new_tokens"], mode="spec",
-                                        draft="prompt_lookup", draft_len=k)
+            result = generator.generate(
+                generator.codec.encode(prompt),
+                max_new_tokens=measured["new_tokens"],
+                mode="spec",
+                draft="prompt_lookup",
+                draft_len=k,
+            )
             if len(result.tokens) < 2:
                 continue  # calibration skips these too
             used = result.stats.speculation

@@ -1,6 +1,7 @@
 """Self-speculative decoding is lossless: greedy output equals plain decoding (up to float
 ties), sampling keeps the full model's distribution, and the arena ends up as plain
 decoding would leave it."""
+
 from __future__ import annotations
 
 import json
@@ -9,24 +10,50 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from commands.cli import main
-from runtimes import Generator, SamplingParams
-from runtimes.drafting import lookup_ngram
-from runtimes.speculative import SpeculativeRunner
+from adaptive_export.commands.cli import main
+from adaptive_export.runtimes import Generator, SamplingParams
+from adaptive_export.runtimes.drafting import lookup_ngram
+from adaptive_export.runtimes.speculative import SpeculativeRunner
 from tests.conftest import make_tiny_model
 
 TIE_MARGIN = 1e-3
-PROMPTS = ["The quick brown fox", "What is the capital of France?", "Write a short poem about the sea and the sky",
-           "Static graphs make edge compilers happy", "the sea the sea the sea", "Paris is the capital of France. Paris is",
-           "dog lazy the over jumps", "What is the sea?", "short poem", "France France capital"]
+PROMPTS = [
+    "The quick brown fox",
+    "What is the capital of France?",
+    "Write a short poem about the sea and the sky",
+    "Static graphs make edge compilers happy",
+    "the sea the sea the sea",
+    "Paris is the capital of France. Paris is",
+    "dog lazy the over jumps",
+    "What is the sea?",
+    "short poem",
+    "France France capital",
+]
 
 
 @pytest.fixture(scope="module")
 def spec_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("spec")
     model = make_tiny_model(root / "model", "gqa_untied", layers=6, seed=3)
-    assert main(["build", str(model), "-o", str(root / "bundle"), "--max-len", "128", "--speculate", "3:3", "--draft-precision", "int8",
-                 "--prompt-tokens", "2"]) == 0
+    assert (
+        main(
+            [
+                "build",
+                str(model),
+                "-o",
+                str(root / "bundle"),
+                "--max-len",
+                "128",
+                "--speculate",
+                "3:3",
+                "--draft-precision",
+                "int8",
+                "--prompt-tokens",
+                "2",
+            ]
+        )
+        == 0
+    )
     return root / "bundle"
 
 
@@ -45,8 +72,13 @@ def assert_same_or_tie(generator: Generator, prompt_ids: list[int], ar: list[int
 def test_manifest_has_draft_and_verify_engines(spec_bundle: Path) -> None:
     manifest = json.loads((spec_bundle / "manifest.json").read_text())
     full = next(c for c in manifest["configs"] if c["id"] == "full")
-    assert full["engines"] == {"decode": "decode_full", "draft": "draft_full_e3", "verify": "verify_full_e3",
-                               "precision_draft": "pdraft_full_int8", "ppd": "decode_full"}
+    assert full["engines"] == {
+        "decode": "decode_full",
+        "draft": "draft_full_e3",
+        "verify": "verify_full_e3",
+        "precision_draft": "pdraft_full_int8",
+        "ppd": "decode_full",
+    }
     assert manifest["graphs"]["decode_full"]["prompt_tokens"] == 2
     assert manifest["speculation"]["ppd"] == {"draft_len": 2}
     assert "prompt_tokens.safetensors" in manifest["files"]
@@ -57,8 +89,20 @@ def test_manifest_has_draft_and_verify_engines(spec_bundle: Path) -> None:
     assert manifest["speculation"]["source"] == "early_exit" and manifest["speculation"]["exit_layer"] == 3
 
 
-@pytest.mark.parametrize("draft,k", [("early_exit", 1), ("early_exit", 3), ("early_exit", 5), ("prompt_lookup", 2), ("prompt_lookup", 4),
-                                     ("precision", 1), ("precision", 4), ("ppd", 1), ("ppd", 2)])
+@pytest.mark.parametrize(
+    "draft,k",
+    [
+        ("early_exit", 1),
+        ("early_exit", 3),
+        ("early_exit", 5),
+        ("prompt_lookup", 2),
+        ("prompt_lookup", 4),
+        ("precision", 1),
+        ("precision", 4),
+        ("ppd", 1),
+        ("ppd", 2),
+    ],
+)
 def test_greedy_speculation_equals_plain_decoding(spec_bundle: Path, draft: str, k: int) -> None:
     generator = Generator(spec_bundle)
     rounds = 0
@@ -109,10 +153,10 @@ def test_ppd_runtime_acceptance_matches_calibration(spec_bundle: Path) -> None:
     """The runtime's PPD rounds on the held-out calibration prompts are the ones calibration
     simulated in PyTorch (same greedy tokens, same guesses): acceptance within 0.05, and above 0,
     so PPD drafts that silently stopped being accepted (or guessed from the wrong rows) fail."""
-    from calibration.exit_adapters import is_held_out
-    from calibration.measure import BUILTIN_CALIB
-    from calibration.prompt_tokens import PPD_CALIB_TOKENS
-    from loading.prompts import read_prompts
+    from adaptive_export.calibration.exit_adapters import is_held_out
+    from adaptive_export.calibration.measure import BUILTIN_CALIB
+    from adaptive_export.calibration.prompt_tokens import PPD_CALIB_TOKENS
+    from adaptive_export.loading.prompts import read_prompts
 
     simulated = json.loads((spec_bundle / "calibration.json").read_text())["speculation"]["ppd"]["per_k"]["2"]
     generator = Generator(spec_bundle)
@@ -120,7 +164,9 @@ def test_ppd_runtime_acceptance_matches_calibration(spec_bundle: Path) -> None:
     for index, prompt in enumerate(read_prompts(str(BUILTIN_CALIB))):
         if not is_held_out(index):
             continue
-        result = generator.generate(generator.codec.encode(prompt), max_new_tokens=PPD_CALIB_TOKENS, mode="spec", draft="ppd", draft_len=2)
+        result = generator.generate(
+            generator.codec.encode(prompt), max_new_tokens=PPD_CALIB_TOKENS, mode="spec", draft="ppd", draft_len=2
+        )
         stats = result.stats.speculation
         if stats["drafted"]:
             rates.append(stats["accepted"] / stats["drafted"])
@@ -149,12 +195,16 @@ def test_rejection_rule_keeps_the_target_distribution(one_hot_draft: bool) -> No
     target_logits = rng.standard_normal((1, vocab)) * 1.5
     draft_logits = rng.standard_normal(vocab) * 1.5
     params = SamplingParams(temperature=1.0, seed=0)
-    p = np.exp(target_logits[0] - target_logits[0].max()); p /= p.sum()
-    q = np.exp(draft_logits - draft_logits.max()); q /= q.sum()
+    p = np.exp(target_logits[0] - target_logits[0].max())
+    p /= p.sum()
+    q = np.exp(draft_logits - draft_logits.max())
+    q /= q.sum()
     counts = np.zeros(vocab)
     for _ in range(samples):
         draft = int(rng.choice(vocab, p=q))
-        accepted, correction = SpeculativeRunner._accept([draft], None if one_hot_draft else [draft_logits], target_logits, params, rng)
+        accepted, correction = SpeculativeRunner._accept(
+            [draft], None if one_hot_draft else [draft_logits], target_logits, params, rng
+        )
         counts[draft if accepted else correction] += 1
     assert _chi_square_pvalue(counts, p) > 1e-3
 
@@ -169,17 +219,44 @@ def test_spec_sampling_matches_plain_sampling_end_to_end(spec_bundle: Path, draf
     params = lambda seed: SamplingParams(temperature=1.0, top_k=4, seed=seed)  # noqa: E731
     runs = 700
     ar = [tuple(generator.generate(ids, max_new_tokens=3, sampling=params(s)).tokens[1:3]) for s in range(runs)]
-    spec = [tuple(generator.generate(ids, max_new_tokens=3, sampling=params(10_000 + s), mode="spec", draft=draft, draft_len=2).tokens[1:3])
-            for s in range(runs)]
+    spec = [
+        tuple(
+            generator.generate(
+                ids, max_new_tokens=3, sampling=params(10_000 + s), mode="spec", draft=draft, draft_len=2
+            ).tokens[1:3]
+        )
+        for s in range(runs)
+    ]
     for position in (0, 1):
         categories = sorted({t[position] for t in ar + spec})
-        table = np.array([[sum(t[position] == c for t in ar) for c in categories], [sum(t[position] == c for t in spec) for c in categories]])
+        table = np.array(
+            [
+                [sum(t[position] == c for t in ar) for c in categories],
+                [sum(t[position] == c for t in spec) for c in categories],
+            ]
+        )
         table = table[:, table.sum(0) >= 5]
         assert chi2_contingency(table).pvalue > 1e-3, table
 
 
 def test_cli_spec_stats(spec_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["run", str(spec_bundle), "-p", "The quick brown fox", "--raw", "--mode", "spec", "--max-new-tokens", "12", "--json"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                str(spec_bundle),
+                "-p",
+                "The quick brown fox",
+                "--raw",
+                "--mode",
+                "spec",
+                "--max-new-tokens",
+                "12",
+                "--json",
+            ]
+        )
+        == 0
+    )
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert stats["mode"] == "spec" and stats["draft_source"] == "early_exit"
     assert {"acceptance", "mean_accepted", "draft_ms", "verify_ms", "rounds"} <= set(stats)

@@ -1,4 +1,5 @@
 """The runtime and the `run` / `inspect` commands work with torch and transformers unimportable."""
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ def run_blocked(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def test_generator_runs_without_torch(tiny_bundle: Path) -> None:
     code = f"""
-from runtimes import Generator
+from adaptive_export.runtimes import Generator
 gen = Generator({str(tiny_bundle)!r})
 result = gen.generate('The quick brown fox', max_new_tokens=5, raw=True)
 assert len(result.tokens) >= 1
@@ -38,7 +39,7 @@ print('ok', result.tokens)
 
 def test_cli_run_and_inspect_without_torch(tiny_bundle: Path) -> None:
     code = f"""
-from commands.cli import main
+from adaptive_export.commands.cli import main
 rc = main(['run', {str(tiny_bundle)!r}, '-p', 'What is the capital of France?', '--max-new-tokens', '4', '--json'])
 assert rc == 0
 rc = main(['inspect', {str(tiny_bundle)!r}, '--json'])

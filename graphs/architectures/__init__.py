@@ -1,10 +1,11 @@
 """Decoder architectures by HF `config.model_type`: one module per family (graphs/architectures/base.py
 says what an adapter answers). A new family is one module plus its line in FAMILIES."""
+
 from __future__ import annotations
 
-from graphs.architectures.base import DEFAULT_ROPE, DecoderArchitecture, LayerAttention, LayerWeights
-from graphs.architectures.gemma3 import Gemma3
-from graphs.architectures.llama import Llama
+from adaptive_export.graphs.architectures.base import DEFAULT_ROPE, DecoderArchitecture, LayerAttention, LayerWeights
+from adaptive_export.graphs.architectures.gemma3 import Gemma3
+from adaptive_export.graphs.architectures.llama import Llama
 
 FAMILIES: tuple[DecoderArchitecture, ...] = (Llama(), Gemma3())
 ARCHITECTURES: dict[str, DecoderArchitecture] = {t: family for family in FAMILIES for t in family.model_types}
@@ -18,4 +19,12 @@ def architecture(model_type: str) -> DecoderArchitecture:
     return ARCHITECTURES[model_type]
 
 
-__all__ = ["ARCHITECTURES", "DEFAULT_ROPE", "DecoderArchitecture", "LayerAttention", "LayerWeights", "SUPPORTED_MODEL_TYPES", "architecture"]
+__all__ = [
+    "ARCHITECTURES",
+    "DEFAULT_ROPE",
+    "DecoderArchitecture",
+    "LayerAttention",
+    "LayerWeights",
+    "SUPPORTED_MODEL_TYPES",
+    "architecture",
+]

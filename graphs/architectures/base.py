@@ -17,13 +17,15 @@ Gemma 3 (gemma3.py) answers these: QK-norm (`q_norm`/`k_norm`), RMSNorm with
 10k on sliding layers, 1M on global ones (`layer_attention` from config.layer_types,
 `rotary` returning both tables), and query_pre_attn_scalar ** -0.5 (`attention_scale`).
 """
+
 from __future__ import annotations
 
 from abc import ABC
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from graphs.spec import ModelSpec
+from adaptive_export.graphs.spec import ModelSpec
 
 if TYPE_CHECKING:  # torch only for annotations: reading a config's spec needs no torch
     from torch import Tensor, nn
@@ -90,9 +92,18 @@ class DecoderArchitecture(ABC):
         """The modules of decoder layer `index` (Llama's names: a pre-norm layer without QK-norm)."""
         layer = hf_model.model.layers[index]
         attn, mlp = layer.self_attn, layer.mlp
-        return LayerWeights(q=attn.q_proj, k=attn.k_proj, v=attn.v_proj, o=attn.o_proj, gate=mlp.gate_proj, up=mlp.up_proj,
-                            down=mlp.down_proj, act=mlp.act_fn, input_norm=layer.input_layernorm,
-                            pre_mlp_norm=layer.post_attention_layernorm)
+        return LayerWeights(
+            q=attn.q_proj,
+            k=attn.k_proj,
+            v=attn.v_proj,
+            o=attn.o_proj,
+            gate=mlp.gate_proj,
+            up=mlp.up_proj,
+            down=mlp.down_proj,
+            act=mlp.act_fn,
+            input_norm=layer.input_layernorm,
+            pre_mlp_norm=layer.post_attention_layernorm,
+        )
 
     def embed(self, hf_model: nn.Module) -> nn.Module:
         return hf_model.model.embed_tokens
@@ -120,4 +131,4 @@ class DecoderArchitecture(ABC):
 
     def attention_scale(self, spec: ModelSpec, config: Any) -> float:
         """The factor on q.k (Llama: head_dim ** -0.5; Gemma 3 reads query_pre_attn_scalar from the config)."""
-        return spec.head_dim ** -0.5
+        return spec.head_dim**-0.5

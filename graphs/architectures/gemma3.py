@@ -16,14 +16,15 @@ What differs from Llama, each answered by one adapter hook (graphs/architectures
 Softcapping (attn_logit_softcapping, final_logit_softcapping; None in Gemma 3) and
 bidirectional attention are refused by `unsupported`.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from graphs.architectures.base import DEFAULT_ROPE, DecoderArchitecture, LayerAttention, LayerWeights
-from graphs.spec import ModelSpec
+from adaptive_export.graphs.architectures.base import DEFAULT_ROPE, DecoderArchitecture, LayerAttention, LayerWeights
+from adaptive_export.graphs.spec import ModelSpec
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -62,27 +63,40 @@ class Gemma3(DecoderArchitecture):
     def unsupported(self, config: Any) -> tuple[str, str] | None:
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(config, name, None) is not None:
-                return (f"gemma3_text with {name}={getattr(config, name)} is not supported (the graphs do not softcap)",
-                        f"set {name} to null in config.json (Gemma 3 checkpoints do)")
+                return (
+                    f"gemma3_text with {name}={getattr(config, name)} is not supported (the graphs do not softcap)",
+                    f"set {name} to null in config.json (Gemma 3 checkpoints do)",
+                )
         if getattr(config, "use_bidirectional_attention", False):
-            return ("gemma3_text with use_bidirectional_attention is not supported (the graphs are causal decoders)",
-                    "set use_bidirectional_attention to false in config.json")
+            return (
+                "gemma3_text with use_bidirectional_attention is not supported (the graphs are causal decoders)",
+                "set use_bidirectional_attention to false in config.json",
+            )
         layer_types = list(getattr(config, "layer_types", None) or [])
         if len(layer_types) != config.num_hidden_layers or set(layer_types) - {SLIDING, FULL}:
-            return (f"gemma3_text layer_types {layer_types!r} is not one of {SLIDING!r} / {FULL!r} per layer",
-                    "use a config whose layer_types lists every layer's attention type")
+            return (
+                f"gemma3_text layer_types {layer_types!r} is not one of {SLIDING!r} / {FULL!r} per layer",
+                "use a config whose layer_types lists every layer's attention type",
+            )
         rope = getattr(config, "rope_parameters", None) or {}
         dynamic = sorted({p.get("rope_type") for p in rope.values() if isinstance(p, dict)} & {"dynamic", "longrope"})
         if dynamic:
-            return (f"gemma3_text with rope_type {dynamic[0]!r} is not supported (its tables change with the length)",
-                    "use a config with default or linear rope scaling")
+            return (
+                f"gemma3_text with rope_type {dynamic[0]!r} is not supported (its tables change with the length)",
+                "use a config with default or linear rope scaling",
+            )
         return None
 
     def layer(self, hf_model: nn.Module, index: int) -> LayerWeights:
         layer, attn = hf_model.model.layers[index], hf_model.model.layers[index].self_attn
-        return replace(super().layer(hf_model, index), pre_mlp_norm=layer.pre_feedforward_layernorm,
-                       post_attention_norm=layer.post_attention_layernorm, post_mlp_norm=layer.post_feedforward_layernorm,
-                       q_norm=attn.q_norm, k_norm=attn.k_norm)
+        return replace(
+            super().layer(hf_model, index),
+            pre_mlp_norm=layer.pre_feedforward_layernorm,
+            post_attention_norm=layer.post_attention_layernorm,
+            post_mlp_norm=layer.post_feedforward_layernorm,
+            q_norm=attn.q_norm,
+            k_norm=attn.k_norm,
+        )
 
     def embed(self, hf_model: nn.Module) -> nn.Module:
         return _lookup(hf_model.model.embed_tokens)

@@ -4,11 +4,12 @@ Pre-norm RMSNorm (weight x normalised), SiLU-gated MLP, one rotary table for eve
 (the HF module's own inv_freq and scaling, so rope_scaling variants such as Llama 3's come
 along), full causal attention, unscaled embeddings: the adapter's defaults.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
-from graphs.architectures.base import DecoderArchitecture
+from adaptive_export.graphs.architectures.base import DecoderArchitecture
 
 
 class Llama(DecoderArchitecture):
@@ -17,6 +18,8 @@ class Llama(DecoderArchitecture):
     def unsupported(self, config: Any) -> tuple[str, str] | None:
         model_type = config.model_type
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", model_type == "mistral"):
-            return (f"{model_type} with sliding-window attention is not supported",
-                    "use a model without sliding_window, or set it to null in config.json")
+            return (
+                f"{model_type} with sliding-window attention is not supported",
+                "use a model without sliding_window, or set it to null in config.json",
+            )
         return None

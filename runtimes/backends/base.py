@@ -5,6 +5,7 @@ the backends (runtimes/generate.py). A backend only has to implement `run_named`
 default `run` feeds arena prefix views and copies the new rows back. Backends that can
 write outputs in place (ONNX Runtime IO binding) override `run` to skip that copy.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -12,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtimes.bundle import Bundle
-from runtimes.kv_arena import KVArena
+from adaptive_export.runtimes.bundle import Bundle
+from adaptive_export.runtimes.kv_arena import KVArena
 
 
 @dataclass

@@ -6,6 +6,7 @@ but not executed. Inputs follow the arena contract (KV prefixes in, new rows out
 generation loop above is the same as on ONNX Runtime; the base class copies new rows
 into the arena.
 """
+
 from __future__ import annotations
 
 import platform
@@ -13,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from runtimes.backends.base import Backend
-from runtimes.bundle import Bundle
-from runtimes.errors import UsageError
+from adaptive_export.runtimes.backends.base import Backend
+from adaptive_export.runtimes.bundle import Bundle
+from adaptive_export.runtimes.errors import UsageError
 
 
 class CoreMLBackend(Backend):
@@ -25,7 +26,11 @@ class CoreMLBackend(Backend):
         super().__init__(bundle)
         self.package = bundle.path(self.entry["package"])
         self.executes = platform.system() == "Darwin"
-        self.skip_reason = "" if self.executes else f"CoreML prediction needs macOS (this is {platform.system()}); the package was converted and checked statically"
+        self.skip_reason = (
+            ""
+            if self.executes
+            else f"CoreML prediction needs macOS (this is {platform.system()}); the package was converted and checked statically"
+        )
         self.compute_units = compute_units
         self.dtype = np.float16 if self.entry.get("precision") == "float16" else np.float32
         self._models: dict[str, Any] = {}
@@ -38,9 +43,13 @@ class CoreMLBackend(Backend):
             try:
                 import coremltools as ct
             except ImportError as exc:
-                raise UsageError("the coreml backend needs coremltools", "run `pip install adaptive-export[coreml]`") from exc
+                raise UsageError(
+                    "the coreml backend needs coremltools", "run `pip install adaptive-export[coreml]`"
+                ) from exc
             function = self.entry["graphs"][graph]["function"]
-            model = ct.models.MLModel(str(self.package), function_name=function, compute_units=getattr(ct.ComputeUnit, self.compute_units))
+            model = ct.models.MLModel(
+                str(self.package), function_name=function, compute_units=getattr(ct.ComputeUnit, self.compute_units)
+            )
             self._models[graph] = model
         return model
 
@@ -49,6 +58,9 @@ class CoreMLBackend(Backend):
             self._model(graph)
 
     def run_named(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        inputs = {name: (value.astype(np.int32) if name == "input_ids" else value.astype(self.dtype)) for name, value in feeds.items()}
+        inputs = {
+            name: (value.astype(np.int32) if name == "input_ids" else value.astype(self.dtype))
+            for name, value in feeds.items()
+        }
         outputs = self._model(graph).predict(inputs)
         return {name: np.asarray(value, dtype=np.float32) for name, value in outputs.items()}

@@ -24,21 +24,23 @@ SmolLM2 (2 cores), alternating a GGUF-exact draft and verify session cost 13-14 
 draft step instead of 8-9 and 53 ms per verify pass instead of 28. (ORT's process-wide
 pool fixes it too, but then every session of the process must use it: one thread count.)
 """
+
 from __future__ import annotations
 
 import contextlib
 import mmap
 import threading
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
-from runtimes.backends.base import Backend, StepOutputs
-from runtimes.bundle import Bundle, logits_width
-from runtimes.errors import UsageError
-from runtimes.graph_policy import checked_engine_bytes
-from runtimes.kv_arena import KVArena
-from runtimes.limits import check_threads
+from adaptive_export.runtimes.backends.base import Backend, StepOutputs
+from adaptive_export.runtimes.bundle import Bundle, logits_width
+from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.graph_policy import checked_engine_bytes
+from adaptive_export.runtimes.kv_arena import KVArena
+from adaptive_export.runtimes.limits import check_threads
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
@@ -47,7 +49,9 @@ def _import_ort() -> Any:
     try:
         import onnxruntime
     except ImportError as exc:
-        raise UsageError("the onnx backend needs onnxruntime, which is not installed", "run `pip install onnxruntime`") from exc
+        raise UsageError(
+            "the onnx backend needs onnxruntime, which is not installed", "run `pip install onnxruntime`"
+        ) from exc
     return onnxruntime
 
 
@@ -89,7 +93,9 @@ class FusedBinding:
             for kv, kind in ((0, "key"), (1, "value")):
                 block = arena.block(layer, kv)
                 self.binding.bind_cpu_input(f"past_{kind}_{layer}", block)
-                self.binding.bind_output(f"present_{kind}_{layer}", "cpu", 0, np.float32, block.shape, block.ctypes.data)
+                self.binding.bind_output(
+                    f"present_{kind}_{layer}", "cpu", 0, np.float32, block.shape, block.ctypes.data
+                )
         self.arena = arena  # keep the bound memory alive: ORT holds only its address
 
     def bind_count(self, count: int) -> None:
@@ -101,7 +107,9 @@ class FusedBinding:
         self.binding.bind_output("logits", "cpu", 0, np.float32, self.logits.shape, self.logits.ctypes.data)
         if self.exit_hidden:
             self.hidden_out = np.empty((1, count, self.hidden), dtype=np.float32)
-            self.binding.bind_output("exit_hidden", "cpu", 0, np.float32, self.hidden_out.shape, self.hidden_out.ctypes.data)
+            self.binding.bind_output(
+                "exit_hidden", "cpu", 0, np.float32, self.hidden_out.shape, self.hidden_out.ctypes.data
+            )
         self.count = count
 
     def run(self, first: np.ndarray, arena: KVArena, start: int) -> StepOutputs:
@@ -115,22 +123,32 @@ class FusedBinding:
         self.seqlens[0] = start + count - 1
         self.total[...] = start + count
         self.session.run_with_iobinding(self.binding)
-        return StepOutputs(self.logits, self.scores if self.router_scores else None, self.hidden_out if self.exit_hidden else None)
+        return StepOutputs(
+            self.logits, self.scores if self.router_scores else None, self.hidden_out if self.exit_hidden else None
+        )
 
 
 class OnnxRuntimeBackend(Backend):
     name = "onnx"
 
-    def __init__(self, bundle: Bundle, threads: int = 0, provider: str = "cpu", prepack: Iterable[str] | None = None,
-                 profile_prefix: str | None = None) -> None:
+    def __init__(
+        self,
+        bundle: Bundle,
+        threads: int = 0,
+        provider: str = "cpu",
+        prepack: Iterable[str] | None = None,
+        profile_prefix: str | None = None,
+    ) -> None:
         super().__init__(bundle)
         self.ort = _import_ort()
         if provider not in PROVIDERS:
             raise UsageError(f"provider {provider!r} is unknown", f"choose one of: {', '.join(PROVIDERS)}")
         available = self.ort.get_available_providers()
         if PROVIDERS[provider] not in available:
-            raise UsageError(f"ONNX Runtime provider {provider!r} is not available here (have: {', '.join(available)})",
-                             "install onnxruntime-gpu (`pip install adaptive-export[gpu]`) on a machine with a GPU, or use --provider cpu")
+            raise UsageError(
+                f"ONNX Runtime provider {provider!r} is not available here (have: {', '.join(available)})",
+                "install onnxruntime-gpu (`pip install adaptive-export[gpu]`) on a machine with a GPU, or use --provider cpu",
+            )
         self.provider = PROVIDERS[provider]
         self.threads = check_threads(threads)
         # engines that alternate within one sequence: draft and verify of any draft source
@@ -184,7 +202,9 @@ class OnnxRuntimeBackend(Backend):
                 options.enable_profiling = True
                 options.profile_file_prefix = f"{self.profile_prefix}_{graph}"
             sharing = {name for name, other in self.entry["graphs"].items() if other.get("file") == engine["file"]}
-            quantized = self.entry.get("quantize", "none") != "none" or bool(self.bundle.manifest["graphs"][graph].get("precision"))
+            quantized = self.entry.get("quantize", "none") != "none" or bool(
+                self.bundle.manifest["graphs"][graph].get("precision")
+            )
             prepacked = bool(sharing & self.prepack) or quantized  # MatMulNBits dequantizes per call unless prepacked
             if not prepacked:
                 options.add_session_config_entry("session.disable_prepacking", "1")
@@ -192,12 +212,17 @@ class OnnxRuntimeBackend(Backend):
                 options.add_initializer(name, self._tensor(name))
             model_bytes = checked_engine_bytes(self.bundle, graph)  # policy-checked; ORT gets bytes, never a path
             # every external initializer is supplied above; ORT still validates their location against this folder
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.bundle.path(engine["file"]).parent))
+            options.add_session_config_entry(
+                "session.model_external_initializers_file_folder_path", str(self.bundle.path(engine["file"]).parent)
+            )
             try:
                 with self._releasing(engine["initializers"] if prepacked else ()):
                     session = self.ort.InferenceSession(model_bytes, options, providers=[self.provider])
             except Exception as exc:  # ORT raises its own exception types for invalid models
-                raise UsageError(f"ONNX Runtime cannot load engine {engine['file']!r}: {str(exc).splitlines()[0]}", "rebuild the bundle") from exc
+                raise UsageError(
+                    f"ONNX Runtime cannot load engine {engine['file']!r}: {str(exc).splitlines()[0]}",
+                    "rebuild the bundle",
+                ) from exc
             self._sessions[engine["file"]] = session
             if prepacked:
                 self._release(engine["initializers"])
@@ -261,7 +286,9 @@ class OnnxRuntimeBackend(Backend):
         if self.flavour == "ort":
             fused = self._fused.get(graph)
             if fused is None:
-                fused = self._fused[graph] = FusedBinding(self.session(graph), self.bundle.graph(graph), self.bundle.model)
+                fused = self._fused[graph] = FusedBinding(
+                    self.session(graph), self.bundle.graph(graph), self.bundle.model
+                )
             return fused.run(first, arena, start)
         session = self.session(graph)
         binding = self._bindings.get(graph)

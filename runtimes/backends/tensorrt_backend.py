@@ -13,6 +13,7 @@ also copied back into the host arena so speculation, `check` and the host-side
 bookkeeping see the same cache. Rows the device lacks (e.g. a host arena filled by
 `check`) are uploaded once.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from runtimes.backends.base import Backend, StepOutputs
-from runtimes.bundle import Bundle, logits_width
-from runtimes.errors import UsageError
-from runtimes.graph_policy import checked_engine_bytes
-from runtimes.kv_arena import KVArena
+from adaptive_export.runtimes.backends.base import Backend, StepOutputs
+from adaptive_export.runtimes.bundle import Bundle, logits_width
+from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.graph_policy import checked_engine_bytes
+from adaptive_export.runtimes.kv_arena import KVArena
 
 OPT_DRAFT_TOKENS = 4
 
@@ -35,7 +36,10 @@ def _imports() -> tuple[Any, Any]:
     try:
         import tensorrt as trt
     except ImportError as exc:
-        raise UsageError("the tensorrt backend needs TensorRT, which is not installed", "install TensorRT 10 and run `pip install adaptive-export[tensorrt]`, or use --backend onnx") from exc
+        raise UsageError(
+            "the tensorrt backend needs TensorRT, which is not installed",
+            "install TensorRT 10 and run `pip install adaptive-export[tensorrt]`, or use --backend onnx",
+        ) from exc
     try:
         from cuda.bindings import runtime as cudart
     except ImportError:
@@ -97,14 +101,17 @@ def build_engine(onnx_path: Path, plan_path: Path, manifest: dict[str, Any], pre
     config.add_optimization_profile(profile)
     plan = builder.build_serialized_network(network, config)
     if plan is None:
-        raise UsageError(f"TensorRT could not build an engine for {onnx_path.name}", "see the TensorRT log above; use --backend onnx meanwhile")
+        raise UsageError(
+            f"TensorRT could not build an engine for {onnx_path.name}",
+            "see the TensorRT log above; use --backend onnx meanwhile",
+        )
     plan_path.write_bytes(bytes(plan))
     return plan_path
 
 
 def plan_name(onnx_path: Path, graph: str) -> str:
     """Cache file name of an engine: content-addressed, never built from manifest strings."""
-    from runtimes.bundle import sha256_of
+    from adaptive_export.runtimes.bundle import sha256_of
 
     return f"{sha256_of(onnx_path)[:24]}-{hashlib.sha256(graph.encode('utf-8', 'replace')).hexdigest()[:8]}.plan"
 
@@ -128,7 +135,9 @@ class TensorRTBackend(Backend):
     def _engine(self, graph: str) -> tuple[Any, Any]:
         if graph not in self._engines:
             onnx_path = self.bundle.path(self.entry["graphs"][graph]["onnx"])
-            checked_engine_bytes(self.bundle, graph)  # the same graph policy as ONNX Runtime, before TensorRT parses the file
+            checked_engine_bytes(
+                self.bundle, graph
+            )  # the same graph policy as ONNX Runtime, before TensorRT parses the file
             plan = self.cache / plan_name(onnx_path, graph)
             if not plan.exists():
                 build_engine(onnx_path, plan, self.bundle.manifest, self.entry.get("precision", "fp16"))
@@ -136,7 +145,10 @@ class TensorRTBackend(Backend):
             refitter = self.trt.Refitter(engine, self.logger)
             parser_refitter = self.trt.OnnxParserRefitter(refitter, self.logger)
             if not parser_refitter.refit_from_file(str(onnx_path)) or not refitter.refit_cuda_engine():
-                raise UsageError(f"refitting the TensorRT engine {graph!r} from the bundle's weights failed", "delete the engine cache and run again")
+                raise UsageError(
+                    f"refitting the TensorRT engine {graph!r} from the bundle's weights failed",
+                    "delete the engine cache and run again",
+                )
             self._engines[graph] = (engine, engine.create_execution_context())
         return self._engines[graph]
 
@@ -189,8 +201,11 @@ class TensorRTBackend(Backend):
                 context.set_tensor_address(f"new_{kind}_{layer}", offset + start * row)
         host: dict[str, np.ndarray] = {}
         model = self.bundle.model
-        shapes = {"logits": (1, 1 if info["logits"] == "last" else count, logits_width(info, model)),
-                  "router_scores": (len(info["layers"]),), "exit_hidden": (1, count, model["hidden_size"])}
+        shapes = {
+            "logits": (1, 1 if info["logits"] == "last" else count, logits_width(info, model)),
+            "router_scores": (len(info["layers"]),),
+            "exit_hidden": (1, count, model["hidden_size"]),
+        }
         for name in info["outputs"]:
             if name in shapes:
                 host[name] = np.empty(shapes[name], dtype=np.float32)

@@ -2,16 +2,19 @@
 (runtimes/drafting/base.py) plus its line in SOURCES; the manifest check, the command line,
 the speculative loop and `check` read this table (calibration measures the same names in
 calibration/draft_sources.py)."""
+
 from __future__ import annotations
 
-from runtimes.drafting.base import DraftSource
-from runtimes.drafting.early_exit import EarlyExit
-from runtimes.drafting.precision import PrecisionDraft
-from runtimes.drafting.prompt_decoding import PromptDecoding
-from runtimes.drafting.prompt_lookup import PromptLookup, lookup_ngram
-from runtimes.errors import UsageError
+from adaptive_export.runtimes.drafting.base import DraftSource
+from adaptive_export.runtimes.drafting.early_exit import EarlyExit
+from adaptive_export.runtimes.drafting.precision import PrecisionDraft
+from adaptive_export.runtimes.drafting.prompt_decoding import PromptDecoding
+from adaptive_export.runtimes.drafting.prompt_lookup import PromptLookup, lookup_ngram
+from adaptive_export.runtimes.errors import UsageError
 
-SOURCES: dict[str, type[DraftSource]] = {source.name: source for source in (EarlyExit, PromptLookup, PrecisionDraft, PromptDecoding)}
+SOURCES: dict[str, type[DraftSource]] = {
+    source.name: source for source in (EarlyExit, PromptLookup, PrecisionDraft, PromptDecoding)
+}
 SOURCE_NAMES = tuple(SOURCES)
 FREE_SOURCE = PromptLookup.name  # needs no engine of its own: the default without calibration, and gated `--mode auto`
 

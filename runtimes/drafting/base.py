@@ -5,6 +5,7 @@ them; the speculative loop (runtimes/speculative.py) owns everything else: accep
 (greedy or the rejection rule), the arena crop, stats and gating. Calibration measures the
 same sources under the same names (calibration/draft_sources.py).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -12,7 +13,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from runtimes.sampling import SamplingParams, probabilities
+from adaptive_export.runtimes.sampling import SamplingParams, probabilities
 
 
 class DraftSource(ABC):
@@ -45,8 +46,16 @@ class DraftSource(ABC):
         return min(self.k, budget - 1 if self.bonus else budget)
 
     @abstractmethod
-    def propose(self, pending: int, context: list[int], k: int, start: int, arena: Any, sampling: SamplingParams,
-                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray] | None]:
+    def propose(
+        self,
+        pending: int,
+        context: list[int],
+        k: int,
+        start: int,
+        arena: Any,
+        sampling: SamplingParams,
+        rng: np.random.Generator,
+    ) -> tuple[list[int], list[np.ndarray] | None]:
         """(up to k draft tokens after `pending`, the draft distribution's logits per draft or
         None when drafts are deterministic, e.g. copied from the context)."""
 
@@ -55,8 +64,17 @@ class DraftSource(ABC):
         """One verifier pass at arena position `start`; its logits row j scores drafts[j]."""
 
 
-def engine_drafts(backend: Any, graph: str, pending: int, k: int, start: int, arena: Any, sampling: SamplingParams,
-                  rng: np.random.Generator, on_step: Any = None) -> tuple[list[int], list[np.ndarray] | None]:
+def engine_drafts(
+    backend: Any,
+    graph: str,
+    pending: int,
+    k: int,
+    start: int,
+    arena: Any,
+    sampling: SamplingParams,
+    rng: np.random.Generator,
+    on_step: Any = None,
+) -> tuple[list[int], list[np.ndarray] | None]:
     """k T=1 steps of a draft engine over token ids from arena position `start`: the drafts
     (argmax, or sampled from the draft's own distribution) and, when sampling, each step's
     logits row for the rejection rule (greedy acceptance never reads them: no copy per step).
@@ -76,7 +94,11 @@ def engine_drafts(backend: Any, graph: str, pending: int, k: int, start: int, ar
             drafts.append(best if ids is None else int(ids[best]))
         else:
             # the backend reuses its output buffer next step, so keep a copy (over the whole vocabulary)
-            row = logits.copy() if ids is None else full_vocabulary_row(logits, ids, int(backend.bundle.model["vocab_size"]))
+            row = (
+                logits.copy()
+                if ids is None
+                else full_vocabulary_row(logits, ids, int(backend.bundle.model["vocab_size"]))
+            )
             rows.append(row)
             drafts.append(int(rng.choice(row.size, p=probabilities(row, sampling))))
         token[0, 0] = drafts[-1]
@@ -93,7 +115,9 @@ def full_vocabulary_row(logits: np.ndarray, ids: np.ndarray, vocab: int) -> np.n
     return row
 
 
-def decode_engine_verify(backend: Any, config: dict[str, Any], pending: int, drafts: list[int], start: int, arena: Any) -> Any:
+def decode_engine_verify(
+    backend: Any, config: dict[str, Any], pending: int, drafts: list[int], start: int, arena: Any
+) -> Any:
     """The configuration's decode engine over [pending, d1, .., dk] at T=k+1, writing every kept
     layer's rows: its last row scores the position after the last draft (the bonus token)."""
     inputs = np.asarray([[pending, *drafts]], dtype=np.int64)

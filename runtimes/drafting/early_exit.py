@@ -3,14 +3,15 @@ head, T=1 per token, writing those layers' KV rows and saving each exit hidden s
 exit query cache); the verify engine runs the layers from E on over the saved hidden states,
 writing the remaining rows of the same positions. Every row is written once. No bonus token
 when all k drafts are accepted (it would cost one more draft call)."""
+
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
-from runtimes.drafting.base import DraftSource, engine_drafts
-from runtimes.sampling import SamplingParams
+from adaptive_export.runtimes.drafting.base import DraftSource, engine_drafts
+from adaptive_export.runtimes.sampling import SamplingParams
 
 
 class EarlyExit(DraftSource):
@@ -21,12 +22,22 @@ class EarlyExit(DraftSource):
         super().__init__(backend, config, model, k)
         self.hidden = np.zeros((1, k, model["hidden_size"]), dtype=np.float32)
 
-    def propose(self, pending: int, context: list[int], k: int, start: int, arena: Any, sampling: SamplingParams,
-                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray] | None]:
+    def propose(
+        self,
+        pending: int,
+        context: list[int],
+        k: int,
+        start: int,
+        arena: Any,
+        sampling: SamplingParams,
+        rng: np.random.Generator,
+    ) -> tuple[list[int], list[np.ndarray] | None]:
         def keep_exit_hidden(j: int, out: Any) -> None:  # the exit query cache the verify pass starts from
             self.hidden[0, j] = out.exit_hidden[0, -1]
 
-        return engine_drafts(self.backend, self.config["engines"]["draft"], pending, k, start, arena, sampling, rng, keep_exit_hidden)
+        return engine_drafts(
+            self.backend, self.config["engines"]["draft"], pending, k, start, arena, sampling, rng, keep_exit_hidden
+        )
 
     def verify(self, pending: int, drafts: list[int], start: int, arena: Any) -> Any:
         return self.backend.run(self.config["engines"]["verify"], self.hidden[:, : len(drafts)], arena, start)

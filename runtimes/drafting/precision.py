@@ -5,14 +5,15 @@ ids and writes every layer's KV rows at L..L+k-1; the decode engine then verifie
 [pending, d1, .., dk] at T=k+1 and overwrites those rows with its own, so the arena again
 holds only the verifier's KV. Its last row is the bonus token. Draft logits are kept, so
 sampling stays lossless (the rejection rule with q = the draft's distribution)."""
+
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
-from runtimes.drafting.base import DraftSource, decode_engine_verify, engine_drafts
-from runtimes.sampling import SamplingParams
+from adaptive_export.runtimes.drafting.base import DraftSource, decode_engine_verify, engine_drafts
+from adaptive_export.runtimes.sampling import SamplingParams
 
 
 class PrecisionDraft(DraftSource):
@@ -21,9 +22,19 @@ class PrecisionDraft(DraftSource):
     bonus = True
     gateable = True
 
-    def propose(self, pending: int, context: list[int], k: int, start: int, arena: Any, sampling: SamplingParams,
-                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray] | None]:
-        return engine_drafts(self.backend, self.config["engines"]["precision_draft"], pending, k, start, arena, sampling, rng)
+    def propose(
+        self,
+        pending: int,
+        context: list[int],
+        k: int,
+        start: int,
+        arena: Any,
+        sampling: SamplingParams,
+        rng: np.random.Generator,
+    ) -> tuple[list[int], list[np.ndarray] | None]:
+        return engine_drafts(
+            self.backend, self.config["engines"]["precision_draft"], pending, k, start, arena, sampling, rng
+        )
 
     def verify(self, pending: int, drafts: list[int], start: int, arena: Any) -> Any:
         return decode_engine_verify(self.backend, self.config, pending, drafts, start, arena)

@@ -10,14 +10,15 @@ next round has no drafts and its pass (T = 1+m) makes fresh guesses. The prompt 
 rows land past the accepted length, so the arena crop discards them like a rejected draft's.
 Drafts are deterministic (argmax guesses): sampling stays lossless with the rejection rule
 for q = a point mass, as for prompt lookup."""
+
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
-from runtimes.drafting.base import DraftSource
-from runtimes.sampling import SamplingParams
+from adaptive_export.runtimes.drafting.base import DraftSource
+from adaptive_export.runtimes.sampling import SamplingParams
 
 
 class PromptDecoding(DraftSource):
@@ -34,8 +35,16 @@ class PromptDecoding(DraftSource):
         self.guesses_at = -1  # the arena length at which the guesses are the next drafts
         self.armed = False  # this round drafts (the gate may make it a plain T=1 step)
 
-    def propose(self, pending: int, context: list[int], k: int, start: int, arena: Any, sampling: SamplingParams,
-                rng: np.random.Generator) -> tuple[list[int], None]:
+    def propose(
+        self,
+        pending: int,
+        context: list[int],
+        k: int,
+        start: int,
+        arena: Any,
+        sampling: SamplingParams,
+        rng: np.random.Generator,
+    ) -> tuple[list[int], None]:
         self.armed = True
         return (self.guesses[:k] if start == self.guesses_at else []), None
 

@@ -2,14 +2,15 @@
 The decode engine verifies [pending, d1, .., dk] with T=k+1 over token ids and writes all
 layers' rows; its last row gives the bonus token when every draft is accepted, so a round
 always emits accepted + 1 tokens."""
+
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
-from runtimes.drafting.base import DraftSource, decode_engine_verify
-from runtimes.sampling import SamplingParams
+from adaptive_export.runtimes.drafting.base import DraftSource, decode_engine_verify
+from adaptive_export.runtimes.sampling import SamplingParams
 
 MAX_NGRAM = 3
 
@@ -32,8 +33,16 @@ class PromptLookup(DraftSource):
     gateable = True
     free_proposals = True
 
-    def propose(self, pending: int, context: list[int], k: int, start: int, arena: Any, sampling: SamplingParams,
-                rng: np.random.Generator) -> tuple[list[int], None]:
+    def propose(
+        self,
+        pending: int,
+        context: list[int],
+        k: int,
+        start: int,
+        arena: Any,
+        sampling: SamplingParams,
+        rng: np.random.Generator,
+    ) -> tuple[list[int], None]:
         return lookup_ngram(context, k), None
 
     def verify(self, pending: int, drafts: list[int], start: int, arena: Any) -> Any:
