@@ -4,6 +4,7 @@ at run time travel with it."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -18,8 +19,22 @@ OLD_NAMES = {"graphs", "loading", "exporter", "calibration", "runtimes", "comman
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("wheel")
-    command = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        str(out),
+        str(ROOT),
+    ]
+    had_build_dir = (ROOT / "build").exists()
     subprocess.run(command, check=True, capture_output=True, cwd=out)
+    if not had_build_dir:  # setuptools builds in the source tree; leave it as it was
+        shutil.rmtree(ROOT / "build", ignore_errors=True)
     (path,) = out.glob("adaptive_export-*.whl")
     return zipfile.ZipFile(path)
 
