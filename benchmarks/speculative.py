@@ -79,10 +79,11 @@ def bench_hf_early_exit(model, prompts: list[list[int]], exit_layer: int, repeat
     return median_of(tpot)
 
 
-def measured_row(gen, ids: list[list[int]], set_name: str, ar: float, repeat: int, mode: str, **kwargs) -> dict:
-    """One table row: bench_runtime's medians under `mode`'s label and the speed-up over plain decoding."""
+def measured_row(gen, ids: list[list[int]], set_name: str, ar: float, repeat: int, label: str, **kwargs) -> dict:
+    """One table row: bench_runtime's medians (`kwargs` go to generate) under `label`, and the
+    speed-up over plain decoding."""
     r = bench_runtime(gen, ids, repeat, **kwargs)
-    return {"prompts": set_name, "mode": mode, **r, "speedup_vs_ar": ar / r["tpot_ms"]}
+    return {"prompts": set_name, "mode": label, **r, "speedup_vs_ar": ar / r["tpot_ms"]}
 
 
 def precision_rows(gen, ids: list[list[int]], set_name: str, ar: float, repeat: int, label: str = "") -> list[dict]:
@@ -106,11 +107,11 @@ def precision_rows(gen, ids: list[list[int]], set_name: str, ar: float, repeat: 
         )
     rows = []
     if not graph.get("draft_vocab"):  # a reduced head cannot decode on its own: its tokens are a subset
-        mode = f"ar at the draft's precision ({name}, lossy)"
-        rows.append(measured_row(gen, ids, set_name, ar, repeat, mode, config="draft_precision"))
+        label = f"ar at the draft's precision ({name}, lossy)"
+        rows.append(measured_row(gen, ids, set_name, ar, repeat, label, config="draft_precision"))
     for k in sorted({2, 4, int((spec.get("precision") or {}).get("draft_len", 4))}):
-        mode = f"spec precision ({name} draft) k={k}"
-        rows.append(measured_row(gen, ids, set_name, ar, repeat, mode, mode="spec", draft="precision", draft_len=k))
+        label = f"spec precision ({name} draft) k={k}"
+        rows.append(measured_row(gen, ids, set_name, ar, repeat, label, mode="spec", draft="precision", draft_len=k))
     return rows
 
 
@@ -144,8 +145,8 @@ def prompt_set_rows(gen, other, ids: list[list[int]], set_name: str, args, hf_mo
     ar = bench_runtime(gen, ids, args.repeat)["tpot_ms"]
     rows = [{"prompts": set_name, "mode": "ar (project)", "tpot_ms": ar, "speedup_vs_ar": 1.0}]
 
-    def row(mode: str, **kwargs) -> dict:
-        return measured_row(gen, ids, set_name, ar, args.repeat, mode, **kwargs)
+    def row(label: str, **kwargs) -> dict:
+        return measured_row(gen, ids, set_name, ar, args.repeat, label, **kwargs)
 
     for k in (2, 4):
         rows.append(row(f"spec prompt_lookup k={k}", mode="spec", draft="prompt_lookup", draft_len=k))
