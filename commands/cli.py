@@ -15,7 +15,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from adaptive_export.commands import EXIT_OK, EXIT_USAGE
 from adaptive_export.commands.check import MAX_TOLERANCE
@@ -26,18 +26,8 @@ from adaptive_export.runtimes.errors import UsageError
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would print usage and exit 2; keep it one line
+    def error(self, message: str) -> NoReturn:  # argparse would print usage and exit 2; keep it one line
         raise UsageError(f"bad arguments: {message}", f"see `{self.prog} --help`")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
-    return value
 
 
 def _bounded_int(low: int, high: int) -> Any:
