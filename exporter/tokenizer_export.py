@@ -9,14 +9,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from adaptive_export.runtimes.tokenizer_policy import TokenizerRules, check_tokenizer_json, tokenizers_guard
+
 _SENTINEL = "\x00ADAPTIVE_EXPORT_PROMPT\x00"
+_MODEL_FIX = "use a model whose tokenizer stays within the bounds in runtimes/limits.py (docs/hardening.md)"
 
 
-def save_tokenizer(tokenizer: Any, path: Path) -> None:
+def save_tokenizer(tokenizer: Any, path: Path, vocab_size: int) -> None:
+    """Write tokenizer.json only if the runtime would load it: the same rules
+    (runtimes/tokenizer_policy.py), then the same `tokenizers` load, a panic being bad input."""
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
     if backend is None:
         raise ValueError("the model's tokenizer has no fast (tokenizers) backend to save as tokenizer.json")
-    backend.save(str(path))
+    from tokenizers import Tokenizer
+
+    with tokenizers_guard("serializing the model's tokenizer", _MODEL_FIX):
+        text = backend.to_str(pretty=True)  # what backend.save wrote
+    data = text.encode("utf-8")
+    check_tokenizer_json(data, TokenizerRules(vocab_size, _MODEL_FIX))
+    with tokenizers_guard("loading the model's tokenizer.json as the runtime will", _MODEL_FIX):
+        Tokenizer.from_str(text)
+    path.write_bytes(data)
 
 
 def chat_format(tokenizer: Any) -> dict[str, str] | None:
