@@ -12,6 +12,7 @@ from typing import Any
 from adaptive_export.runtimes.tokenizer_policy import TokenizerRules, check_tokenizer_json, tokenizers_guard
 
 _SENTINEL = "\x00ADAPTIVE_EXPORT_PROMPT\x00"
+_PROBE_TEXT = "Hello, world! 123"  # encoded once: a tokenizer that panics on plain text is refused here
 _MODEL_FIX = "use a model whose tokenizer stays within the bounds in runtimes/limits.py (docs/hardening.md)"
 
 
@@ -28,7 +29,7 @@ def save_tokenizer(tokenizer: Any, path: Path, vocab_size: int) -> None:
     data = text.encode("utf-8")
     check_tokenizer_json(data, TokenizerRules(vocab_size, _MODEL_FIX))
     with tokenizers_guard("loading the model's tokenizer.json as the runtime will", _MODEL_FIX):
-        Tokenizer.from_str(text)
+        Tokenizer.from_str(text).encode(_PROBE_TEXT)
     path.write_bytes(data)
 
 
@@ -51,7 +52,8 @@ def special_tokens(tokenizer: Any, hf_model: Any) -> dict[str, Any]:
         for token in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(token, int) and token not in eos:
                 eos.append(token)
-    probe = tokenizer("a", add_special_tokens=True)["input_ids"]
-    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    with tokenizers_guard("encoding a probe", _MODEL_FIX):
+        probe = tokenizer("a", add_special_tokens=True)["input_ids"]
+        bare = tokenizer("a", add_special_tokens=False)["input_ids"]
     prepended = probe[: len(probe) - len(bare)] if probe[-len(bare) :] == bare else []
     return {"eos_token_ids": eos, "prefix_token_ids": prepended}

@@ -18,9 +18,11 @@ import math
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from adaptive_export.runtimes import limits
@@ -61,7 +63,7 @@ def is_rust_panic(exc: BaseException) -> bool:
 def tokenizers_guard(what: str, fix: str) -> Iterator[None]:
     """Every call into `tokenizers` runs inside this: an error or a Rust panic is bad input."""
     try:
-        with _rust_stderr_quiet():
+        with rust_stderr_quiet():
             yield
     except UsageError:
         raise
@@ -77,24 +79,43 @@ _devnull_fd: list[int] = []  # opened once, on the first call
 
 
 @contextmanager
-def _rust_stderr_quiet() -> Iterator[None]:
+def rust_stderr_quiet(keep_output: bool = False) -> Iterator[None]:
     """Rust's panic hook writes its message (and backtrace) straight to file descriptor 2, which
-    would break the one-line error rule; `tokenizers` writes nothing else there, so fd 2 points
-    at /dev/null for the call. Python's own sys.stderr is flushed first and is untouched."""
+    would break the one-line error rule, so fd 2 is redirected for the call: to /dev/null for the
+    runtime's calls (`tokenizers` writes nothing else there), or with keep_output to a temporary
+    file replayed afterwards unless the call panicked (transformers' warnings at build)."""
     try:
         sys.stderr.flush()
-        if not _devnull_fd:
+        target = tempfile.TemporaryFile() if keep_output else None
+        if target is None and not _devnull_fd:
             _devnull_fd.append(os.open(os.devnull, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)))
         saved = os.dup(2)
     except (OSError, ValueError, AttributeError):  # no fd 2 (a closed or replaced stderr): nothing to quiet
         yield
         return
+    panicked = False
     try:
-        os.dup2(_devnull_fd[0], 2)
+        os.dup2(target.fileno() if target is not None else _devnull_fd[0], 2)
         yield
+    except BaseException as exc:
+        panicked = is_rust_panic(exc)
+        raise
     finally:
+        sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
+        if target is not None:
+            target.seek(0)
+            if not panicked:
+                os.write(2, target.read())
+            target.close()
+
+
+def check_tokenizer_file(path: Path, rules: TokenizerRules) -> None:
+    """A model's tokenizer.json, checked before transformers parses it (build)."""
+    check_tokenizer_json(
+        limits.read_regular(path, "the model's tokenizer.json", limits.MAX_TOKENIZER_JSON_BYTES), rules
+    )
 
 
 # ---- the whole file -------------------------------------------------------------------------

@@ -414,7 +414,7 @@ def test_regex_rule() -> None:
 
 # ---- build ------------------------------------------------------------------------------------------
 def test_build_refuses_a_tokenizer_the_runtime_would_refuse(
-    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_model_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
@@ -423,6 +423,23 @@ def test_build_refuses_a_tokenizer_the_runtime_would_refuse(
     (model / "tokenizer.json").write_text(json.dumps(doc))
     out = tmp_path / "bundle"
     rc = main(["build", str(model), "-o", str(out), "--max-len", "64"])
-    assert_one_error_line(rc, capsys.readouterr().err, "tokenizer.json decoder", "at most 16", progress=True)
+    assert_one_error_line(rc, capfd.readouterr().err, "tokenizer.json decoder", "at most 16", progress=True)
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_build_refuses_a_tokenizer_that_panics(
+    tiny_model_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The charsmap passes the rules and transformers loads it; encoding panics in Rust. The
+    build's probe encode turns that into one error line and leaves no bundle."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    doc = json.loads((model / "tokenizer.json").read_text())
+    doc["normalizer"] = _charsmap(struct.pack("<I", 8) + struct.pack("<II", 0xFFFFFFFF, 0xFFFFFFFF) + b"xx\0")
+    (model / "tokenizer.json").write_text(json.dumps(doc))
+    out = tmp_path / "bundle"
+    rc = main(["build", str(model), "-o", str(out), "--max-len", "64"])
+    assert_one_error_line(rc, capfd.readouterr().err, "panicked", progress=True)  # fd 2: Rust's own message too
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
