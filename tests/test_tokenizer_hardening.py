@@ -219,17 +219,28 @@ def test_millions_of_duplicate_merges_are_refused_before_parsing(tiny_bundle: Pa
     expect_refused(bad, tmp_path, "duplicate_merges_3M", "hi", "JSON items")
 
 
-def test_a_rust_panic_is_one_error_line(tiny_bundle: Path, tmp_path: Path) -> None:
-    """A charsmap that fits the structural rule but indexes out of its strings panics inside
-    tokenizers: the panic is caught (it is a BaseException) and Rust's own message is silenced."""
-    raw = struct.pack("<I", 8) + struct.pack("<II", 0xFFFFFFFF, 0xFFFFFFFF) + b"xx\0"
-    expect_refused(
-        hostile_bundle(tiny_bundle, tmp_path, _set("normalizer", _charsmap(raw))),
-        tmp_path,
-        "precompiled_out_of_range_panic",
-        "hi",
-        "panicked",
-    )
+def _panicking_charsmap() -> Callable[[Doc], None]:
+    """A charsmap that fits the structural rule but indexes out of its strings: tokenizers
+    loads it and panics when encoding."""
+    return _set("normalizer", _charsmap(struct.pack("<I", 8) + struct.pack("<II", 0xFFFFFFFF, 0xFFFFFFFF) + b"xx\0"))
+
+
+def test_a_rust_panic_in_run_is_one_error_line(tiny_bundle: Path, tmp_path: Path) -> None:
+    """The panic is caught (it is a BaseException) and Rust's own message is silenced."""
+    bad = hostile_bundle(tiny_bundle, tmp_path, _panicking_charsmap())
+    expect_refused(bad, tmp_path, "precompiled_out_of_range_panic", "hi", "panicked")
+
+
+def test_a_rust_panic_in_check_is_one_error_line(
+    tiny_bundle: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """In-process (torch is already imported here; a cold child spends ~18 s importing it):
+    capfd sees file descriptor 2, so Rust's own panic message would show."""
+    bad = hostile_bundle(tiny_bundle, tmp_path, _panicking_charsmap())
+    started = time.monotonic()
+    rc = main(["check", str(bad)])
+    assert_one_error_line(rc, capfd.readouterr().err, "panicked", progress=True)
+    assert time.monotonic() - started < TIMEOUT_S
 
 
 # ---- other hostile inputs the same rules refuse ------------------------------------------------
