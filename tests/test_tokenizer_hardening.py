@@ -154,6 +154,9 @@ def _with_raw(doc_text: str, key: str, raw_value: str) -> str:
     return json.dumps(doc).replace('"@@RAW@@"', raw_value)
 
 
+_PAD = {"pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+
+
 # ---- what was found ------------------------------------------------------------------------------
 FOUND: dict[str, tuple[Callable[[Doc], None], str, tuple[str, ...]]] = {
     "precompiled_garbage": (_set("normalizer", _charsmap(b"\xff\xff\xff\x7f" + b"garbage" * 10)), "hi", ("charsmap",)),
@@ -171,12 +174,12 @@ FOUND: dict[str, tuple[Callable[[Doc], None], str, tuple[str, ...]]] = {
         ("pre_tokenizer Split", "regex"),
     ),
     "fixed_padding_1e9": (
-        _set("padding", {"strategy": {"Fixed": 10**9}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0}),
+        _set("padding", {"strategy": {"Fixed": 10**9}, "direction": "Right", "pad_to_multiple_of": None, **_PAD}),
         "hi",
         ("padding", "Fixed"),
     ),
     "padding_multiple_1e9": (
-        _set("padding", {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": 10**9, "pad_id": 0}),
+        _set("padding", {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": 10**9, **_PAD}),
         "hi",
         ("padding", "pad_to_multiple_of"),
     ),
