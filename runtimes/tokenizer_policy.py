@@ -530,18 +530,22 @@ def _check_merges(merges: Any, where: str, rules: TokenizerRules) -> None:
     """At most MAX_MERGES_PER_TOKEN per vocabulary entry, each two short parts, none twice."""
     bound = limits.MAX_MERGES_PER_TOKEN * rules.vocab_size
     rules.need(isinstance(merges, list) and len(merges) <= bound, where, f"merges must be a list of at most {bound}")
-    pairs = set()
-    for merge in merges:
-        parts = merge.split(" ") if isinstance(merge, str) else merge
-        rules.need(
-            isinstance(parts, list)
-            and len(parts) == 2
-            and all(_short_str(part, limits.MAX_TOKEN_CHARS, 1) for part in parts),
-            where,
-            f"a merge must be two tokens of 1..{limits.MAX_TOKEN_CHARS} characters",
-        )
-        pairs.add((parts[0], parts[1]))
+    pairs = {_merge_pair(merge) for merge in merges}  # a flat loop: Gemma 3 has 514,906 merges
+    rules.need(None not in pairs, where, f"a merge must be two tokens of 1..{limits.MAX_TOKEN_CHARS} characters")
     rules.need(len(pairs) == len(merges), where, f"{len(merges) - len(pairs)} merges appear more than once")
+
+
+def _merge_pair(merge: Any) -> tuple[str, str] | None:
+    """("a", "b") from "a b" or ["a", "b"]; None unless two strings of 1..MAX_TOKEN_CHARS."""
+    parts = merge.split(" ") if type(merge) is str else merge
+    if type(parts) is not list or len(parts) != 2:
+        return None
+    first, second = parts
+    if type(first) is not str or type(second) is not str:
+        return None
+    if not (0 < len(first) <= limits.MAX_TOKEN_CHARS and 0 < len(second) <= limits.MAX_TOKEN_CHARS):
+        return None
+    return first, second
 
 
 def _check_vocab_map(vocab: Any, where: str, rules: TokenizerRules) -> None:
