@@ -13,6 +13,9 @@ _REBUILD = "rebuild the bundle with `adaptive-export build`"
 
 
 class TextCodec:
+    """The bundle's tokenizer.json: checked by runtimes/tokenizer_policy.py before `tokenizers`
+    loads it, and every call into `tokenizers` guarded (an error or a Rust panic is bad input)."""
+
     def __init__(self, bundle: Bundle) -> None:
         try:
             from tokenizers import Tokenizer
@@ -23,7 +26,7 @@ class TextCodec:
         check_tokenizer_json(data, TokenizerRules(bundle.model["vocab_size"]))  # before tokenizers sees it
         with tokenizers_guard(f"loading the bundle's {info['file']!r}", _REBUILD):  # an error or a Rust panic
             self.tokenizer = Tokenizer.from_str(data.decode("utf-8"))
-        vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+            vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
         if vocab > bundle.model["vocab_size"]:
             raise UsageError(
                 f"the bundle's tokenizer has {vocab} tokens, more than the model's vocabulary"
