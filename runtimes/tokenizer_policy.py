@@ -112,10 +112,10 @@ def rust_stderr_quiet(keep_output: bool = False) -> Iterator[None]:
 
 
 def check_tokenizer_file(path: Path, rules: TokenizerRules) -> None:
-    """A model's tokenizer.json, checked before transformers parses it (build)."""
-    check_tokenizer_json(
-        limits.read_regular(path, "the model's tokenizer.json", limits.MAX_TOKENIZER_JSON_BYTES), rules
-    )
+    """A model's tokenizer.json, checked before transformers parses it (build). Resolved first:
+    a Hugging Face cache snapshot links its files to blobs, and the user chose the model."""
+    data = limits.read_regular(path.resolve(), "the model's tokenizer.json", limits.MAX_TOKENIZER_JSON_BYTES)
+    check_tokenizer_json(data, rules)
 
 
 # ---- the whole file -------------------------------------------------------------------------
