@@ -253,7 +253,7 @@ def build_bundle(
                 options.native_source,
             )
         }
-        save_tokenizer(loaded.tokenizer, root / "tokenizer.json")
+        save_tokenizer(loaded.tokenizer, root / "tokenizer.json", loaded.spec.vocab_size)
         manifest: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
             "format": FORMAT,

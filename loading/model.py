@@ -13,10 +13,17 @@ from adaptive_export.graphs.architectures import ARCHITECTURES, SUPPORTED_MODEL_
 from adaptive_export.graphs.spec import ModelSpec
 from adaptive_export.loading.packaged import PACKAGED
 from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.tokenizer_policy import (
+    TokenizerRules,
+    check_tokenizer_file,
+    is_rust_panic,
+    rust_stderr_quiet,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
+_TOKENIZER_FIX = "use a model whose tokenizer stays within the bounds in runtimes/limits.py (docs/hardening.md)"
 MODEL_CHOICES = "a model directory, a .gguf file, or a packaged name (" + ", ".join(PACKAGED) + ")"
 
 
@@ -84,6 +91,8 @@ def load_model(model: str = DEFAULT_MODEL) -> LoadedModel:
             "pass a complete model directory or .gguf file",
         ) from None
     spec = spec_from_config(config)
+    if gguf_file is None and (directory / "tokenizer.json").is_file():  # the runtime's rules, before parsing
+        check_tokenizer_file(directory / "tokenizer.json", TokenizerRules(spec.vocab_size, _TOKENIZER_FIX))
     log.info("loading %s (%s, %d layers)", model, spec.model_type, spec.num_layers)
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32, **kwargs)
@@ -94,8 +103,11 @@ def load_model(model: str = DEFAULT_MODEL) -> LoadedModel:
             "pass a complete model directory (config.json, weights, tokenizer) or .gguf file",
         ) from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
-    except Exception as exc:
+        with rust_stderr_quiet(keep_output=True):
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
+    except BaseException as exc:  # a Rust panic in tokenizers derives from BaseException
+        if not isinstance(exc, Exception) and not is_rust_panic(exc):
+            raise
         raise UsageError(
             f"cannot load the tokenizer of {model!r}: {_first_line(exc)}",
             "pass a model directory with its tokenizer files",

@@ -149,3 +149,21 @@ def read_regular(path: Path, what: str, max_bytes: int) -> bytes:
         raise UsageError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}", "check the file") from None
     finally:
         os.close(fd)
+
+
+# ---- tokenizer.json (runtimes/tokenizer_policy.py; SmolLM2 and Gemma 3 in parentheses) ---------
+MAX_TOKENIZER_JSON_BYTES = 64 << 20  # parsed with the json module before tokenizers sees it (Gemma 3: 33 MB)
+MAX_TOKENIZER_JSON_ITEMS = 1 << 22  # commas in the file, counted before parsing (Gemma 3: 1.34 M)
+TOKENIZER_ITEMS_PER_TOKEN = 16  # ... and at most this many per token of the model's vocabulary, plus 64 K
+MAX_TOKENIZER_STEPS = 16  # nodes of one normalizer / pre-tokenizer / post-processor / decoder tree (Gemma 3: 4)
+MAX_TOKENIZER_NESTING = 4  # Sequence inside Sequence
+MAX_TOKEN_CHARS = 256  # one vocabulary entry, merge part or added token (SmolLM2: 81, Gemma 3: 31)
+MAX_ADDED_TOKENS = 1 << 16  # (SmolLM2: 17, Gemma 3: 6,384)
+MAX_MERGES_PER_TOKEN = 4  # BPE merges per vocabulary entry (Gemma 3: 514,906 for 262,144, so 1.96)
+MAX_TOKENIZER_PATTERN_CHARS = 1024  # a Replace / Split pattern, string or regex
+MAX_TOKENIZER_AFFIX_CHARS = 64  # Replace content, Prepend, prefixes, suffixes, replacement characters
+MAX_TEXT_GROWTH = 4  # how many times a normalizer or decoder chain may lengthen text (Gemma 3: 1)
+MAX_PRECOMPILED_CHARSMAP_CHARS = 4 << 20  # base64 text of a Precompiled normalizer (SentencePiece's: ~0.4 MB)
+MAX_WORDPIECE_WORD_CHARS = 256  # WordPiece max_input_chars_per_word (BERT: 100); its matching is quadratic
+MAX_TEMPLATE_PIECES = 64  # pieces and special tokens of a post-processor template
+MAX_PAD_MULTIPLE = 64  # padding.pad_to_multiple_of (the runtime encodes one prompt; Fixed padding is refused)

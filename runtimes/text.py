@@ -7,9 +7,15 @@ from typing import Any
 from adaptive_export.runtimes.bundle import Bundle, read_listed
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.limits import MAX_TOKENIZER_BYTES
+from adaptive_export.runtimes.tokenizer_policy import TokenizerRules, check_tokenizer_json, tokenizers_guard
+
+_REBUILD = "rebuild the bundle with `adaptive-export build`"
 
 
 class TextCodec:
+    """The bundle's tokenizer.json: checked by runtimes/tokenizer_policy.py before `tokenizers`
+    loads it, and every call into `tokenizers` guarded (an error or a Rust panic is bad input)."""
+
     def __init__(self, bundle: Bundle) -> None:
         try:
             from tokenizers import Tokenizer
@@ -17,20 +23,15 @@ class TextCodec:
             raise UsageError("the runtime needs the tokenizers package", "run `pip install tokenizers`") from exc
         info: dict[str, Any] = bundle.manifest["tokenizer"]
         data = read_listed(bundle, info["file"], MAX_TOKENIZER_BYTES)
-        try:
+        check_tokenizer_json(data, TokenizerRules(bundle.model["vocab_size"]))  # before tokenizers sees it
+        with tokenizers_guard(f"loading the bundle's {info['file']!r}", _REBUILD):  # an error or a Rust panic
             self.tokenizer = Tokenizer.from_str(data.decode("utf-8"))
-        except Exception as exc:  # tokenizers raises a plain Exception for malformed JSON or models
-            raise UsageError(
-                f"the bundle's tokenizer {info['file']!r} cannot be loaded: "
-                f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}",
-                "rebuild the bundle with `adaptive-export build`",
-            ) from None
-        vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+            vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
         if vocab > bundle.model["vocab_size"]:
             raise UsageError(
                 f"the bundle's tokenizer has {vocab} tokens, more than the model's vocabulary"
                 f" of {bundle.model['vocab_size']}",
-                "rebuild the bundle with `adaptive-export build`",
+                _REBUILD,
             )
         self.chat = info.get("chat")
         self.eos_ids = set(info.get("eos_token_ids") or [])
@@ -51,10 +52,14 @@ class TextCodec:
         if not prompt.strip():
             raise UsageError("the prompt is empty", "pass a non-empty prompt with -p TEXT or --prompt-file FILE")
         text = prompt if raw or not self.chat else self.chat["prefix"] + prompt + self.chat["suffix"]
-        return self.prefix_ids + self.tokenizer.encode(text, add_special_tokens=False).ids
+        with tokenizers_guard("encoding the prompt", _REBUILD):
+            ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.prefix_ids + ids
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        with tokenizers_guard("decoding tokens", _REBUILD):
+            text: str = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return text
 
 
 class StreamDecoder:
