@@ -23,6 +23,7 @@ from adaptive_export.loading.packaged import PACKAGED
 from adaptive_export.loading.prompts import read_prompts
 from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.manifest import Manifest
 
 
 def check_exit_adapter_option(options: BuildOptions) -> None:
@@ -132,7 +133,7 @@ def check_prompt_tokens_option(option: str) -> str | None:
     return option
 
 
-def run_build(options: BuildOptions) -> dict[str, Any]:
+def run_build(options: BuildOptions) -> Manifest:
     check_exit_adapter_option(options)
     prompt_tokens = check_prompt_tokens_option(options.prompt_tokens)
     preflight(options.backends)  # a backend whose tools are missing fails before any work
@@ -242,9 +243,9 @@ def run_build(options: BuildOptions) -> dict[str, Any]:
 
 def cmd_build(options: BuildOptions) -> int:
     manifest = run_build(options)
-    onnx_entry = manifest["backends"]["onnx"]
+    onnx_entry = manifest.backends["onnx"]
     print(
-        f"wrote {options.output}: {len(manifest['graphs'])} graphs, {len(manifest['configs'])} configurations, "
-        f"weights {onnx_entry['weight_bytes'] / 1e6:.1f} MB stored once"
+        f"wrote {options.output}: {len(manifest.graphs)} graphs, {len(manifest.configs)} configurations, "
+        f"weights {onnx_entry.weight_bytes / 1e6:.1f} MB stored once"
     )
     return EXIT_OK

@@ -8,12 +8,13 @@ from typing import Any
 from adaptive_export.runtimes.bundle import Bundle, load_bundle, parse_manifest, read_listed
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.limits import MAX_CALIBRATION_BYTES
+from adaptive_export.runtimes.manifest import GraphEntry
 
 
 def calibration_shares(bundle: Bundle) -> dict[str, float | None]:
     """Configuration id -> share of calibration prompts it served, from calibration.json
     (optional: a malformed file is a bad bundle, exit 2)."""
-    relative = bundle.manifest.get("calibration")
+    relative = bundle.manifest.calibration
     if not relative:
         return {}
     data = parse_manifest(
@@ -42,46 +43,49 @@ def calibration_shares(bundle: Bundle) -> dict[str, float | None]:
 
 
 def describe(directory: str) -> dict[str, Any]:
+    """What `inspect` prints (and writes with --json): the manifest's summary."""
     bundle = load_bundle(directory, verify="size")
     m = bundle.manifest
     shares = calibration_shares(bundle)
-    total = sum(e["bytes"] for e in m["files"].values())
-    weight_bytes = m["backends"].get("onnx", {}).get("weight_bytes", 0)
+    total = sum(e.bytes for e in m.files.values())
+    onnx = m.backends.get("onnx")
+    weight_bytes = onnx.weight_bytes if onnx is not None else 0
     return {
         "bundle": str(directory),
-        "model": m["model"],
-        "max_len": m["max_len"],
-        "dtype": m["dtype"],
+        "model": m.model.to_json(),
+        "max_len": m.max_len,
+        "dtype": m.dtype,
         "bytes": total,
         "weight_bytes": weight_bytes,
         "size_ratio": round(total / weight_bytes, 4) if weight_bytes else None,
-        "backends": {name: sorted(entry["graphs"]) for name, entry in m["backends"].items()},
-        "graphs": {
-            name: {
-                "kind": g["kind"],
-                "layers": len(g["layers"]),
-                "config": g.get("config"),
-                "exit_layer": g.get("exit_layer"),
-                "precision": g.get("precision"),
-                "prompt_tokens": g.get("prompt_tokens", 0),
-                "draft_vocab": g.get("draft_vocab", 0),
-            }
-            for name, g in m["graphs"].items()
-        },
+        "backends": {name: sorted(entry.graphs) for name, entry in m.backends.items()},
+        "graphs": {name: _graph_summary(g) for name, g in m.graphs.items()},
         "configs": [
             {
-                "id": c["id"],
-                "kept": c["kept"],
-                "skipped": m["model"]["num_layers"] - len(c["kept"]),
-                "engines": c["engines"],
-                "calibration_share": shares.get(c["id"]),
+                "id": c.id,
+                "kept": list(c.kept),
+                "skipped": m.model.num_layers - len(c.kept),
+                "engines": dict(c.engines),
+                "calibration_share": shares.get(c.id),
             }
-            for c in m["configs"]
+            for c in m.configs
         ],
-        "routers": bool(m["graphs"]["prefill"].get("router_scores")),
-        "router_threshold": m["router_threshold"],
-        "speculation": m.get("speculation"),
-        "chat_template": bool(m["tokenizer"].get("chat")),
+        "routers": m.graph("prefill").router_scores,
+        "router_threshold": m.router_threshold,
+        "speculation": m.speculation.to_json() if m.speculation else None,
+        "chat_template": m.tokenizer.chat is not None,
+    }
+
+
+def _graph_summary(graph: GraphEntry) -> dict[str, Any]:
+    return {
+        "kind": graph.kind,
+        "layers": len(graph.layers),
+        "config": graph.config,
+        "exit_layer": graph.exit_layer,
+        "precision": graph.precision,
+        "prompt_tokens": graph.prompt_tokens,
+        "draft_vocab": graph.draft_vocab,
     }
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from adaptive_export.runtimes.bundle import Bundle, read_listed
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.limits import MAX_TOKENIZER_BYTES
@@ -15,24 +13,25 @@ class TextCodec:
             from tokenizers import Tokenizer
         except ImportError as exc:
             raise UsageError("the runtime needs the tokenizers package", "run `pip install tokenizers`") from exc
-        info: dict[str, Any] = bundle.manifest["tokenizer"]
-        data = read_listed(bundle, info["file"], MAX_TOKENIZER_BYTES)
+        info = bundle.manifest.tokenizer
+        data = read_listed(bundle, info.file, MAX_TOKENIZER_BYTES)
         try:
             self.tokenizer = Tokenizer.from_str(data.decode("utf-8"))
         except Exception as exc:  # tokenizers raises a plain Exception for malformed JSON or models
             raise UsageError(
-                f"the bundle's tokenizer {info['file']!r} cannot be loaded: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}",
+                f"the bundle's tokenizer {info.file!r} cannot be loaded: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}",
                 "rebuild the bundle with `adaptive-export build`",
             ) from None
         vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        if vocab > bundle.model["vocab_size"]:
+        if vocab > bundle.model.vocab_size:
             raise UsageError(
-                f"the bundle's tokenizer has {vocab} tokens, more than the model's vocabulary of {bundle.model['vocab_size']}",
+                f"the bundle's tokenizer has {vocab} tokens, "
+                f"more than the model's vocabulary of {bundle.model.vocab_size}",
                 "rebuild the bundle with `adaptive-export build`",
             )
-        self.chat = info.get("chat")
-        self.eos_ids = set(info.get("eos_token_ids") or [])
-        self.prefix_ids = list(info.get("prefix_token_ids") or [])
+        self.chat = info.chat
+        self.eos_ids = set(info.eos_token_ids)
+        self.prefix_ids = list(info.prefix_token_ids)
 
     def encode(self, prompt: str, raw: bool = False) -> list[int]:
         if not isinstance(prompt, str):
@@ -48,7 +47,7 @@ class TextCodec:
             ) from None
         if not prompt.strip():
             raise UsageError("the prompt is empty", "pass a non-empty prompt with -p TEXT or --prompt-file FILE")
-        text = prompt if raw or not self.chat else self.chat["prefix"] + prompt + self.chat["suffix"]
+        text = prompt if raw or not self.chat else self.chat.prefix + prompt + self.chat.suffix
         return self.prefix_ids + self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:

@@ -89,7 +89,7 @@ def _engine_errors_are_usage_errors(bundle: Bundle, run: Any) -> Any:
                 "the bundle's engines do not match its manifest: rebuild it with `adaptive-export build`",
             ) from None
         info = bundle.graph(graph)
-        rows = 1 if info["logits"] == "last" else first.shape[1]
+        rows = 1 if info.logits == "last" else first.shape[1]
         expected = (1, rows, logits_width(info, bundle.model))
         if getattr(out.logits, "shape", None) != expected:
             raise UsageError(

@@ -9,11 +9,14 @@ same sources under the same names (calibration/draft_sources.py).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from adaptive_export.runtimes.sampling import SamplingParams, probabilities
+
+if TYPE_CHECKING:  # runtimes/manifest.py imports this package (SOURCE_NAMES)
+    from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
 
 
 class DraftSource(ABC):
@@ -32,14 +35,13 @@ class DraftSource(ABC):
     # against the tokens plain decoding emits (runtimes/speculative.py)
     free_proposals: ClassVar[bool] = False
 
-    def __init__(self, backend: Any, config: dict[str, Any], model: dict[str, Any], k: int) -> None:
+    def __init__(self, backend: Any, config: ConfigEntry, model: ModelDims, k: int) -> None:
         self.backend, self.config, self.k = backend, config, k
 
     @classmethod
-    def available(cls, config: dict[str, Any]) -> bool:
+    def available(cls, config: ConfigEntry) -> bool:
         """Whether this configuration has the engines the source needs."""
-        engines = config.get("engines", {})
-        return all(name in engines for name in cls.engines)
+        return all(name in config.engines for name in cls.engines)
 
     def max_drafts(self, budget: int) -> int:
         """Drafts for a round that may emit at most `budget` more tokens."""
@@ -81,7 +83,7 @@ def engine_drafts(
     `on_step(j, outputs)` sees every step's outputs (early exit keeps its exit hidden state)."""
     token = np.empty((1, 1), dtype=np.int64)
     token[0, 0] = pending
-    ids = backend.bundle.draft_vocab_ids if backend.bundle.graph(graph).get("draft_vocab") else None
+    ids = backend.bundle.draft_vocab_ids if backend.bundle.graph(graph).draft_vocab else None
     drafts: list[int] = []
     rows: list[np.ndarray] | None = None if sampling.greedy else []
     for j in range(k):
@@ -94,11 +96,7 @@ def engine_drafts(
             drafts.append(best if ids is None else int(ids[best]))
         else:
             # the backend reuses its output buffer next step, so keep a copy (over the whole vocabulary)
-            row = (
-                logits.copy()
-                if ids is None
-                else full_vocabulary_row(logits, ids, int(backend.bundle.model["vocab_size"]))
-            )
+            row = logits.copy() if ids is None else full_vocabulary_row(logits, ids, backend.bundle.model.vocab_size)
             rows.append(row)
             drafts.append(int(rng.choice(row.size, p=probabilities(row, sampling))))
         token[0, 0] = drafts[-1]
@@ -116,9 +114,9 @@ def full_vocabulary_row(logits: np.ndarray, ids: np.ndarray, vocab: int) -> np.n
 
 
 def decode_engine_verify(
-    backend: Any, config: dict[str, Any], pending: int, drafts: list[int], start: int, arena: Any
+    backend: Any, config: ConfigEntry, pending: int, drafts: list[int], start: int, arena: Any
 ) -> Any:
     """The configuration's decode engine over [pending, d1, .., dk] at T=k+1, writing every kept
     layer's rows: its last row scores the position after the last draft (the bonus token)."""
     inputs = np.asarray([[pending, *drafts]], dtype=np.int64)
-    return backend.run(config["engines"]["decode"], inputs, arena, start)
+    return backend.run(config.decode, inputs, arena, start)

@@ -6,21 +6,24 @@ when all k drafts are accepted (it would cost one more draft call)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from adaptive_export.runtimes.drafting.base import DraftSource, engine_drafts
 from adaptive_export.runtimes.sampling import SamplingParams
 
+if TYPE_CHECKING:  # runtimes/manifest.py imports this package (SOURCE_NAMES)
+    from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
+
 
 class EarlyExit(DraftSource):
     name = "early_exit"
     engines = ("draft", "verify")
 
-    def __init__(self, backend: Any, config: dict[str, Any], model: dict[str, Any], k: int) -> None:
+    def __init__(self, backend: Any, config: ConfigEntry, model: ModelDims, k: int) -> None:
         super().__init__(backend, config, model, k)
-        self.hidden = np.zeros((1, k, model["hidden_size"]), dtype=np.float32)
+        self.hidden = np.zeros((1, k, model.hidden_size), dtype=np.float32)
 
     def propose(
         self,
@@ -36,8 +39,8 @@ class EarlyExit(DraftSource):
             self.hidden[0, j] = out.exit_hidden[0, -1]
 
         return engine_drafts(
-            self.backend, self.config["engines"]["draft"], pending, k, start, arena, sampling, rng, keep_exit_hidden
+            self.backend, self.config.engines["draft"], pending, k, start, arena, sampling, rng, keep_exit_hidden
         )
 
     def verify(self, pending: int, drafts: list[int], start: int, arena: Any) -> Any:
-        return self.backend.run(self.config["engines"]["verify"], self.hidden[:, : len(drafts)], arena, start)
+        return self.backend.run(self.config.engines["verify"], self.hidden[:, : len(drafts)], arena, start)

@@ -33,7 +33,7 @@ class PrecisionDraft(DraftSource):
         rng: np.random.Generator,
     ) -> tuple[list[int], list[np.ndarray] | None]:
         return engine_drafts(
-            self.backend, self.config["engines"]["precision_draft"], pending, k, start, arena, sampling, rng
+            self.backend, self.config.engines["precision_draft"], pending, k, start, arena, sampling, rng
         )
 
     def verify(self, pending: int, drafts: list[int], start: int, arena: Any) -> Any:

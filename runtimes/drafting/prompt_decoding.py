@@ -13,12 +13,15 @@ for q = a point mass, as for prompt lookup."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from adaptive_export.runtimes.drafting.base import DraftSource
 from adaptive_export.runtimes.sampling import SamplingParams
+
+if TYPE_CHECKING:  # runtimes/manifest.py imports this package (SOURCE_NAMES)
+    from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
 
 
 class PromptDecoding(DraftSource):
@@ -27,10 +30,10 @@ class PromptDecoding(DraftSource):
     bonus = True
     gateable = True
 
-    def __init__(self, backend: Any, config: dict[str, Any], model: dict[str, Any], k: int) -> None:
+    def __init__(self, backend: Any, config: ConfigEntry, model: ModelDims, k: int) -> None:
         super().__init__(backend, config, model, k)
-        self.vocab = int(model["vocab_size"])
-        self.prompt_tokens = int(backend.bundle.graph(config["engines"]["ppd"])["prompt_tokens"])
+        self.vocab = model.vocab_size
+        self.prompt_tokens = backend.bundle.graph(config.engines["ppd"]).prompt_tokens
         self.guesses: list[int] = []
         self.guesses_at = -1  # the arena length at which the guesses are the next drafts
         self.armed = False  # this round drafts (the gate may make it a plain T=1 step)
@@ -53,7 +56,7 @@ class PromptDecoding(DraftSource):
         prompts = min(self.prompt_tokens, arena.max_len - start - count) if self.armed else 0
         self.armed = False
         inputs = np.asarray([[pending, *drafts, *range(self.vocab, self.vocab + prompts)]], dtype=np.int64)
-        out = self.backend.run(self.config["engines"]["ppd"], inputs, arena, start)
+        out = self.backend.run(self.config.engines["ppd"], inputs, arena, start)
         logits = out.logits[0]
         self.guesses = [int(np.argmax(logits[count + i])) for i in range(prompts)]
         self.guesses_at = start + count  # valid iff the round emits every draft plus the bonus
