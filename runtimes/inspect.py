@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from adaptive_export.runtimes.bundle import Bundle, load_bundle, parse_manifest, read_listed
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.limits import MAX_CALIBRATION_BYTES
 from adaptive_export.runtimes.manifest import GraphEntry
+from adaptive_export.runtimes.manifest_fields import JsonObject
 
 
 def calibration_shares(bundle: Bundle) -> dict[str, float | None]:
@@ -32,9 +32,9 @@ def calibration_shares(bundle: Bundle) -> dict[str, float | None]:
             c.get("share") is None
             or (isinstance(c["share"], (int, float)) and not isinstance(c["share"], bool) and 0 <= c["share"] <= 1)
         )
-        for c in chosen
+        for c in (chosen if isinstance(chosen, list) else [])
     )
-    if not ok:
+    if not ok or not isinstance(chosen, list):
         raise UsageError(
             f"the bundle's {relative!r} is malformed (configs.chosen must list {{id, share}})",
             "rebuild the bundle with `adaptive-export build`",
@@ -42,7 +42,7 @@ def calibration_shares(bundle: Bundle) -> dict[str, float | None]:
     return {c["id"]: c.get("share") for c in chosen}
 
 
-def describe(directory: str) -> dict[str, Any]:
+def describe(directory: str) -> JsonObject:
     """What `inspect` prints (and writes with --json): the manifest's summary."""
     bundle = load_bundle(directory, verify="size")
     m = bundle.manifest
@@ -77,7 +77,7 @@ def describe(directory: str) -> dict[str, Any]:
     }
 
 
-def _graph_summary(graph: GraphEntry) -> dict[str, Any]:
+def _graph_summary(graph: GraphEntry) -> JsonObject:
     return {
         "kind": graph.kind,
         "layers": len(graph.layers),
@@ -89,15 +89,19 @@ def _graph_summary(graph: GraphEntry) -> dict[str, Any]:
     }
 
 
-def render(info: dict[str, Any]) -> str:
+def render(info: JsonObject) -> str:
     model = info["model"]
     lines = [
         f"bundle     {info['bundle']}",
-        f"model      {model.get('source')} ({model.get('model_type', '?')}, {model['num_layers']} layers, hidden {model['hidden_size']}, "
-        f"heads {model['num_heads']}/{model['num_kv_heads']} kv, vocab {model['vocab_size']})",
-        f"size       {info['bytes'] / 1e6:.1f} MB total, weights {info['weight_bytes'] / 1e6:.1f} MB stored once (x{info['size_ratio']})",
-        f"max_len    {info['max_len']} tokens, dtype {info['dtype']}, chat template {'yes' if info['chat_template'] else 'no'}",
-        f"routers    {'yes, threshold ' + str(info['router_threshold']) if info['routers'] else 'no (always the full model)'}",
+        f"model      {model.get('source')} ({model.get('model_type', '?')}, {model['num_layers']} layers, "
+        f"hidden {model['hidden_size']}, heads {model['num_heads']}/{model['num_kv_heads']} kv, "
+        f"vocab {model['vocab_size']})",
+        f"size       {info['bytes'] / 1e6:.1f} MB total, "
+        f"weights {info['weight_bytes'] / 1e6:.1f} MB stored once (x{info['size_ratio']})",
+        f"max_len    {info['max_len']} tokens, dtype {info['dtype']}, "
+        f"chat template {'yes' if info['chat_template'] else 'no'}",
+        "routers    "
+        + ("yes, threshold " + str(info["router_threshold"]) if info["routers"] else "no (always the full model)"),
         f"backends   {', '.join(f'{b} ({len(g)} engines)' for b, g in info['backends'].items())}",
         "configurations:",
     ]
@@ -105,9 +109,8 @@ def render(info: dict[str, Any]) -> str:
         share = (
             "" if c["calibration_share"] is None else f", served {c['calibration_share']:.0%} of calibration prompts"
         )
-        lines.append(
-            f"  {c['id']:10} keeps {len(c['kept'])} layers, skips {c['skipped']}{share}; engines: {', '.join(f'{role} {name}' for role, name in c['engines'].items())}"
-        )
+        engines = ", ".join(f"{role} {name}" for role, name in c["engines"].items())
+        lines.append(f"  {c['id']:10} keeps {len(c['kept'])} layers, skips {c['skipped']}{share}; engines: {engines}")
         if c["skipped"]:  # the shorter list says which layers the engine runs
             skipped = sorted(set(range(info["model"]["num_layers"])) - set(c["kept"]))
             lines.append(

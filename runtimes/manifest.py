@@ -18,7 +18,7 @@ from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.drafting import SOURCE_NAMES
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest_fields import (
-    child,
+    JsonObject,
     extras,
     fail,
     is_int,
@@ -26,6 +26,7 @@ from adaptive_export.runtimes.manifest_fields import (
     is_number,
     is_str_list,
     need,
+    need_object,
     need_path,
     optional_str,
     path_problem,
@@ -63,7 +64,7 @@ __all__ = [
 ]
 
 
-def _ordered(values: dict[str, Any], order: tuple[str, ...]) -> dict[str, Any]:
+def _ordered(values: JsonObject, order: tuple[str, ...]) -> JsonObject:
     """values with the keys of `order` first, in that order (the order they were read in)."""
     first = {key: values[key] for key in order if key in values}
     return {**first, **{key: value for key, value in values.items() if key not in first}}
@@ -114,7 +115,7 @@ class ModelDims:
             key_order=tuple(obj),
         )
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         values = {key: getattr(self, key) for key in _MODEL_INTS}
         values.update(model_type=self.model_type, **self.extra, source=self.source)
         return _ordered(values, self.key_order or ("model_type",))
@@ -174,7 +175,7 @@ class TokenizerEntry:
             ids[key] = tuple(value)
         return cls(obj["file"], chat, ids["eos_token_ids"], ids["prefix_token_ids"])
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {
             "file": self.file,
             "chat": self.chat.to_json() if self.chat else None,
@@ -250,7 +251,7 @@ class GraphEntry:
         _check_graph_io(entry)
         return entry
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {
             "kind": self.kind,
             "layers": list(self.layers),
@@ -314,11 +315,13 @@ def _graph_fields(name: Any, graph: Any, num_layers: int) -> GraphEntry:
         f"graph {name!r} has a bad draft_vocab (a precision draft may score 1..vocab_size-1 token ids, other graphs 0)",
     )
     need(graph.get("flavour", "portable") in ("portable", "ort"), f"graph {name!r} has an unknown flavour")
-    flags = [graph.get(flag, False) for flag in ("router_scores", "exit_hidden", "exit_adapter")]
+    routers, exit_hidden, adapter = (
+        graph.get(flag, False) for flag in ("router_scores", "exit_hidden", "exit_adapter")
+    )
     return GraphEntry(
-        name, kind, tuple(layers), source, logits, *flags, graph.get("config"), graph.get("exit_layer"),
-        graph.get("flavour", "portable"), precision, prompt_tokens, draft_vocab, tuple(graph["inputs"]),
-        tuple(graph["outputs"]),
+        name, kind, tuple(layers), source, logits, routers, exit_hidden, adapter, graph.get("config"),
+        graph.get("exit_layer"), graph.get("flavour", "portable"), precision, prompt_tokens, draft_vocab,
+        tuple(graph["inputs"]), tuple(graph["outputs"]),
     )  # fmt: skip
 
 
@@ -407,7 +410,7 @@ class ConfigEntry:
                 f"config {self.id!r} has a PPD engine that is not its decode graph with prompt tokens",
             )
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"id": self.id, "kept": list(self.kept), "engines": dict(self.engines)}
 
 
@@ -460,7 +463,7 @@ class SourceSpeculation:
             extras(obj, _SOURCE_KEYS), tuple(obj),
         )  # fmt: skip
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         values = {key: getattr(self, key) for key in _SOURCE_KEYS if getattr(self, key) is not None}
         return _ordered({**values, **self.extra}, self.key_order)
 
@@ -495,8 +498,8 @@ class Speculation:
         known = ("source", "auto_enabled", *sources)
         return cls(obj.get("source"), obj.get("auto_enabled", False), sources, extras(obj, known), tuple(obj))
 
-    def to_json(self) -> dict[str, Any]:
-        values: dict[str, Any] = {"source": self.source, "auto_enabled": self.auto_enabled}
+    def to_json(self) -> JsonObject:
+        values: JsonObject = {"source": self.source, "auto_enabled": self.auto_enabled}
         values.update({name: section.to_json() for name, section in self.sources.items()})
         return _ordered({**values, **self.extra}, self.key_order)
 
@@ -534,7 +537,7 @@ class TensorEntry:
         )
         return cls(meta["dtype"], tuple(meta["shape"]), meta["offset"], meta["bytes"])
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"dtype": self.dtype, "shape": list(self.shape), "offset": self.offset, "bytes": self.bytes}
 
 
@@ -571,8 +574,8 @@ class EngineEntry:
     def files(self) -> list[str]:
         return [path for path in (self.file, self.onnx) if path is not None]
 
-    def to_json(self) -> dict[str, Any]:
-        values: dict[str, Any] = {"file": self.file, "onnx": self.onnx, "initializers": self.initializers}
+    def to_json(self) -> JsonObject:
+        values: JsonObject = {"file": self.file, "onnx": self.onnx, "initializers": self.initializers}
         values = {key: list(v) if isinstance(v, tuple) else v for key, v in values.items() if v is not None}
         return _ordered({**values, **self.extra}, self.key_order or ("file", "initializers"))
 
@@ -628,7 +631,7 @@ class BackendEntry:
         )
         table = obj.get("tensors")
         need(isinstance(table, dict) and len(table) <= limits.MAX_TENSORS, "backends.onnx.tensors must be an object")
-        tensors = {name: TensorEntry.from_json(name, meta) for name, meta in table.items()}
+        tensors = {name: TensorEntry.from_json(name, meta) for name, meta in dict(table or {}).items()}
         for graph_name, engine in self.graphs.items():
             need(engine.file is not None, f"onnx engine {graph_name!r} lacks its file")
             need(engine.initializers is not None, f"onnx engine {graph_name!r} lacks its initializer list")
@@ -644,8 +647,8 @@ class BackendEntry:
             raise UsageError(f"the {self.name} backend has no engine for graph {graph!r}", "rebuild the bundle")
         return engine
 
-    def to_json(self) -> dict[str, Any]:
-        values: dict[str, Any] = {"weights": self.weights, "precision": self.precision, "package": self.package}
+    def to_json(self) -> JsonObject:
+        values: JsonObject = {"weights": self.weights, "precision": self.precision, "package": self.package}
         values = {key: value for key, value in values.items() if value is not None}
         if self.name == "onnx":
             values["weight_bytes"] = self.weight_bytes
@@ -682,7 +685,7 @@ class DraftVocab:
         need(sizes <= {obj["size"]}, f"a graph's draft_vocab differs from the bundle's draft_vocab size {obj['size']}")
         return cls(obj["file"], obj["size"])
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"file": self.file, "size": self.size}
 
 
@@ -706,7 +709,7 @@ class FileEntry:
         )
         return cls(obj["sha256"], obj["bytes"])
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {"sha256": self.sha256, "bytes": self.bytes}
 
 
@@ -782,7 +785,7 @@ class Manifest:
             need(path in files, f"file {ascii(path)} is used but not listed in 'files' with a checksum")
         return manifest
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         return {
             "schema_version": SCHEMA_VERSION,
             "format": FORMAT,
@@ -816,7 +819,7 @@ def _check_header(obj: Any) -> None:
             "rebuild the bundle with this version of adaptive-export, or upgrade adaptive-export",
         )
     for key in ("model", "tokenizer", "graphs", "backends", "files"):
-        child(obj, key, "")
+        need_object(obj, key, "")
     need("configs" in obj, "missing key 'configs'")
     need(isinstance(obj["configs"], list), "key 'configs' has the wrong type")
     for key in ("max_len", "dtype", "router_threshold"):

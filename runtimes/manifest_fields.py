@@ -15,6 +15,10 @@ from typing import Any
 from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.errors import UsageError
 
+# A JSON object as json.loads returns it: the manifest's types (runtimes/manifest.py) are built
+# from it and written back to it at the file boundary, and nowhere else.
+JsonObject = dict[str, Any]
+
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
 
@@ -44,12 +48,10 @@ def is_name(value: Any) -> bool:
     return isinstance(value, str) and 0 < len(value) <= 128 and set(value) <= _NAME_CHARS and not value.startswith(".")
 
 
-def child(parent: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
-    """parent[key], which must be a JSON object."""
-    value = parent.get(key)
+def need_object(parent: Mapping[str, Any], key: str, where: str) -> None:
+    """parent[key] is present and a JSON object."""
     need(key in parent, f"missing key {where}{key!r}")
-    need(isinstance(value, dict), f"key {where}{key!r} has the wrong type")
-    return value  # type: ignore[no-any-return]
+    need(isinstance(parent.get(key), dict), f"key {where}{key!r} has the wrong type")
 
 
 def optional_str(obj: Mapping[str, Any], key: str, problem: str) -> str | None:
@@ -58,7 +60,7 @@ def optional_str(obj: Mapping[str, Any], key: str, problem: str) -> str | None:
     return value
 
 
-def extras(obj: Mapping[str, Any], known: tuple[str, ...]) -> dict[str, Any]:
+def extras(obj: Mapping[str, Any], known: tuple[str, ...]) -> JsonObject:
     """The keys a type does not read, kept verbatim for tools (written back by to_json)."""
     return {key: value for key, value in obj.items() if key not in known}
 

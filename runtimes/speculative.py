@@ -62,7 +62,7 @@ def speculation_available(bundle: Bundle, config: ConfigEntry, source: str | Non
 def default_source(bundle: Bundle, config: ConfigEntry) -> str:
     """The source calibration chose; without calibration, prompt lookup (free)."""
     chosen = bundle.manifest.speculation.source if bundle.manifest.speculation else None
-    if chosen in SOURCES:
+    if chosen is not None and chosen in SOURCES:
         return chosen
     return FREE_SOURCE
 
