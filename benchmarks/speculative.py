@@ -10,11 +10,13 @@ Medians over prompts x repetitions, one warm-up excluded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from pathlib import Path
 
+from adaptive_export.runtimes.manifest import ConfigEntry
 from benchmarks.common import (
     DEFAULT_PROMPTS,
     ROOT,
@@ -82,24 +84,17 @@ def bench_hf_early_exit(model, prompts: list[list[int]], exit_layer: int, repeat
 def precision_rows(gen, ids: list[list[int]], set_name: str, ar: float, repeat: int, label: str = "") -> list[dict]:
     """Plain decoding at the precision draft's precision (the fast, lossy setting) and speculation
     with it at k = 2, 4 and the calibrated k; `label` names a compared bundle's draft."""
-    full = gen.bundle.config("full")["engines"]
-    spec = gen.bundle.manifest.get("speculation") or {}
+    full = gen.bundle.config("full").engines
+    spec = gen.bundle.manifest.calibrated("precision")
     graph = gen.bundle.graph(full["precision_draft"])
-    name = (
-        graph["precision"] + (f", head over {graph['draft_vocab']} tokens" if graph.get("draft_vocab") else "") + label
-    )
+    name = f"{graph.precision}" + (f", head over {graph.draft_vocab} tokens" if graph.draft_vocab else "") + label
     # the draft engine as the decode engine of an extra in-memory configuration (prefill stays the bundle's)
-    configs = gen.bundle.manifest["configs"]
-    if not any(c["id"] == "draft_precision" for c in configs):
-        configs.append(
-            {
-                "id": "draft_precision",
-                "kept": list(gen.bundle.config("full")["kept"]),
-                "engines": {"decode": full["precision_draft"]},
-            }
-        )
+    configs = gen.bundle.manifest.configs
+    if not any(c.id == "draft_precision" for c in configs):
+        extra = ConfigEntry("draft_precision", gen.bundle.config("full").kept, {"decode": full["precision_draft"]})
+        gen.bundle.manifest = dataclasses.replace(gen.bundle.manifest, configs=(*configs, extra))
     rows = []
-    if not graph.get("draft_vocab"):  # a reduced head cannot decode on its own: its tokens are a subset
+    if not graph.draft_vocab:  # a reduced head cannot decode on its own: its tokens are a subset
         r = bench_runtime(gen, ids, repeat, config="draft_precision")
         rows.append(
             {
@@ -109,7 +104,7 @@ def precision_rows(gen, ids: list[list[int]], set_name: str, ar: float, repeat: 
                 "speedup_vs_ar": ar / r["tpot_ms"],
             }
         )
-    for k in sorted({2, 4, int((spec.get("precision") or {}).get("draft_len", 4))}):
+    for k in sorted({2, 4, spec.draft_len or 4}):
         r = bench_runtime(gen, ids, repeat, mode="spec", draft="precision", draft_len=k)
         rows.append(
             {
@@ -143,21 +138,21 @@ def main() -> None:
     args = parse_and_pin(parser)
     from adaptive_export.runtimes import Generator
 
-    full = Generator(Path(args.bundle), verify="size").bundle.config("full")["engines"]
+    full = Generator(Path(args.bundle), verify="size").bundle.config("full").engines
     prepack = [full["decode"], full.get("verify", "")] if args.prepack else None
     gen = Generator(Path(args.bundle), threads=args.threads, prepack=prepack)
     gen.codec.eos_ids = set()
     other = Generator(Path(args.compare_draft), threads=args.threads, prepack=prepack) if args.compare_draft else None
     if other is not None:
         other.codec.eos_ids = set()
-    spec = gen.bundle.manifest.get("speculation") or {}
+    spec = gen.bundle.manifest.speculation.to_json() if gen.bundle.manifest.speculation else {}
     exit_layer = spec.get("exit_layer")
     sets = {"chat": load_prompts(DEFAULT_PROMPTS, args.prompts), "rewrite": rewrite_prompts()[: args.prompts]}
     hf_model = None
     if not args.no_hf and exit_layer:
         from adaptive_export.loading.model import load_model
 
-        hf_model = load_model(gen.bundle.model.get("source") or "smollm2").hf_model
+        hf_model = load_model(gen.bundle.model.source or "smollm2").hf_model
     rows = []
     for set_name, texts in sets.items():
         ids = [gen.codec.encode(t) for t in texts]
@@ -184,7 +179,7 @@ def main() -> None:
         if other is not None:
             rows += precision_rows(other, ids, set_name, ar, args.repeat, label=f" of {Path(args.compare_draft).name}")
         if "ppd" in full:  # PPD prompt tokens: drafts guessed by the previous verify pass
-            m = gen.bundle.graph(full["ppd"])["prompt_tokens"]
+            m = gen.bundle.graph(full["ppd"]).prompt_tokens
             for k in range(1, m + 1):
                 r = bench_runtime(gen, ids, args.repeat, mode="spec", draft="ppd", draft_len=k)
                 rows.append(
@@ -214,13 +209,13 @@ def main() -> None:
                     "speedup_vs_ar": ar / hf,
                 }
             )
-    onnx_entry = gen.bundle.manifest["backends"]["onnx"]
-    precision = onnx_entry.get("quantize", "none")
+    onnx_entry = gen.bundle.backend_entry("onnx")
+    precision = onnx_entry.quantize
     if precision != "none":
-        precision += f" accuracy {(onnx_entry.get('quant_options') or {}).get('accuracy_level')}"
-    model = gen.bundle.model
+        precision += f" accuracy {(onnx_entry.extra.get('quant_options') or {}).get('accuracy_level')}"
+    model = gen.bundle.model.to_json()
     print(
-        f"{cpu_model()}, {os.cpu_count()} CPUs; {model.get('source')} ({model['model_type']}, {model['num_layers']} layers) {gen.bundle.manifest['dtype']} ({precision}), {args.threads} threads, {NEW_TOKENS} new tokens, {args.prompts} prompts x {args.repeat} (medians), "
+        f"{cpu_model()}, {os.cpu_count()} CPUs; {model.get('source')} ({model['model_type']}, {model['num_layers']} layers) {gen.bundle.manifest.dtype} ({precision}), {args.threads} threads, {NEW_TOKENS} new tokens, {args.prompts} prompts x {args.repeat} (medians), "
         f"prepack {'decode+verify' if args.prepack else 'runtime default'}; exit adapter at E={exit_layer}: {bool(spec.get('adapter'))}"
     )
     print_table(

@@ -60,6 +60,12 @@ def optional_str(obj: Mapping[str, Any], key: str, problem: str) -> str | None:
     return value
 
 
+def ordered(values: JsonObject, order: tuple[str, ...]) -> JsonObject:
+    """values with the keys of `order` first, in that order (the order they were read in)."""
+    first = {key: values[key] for key in order if key in values}
+    return {**first, **{key: value for key, value in values.items() if key not in first}}
+
+
 def extras(obj: Mapping[str, Any], known: tuple[str, ...]) -> JsonObject:
     """The keys a type does not read, kept verbatim for tools (written back by to_json)."""
     return {key: value for key, value in obj.items() if key not in known}
