@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from adaptive_export.runtimes import limits
@@ -99,6 +99,7 @@ class EngineEntry:
 
 
 _BACKEND_KEYS = ("graphs", "weights", "weight_bytes", "tensors", "flavour", "quantize", "precision", "package")
+_COMPILED_KEYS = tuple(key for key in _BACKEND_KEYS if key not in ("weight_bytes", "tensors"))  # not onnx
 
 
 @dataclass(frozen=True)
@@ -132,12 +133,12 @@ class BackendEntry:
         entry = cls(
             name, engines, weights if isinstance(weights, str) else None, 0, {},
             obj.get("flavour", "portable"), obj.get("quantize", "none"), obj.get("precision"), obj.get("package"),
-            extras(obj, _BACKEND_KEYS if name == "onnx" else _BACKEND_KEYS[:2] + _BACKEND_KEYS[4:]), tuple(obj),
+            extras(obj, _BACKEND_KEYS if name == "onnx" else _COMPILED_KEYS), tuple(obj),
         )  # fmt: skip
         if name == "onnx":
             return entry._checked_onnx(obj)
         if weights is not None and not isinstance(weights, str):  # kept as it was written (not a path)
-            return cls(**{**entry.__dict__, "extra": {**entry.extra, "weights": weights}})
+            return replace(entry, extra={**entry.extra, "weights": weights})
         return entry
 
     def _checked_onnx(self, obj: Mapping[str, Any]) -> BackendEntry:
@@ -157,7 +158,7 @@ class BackendEntry:
                 all(n in tensors for n in engine.initializers or ()),
                 f"onnx engine {graph_name!r} uses a weight missing from the table",
             )
-        return BackendEntry(**{**self.__dict__, "tensors": tensors, "weight_bytes": obj.get("weight_bytes", 0)})
+        return replace(self, tensors=tensors, weight_bytes=obj.get("weight_bytes", 0))
 
     def engine(self, graph: str) -> EngineEntry:
         engine = self.graphs.get(graph)

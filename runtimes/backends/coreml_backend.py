@@ -29,7 +29,8 @@ class CoreMLBackend(Backend):
         self.skip_reason = (
             ""
             if self.executes
-            else f"CoreML prediction needs macOS (this is {platform.system()}); the package was converted and checked statically"
+            else f"CoreML prediction needs macOS (this is {platform.system()}); "
+            "the package was converted and checked statically"
         )
         self.compute_units = compute_units
         self.dtype = np.float16 if self.entry.precision == "float16" else np.float32

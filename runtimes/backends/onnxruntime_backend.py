@@ -148,7 +148,8 @@ class OnnxRuntimeBackend(Backend):
         if PROVIDERS[provider] not in available:
             raise UsageError(
                 f"ONNX Runtime provider {provider!r} is not available here (have: {', '.join(available)})",
-                "install onnxruntime-gpu (`pip install adaptive-export[gpu]`) on a machine with a GPU, or use --provider cpu",
+                "install onnxruntime-gpu (`pip install adaptive-export[gpu]`) on a machine with a GPU, "
+                "or use --provider cpu",
             )
         self.provider = PROVIDERS[provider]
         self.threads = check_threads(threads)
