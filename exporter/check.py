@@ -100,8 +100,12 @@ def gated_on_quality(bundle: Bundle) -> bool:
     """Quantized weights are gated on quality, except GGUF-exact engines at accuracy level 1:
     their weights are the reference model's own (the GGUF dequantized) and their activations
     fp32, so they are held to the fp32 tolerances and greedy identity."""
-    onnx_entry = bundle.backend_entry("onnx")
-    exact = onnx_entry.quantize == "native" and (onnx_entry.extra.get("quant_options") or {}).get("accuracy_level") == 1
+    onnx_entry = bundle.manifest.backends.get("onnx")
+    exact = (
+        onnx_entry is not None
+        and onnx_entry.quantize == "native"
+        and (onnx_entry.extra.get("quant_options") or {}).get("accuracy_level") == 1
+    )
     return bundle.manifest.dtype in QUANT_MIN_AGREEMENT and not exact
 
 
@@ -127,14 +131,14 @@ def engine_parity(
     info = bundle.graph(graph_name)
     spec = GraphSpec(
         name=graph_name,
-        kind=info.kind,  # type: ignore[arg-type]
+        kind=info.kind,
         layers=info.layers,
-        source=info.source,  # type: ignore[arg-type]
-        logits=info.logits,  # type: ignore[arg-type]
+        source=info.source,
+        logits=info.logits,
         router_scores=info.router_scores,
         exit_hidden=info.exit_hidden,
         exit_adapter=info.exit_adapter,
-        config=info.config or "full",
+        config=info.config,  # type: ignore[arg-type]  # None where the manifest names none, as before
         exit_layer=info.exit_layer,
         prompt_tokens=info.prompt_tokens,
         draft_vocab=info.draft_vocab,
