@@ -63,6 +63,27 @@ def best_speedup(measured: dict[str, Any], exit_layer: int, layers: int) -> tupl
     return max(scored, key=lambda r: r[2])
 
 
+def exit_row(e: int, report: dict[str, Any], raw: dict[str, Any], adapted: dict[str, Any], layers: int) -> dict:
+    """One exit's table row: agreement before/after the fit, best k and speed-up raw vs adapted."""
+    k0, t0, s0 = best_speedup(raw, e, layers)
+    k1, t1, s1 = best_speedup(adapted, e, layers)
+    return {
+        "E": e,
+        "params": report["params"],
+        "held_before": report["held_out"]["before"],
+        "held_after": report["held_out"]["after"],
+        "train_before": report["train"]["before"],
+        "train_after": report["train"]["after"],
+        "fit_s": report["seconds"],
+        "raw_best_k": k0,
+        "raw_tok/round": t0,
+        "raw_speedup": s0,
+        "ad_best_k": k1,
+        "ad_tok/round": t1,
+        "ad_speedup": s1,
+    }
+
+
 def main() -> None:
     args = parse_args()
     pin_threads(args.threads)
@@ -98,31 +119,11 @@ def main() -> None:
     )
     adapted = measure_speculation(loaded, None, held_prompts, args.new_tokens, adapters=fit.adapters, runs=held_runs)
     raw["adapter_cost_layers"] = 0.0
-    rows = []
-    for e in exits:
-        r = fit.report["per_exit"][str(e)]
-        k0, t0, s0 = best_speedup(raw, e, layers)
-        k1, t1, s1 = best_speedup(adapted, e, layers)
-        rows.append(
-            {
-                "E": e,
-                "params": r["params"],
-                "held_before": r["held_out"]["before"],
-                "held_after": r["held_out"]["after"],
-                "train_before": r["train"]["before"],
-                "train_after": r["train"]["after"],
-                "fit_s": r["seconds"],
-                "raw_best_k": k0,
-                "raw_tok/round": t0,
-                "raw_speedup": s0,
-                "ad_best_k": k1,
-                "ad_tok/round": t1,
-                "ad_speedup": s1,
-            }
-        )
+    rows = [exit_row(e, fit.report["per_exit"][str(e)], raw, adapted, layers) for e in exits]
     positions = fit.report["positions"]
     print(
-        f"{args.model}: {len(prompts)} prompts ({len(held)} held out), {args.new_tokens} greedy tokens, positions {positions}, "
+        f"{args.model}: {len(prompts)} prompts ({len(held)} held out), {args.new_tokens} greedy tokens, "
+        f"positions {positions}, "
         f"rank {args.rank}, {args.epochs} epochs, {args.threads} threads; generation {generate_s:.0f} s"
     )
     table = print_table(rows, list(rows[0]))

@@ -16,25 +16,95 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from typing import Any
 
 import numpy as np
 
 from benchmarks.common import pin_threads, print_table
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tensor", default="blk.0.ffn_gate.weight", help="a Q4_1 tensor of the SmolLM2 GGUF")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=1, help="activation rows T")
     parser.add_argument("--runs", type=int, default=4000, help="timed runs per contender (float zero points: a tenth)")
     parser.add_argument("--rounds", type=int, default=20)
-    args = parser.parse_args()
+    return parser
+
+
+def linear_session(nodes: list, inits: list, k: int, threads: int) -> Any:
+    """An ONNX Runtime session of a one-linear graph x [1, T, k] -> y."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from adaptive_export.exporter import gguf_native as gn
+
+    graph = helper.make_graph(
+        nodes,
+        "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=gn.unique_initializers(inits),
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(gn.MS_DOMAIN, 1)])
+    model.ir_version = 10
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def contender_graphs(nl: Any, zp0: Any, float_zp: np.ndarray, level: int) -> dict[str, tuple[list, list]]:
+    """(nodes, initializers) of each form of the linear at this accuracy level."""
+    from onnx import helper, numpy_helper
+
+    from adaptive_export.exporter import gguf_native as gn
+
+    bs_nodes, bs_inits = gn.blocksum_nodes("x", "x_bs", nl.k, "bs")
+    plain = gn.matmul_nbits_nodes("x", "y", "w", dataclasses.replace(nl, correction=None), level, None)
+    exact = gn.matmul_nbits_nodes("x", "y", "w", nl, level, "x_bs")
+    zero = gn.matmul_nbits_nodes("x", "y", "w", zp0, level, "x_bs")
+    float_node = helper.make_node(
+        "MatMulNBits",
+        ["x", "w.qweight", "w.scales", "zpf"],
+        ["y"],
+        domain=gn.MS_DOMAIN,
+        K=nl.k,
+        N=nl.n,
+        bits=4,
+        block_size=32,
+        accuracy_level=level,
+    )
+    return {
+        "symmetric, no correction": plain,
+        "symmetric + block sums": (bs_nodes + exact[0], bs_inits + exact[1]),
+        "uint8 zero point 0 + sums": (bs_nodes + zero[0], bs_inits + zero[1]),
+        "float zero points": ([float_node], plain[1] + [numpy_helper.from_array(float_zp, "zpf")]),
+    }
+
+
+def time_sessions(sessions: dict[str, Any], x: np.ndarray, runs: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per run of each session, after 200 warm-up runs each."""
+    samples: dict[str, list[float]] = {name: [] for name in sessions}
+    for sess in sessions.values():
+        for _ in range(200):
+            sess.run(None, {"x": x})
+    # contenders interleaved in rounds, so load from other jobs hits them alike
+    for _ in range(rounds):
+        for name, sess in sessions.items():
+            per_round = runs // rounds if "float" not in name else max(runs // rounds // 10, 5)
+            for _ in range(per_round):
+                start = time.perf_counter()
+                sess.run(None, {"x": x})
+                samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     pin_threads(args.threads)
 
     import gguf
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
 
     from adaptive_export.exporter import gguf_native as gn
     from adaptive_export.loading.model import smollm2_gguf_path
@@ -53,64 +123,13 @@ def main() -> None:
         correction=np.ascontiguousarray(minimum.T, dtype=np.float32),
     )
     float_zp = (-minimum / nl.scales).astype(np.float32)
-
-    def session(nodes, inits):
-        graph = helper.make_graph(
-            nodes,
-            "linear",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, nl.k])],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-            initializer=gn.unique_initializers(inits),
-        )
-        model = helper.make_model(
-            graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(gn.MS_DOMAIN, 1)]
-        )
-        model.ir_version = 10
-        options = ort.SessionOptions()
-        options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
     rows = []
     for level in (1, 4):
-        bs_nodes, bs_inits = gn.blocksum_nodes("x", "x_bs", nl.k, "bs")
-        plain = gn.matmul_nbits_nodes("x", "y", "w", dataclasses.replace(nl, correction=None), level, None)
-        exact = gn.matmul_nbits_nodes("x", "y", "w", nl, level, "x_bs")
-        zero = gn.matmul_nbits_nodes("x", "y", "w", zp0, level, "x_bs")
-        floats = (
-            [
-                helper.make_node(
-                    "MatMulNBits",
-                    ["x", "w.qweight", "w.scales", "zpf"],
-                    ["y"],
-                    domain=gn.MS_DOMAIN,
-                    K=nl.k,
-                    N=nl.n,
-                    bits=4,
-                    block_size=32,
-                    accuracy_level=level,
-                )
-            ],
-            plain[1] + [numpy_helper.from_array(float_zp, "zpf")],
-        )
-        contenders = {
-            "symmetric, no correction": plain,
-            "symmetric + block sums": (bs_nodes + exact[0], bs_inits + exact[1]),
-            "uint8 zero point 0 + sums": (bs_nodes + zero[0], bs_inits + zero[1]),
-            "float zero points": floats,
+        contenders = contender_graphs(nl, zp0, float_zp, level)
+        sessions = {
+            name: linear_session(nodes, inits, nl.k, args.threads) for name, (nodes, inits) in contenders.items()
         }
-        sessions = {name: session(nodes, inits) for name, (nodes, inits) in contenders.items()}
-        samples: dict[str, list[float]] = {name: [] for name in sessions}
-        for name, sess in sessions.items():
-            for _ in range(200):
-                sess.run(None, {"x": x})
-        # contenders interleaved in rounds, so load from other jobs hits them alike
-        for _ in range(args.rounds):
-            for name, sess in sessions.items():
-                runs = args.runs // args.rounds if "float" not in name else max(args.runs // args.rounds // 10, 5)
-                for _ in range(runs):
-                    start = time.perf_counter()
-                    sess.run(None, {"x": x})
-                    samples[name].append(time.perf_counter() - start)
+        samples = time_sessions(sessions, x, args.runs, args.rounds)
         for name, sess in sessions.items():
             y = sess.run(None, {"x": x})[0]
             error = float(np.abs(y - reference).max() / np.abs(reference).max())

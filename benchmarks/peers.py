@@ -18,8 +18,8 @@ by every contender), the same thread count, in one run:
 - `hf-eager`: HF transformers `generate` (fp32, the packaged GGUF dequantized);
 - `optimum-ort`: optimum's `ORTModelForCausalLM` exported from the same model (needs
   `optimum-onnx`, which pins an older transformers: use a separate venv with --python);
-- `llama.cpp`: llama-cpp-python on the packaged GGUF itself (its own Q4_1 / Q4_K_M blocks), compiled from source; on a CPU
-  with AMX it crashes unless built with
+- `llama.cpp`: llama-cpp-python on the packaged GGUF itself (its own Q4_1 / Q4_K_M blocks), compiled from
+  source; on a CPU with AMX it crashes unless built with
   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON
   -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF" pip install llama-cpp-python
   (timed with its own greedy sampler; a second instance with logits_all=True, which its
@@ -60,6 +60,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -485,7 +486,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         return "" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
     lines = [
-        "| contender | prefill ms | TPOT ms | TPOT vs genai (same precision) | peak RSS MB | greedy identical (k/N, ties) | top-1 agreement | note |",
+        "| contender | prefill ms | TPOT ms | TPOT vs genai (same precision) | peak RSS MB "
+        "| greedy identical (k/N, ties) | top-1 agreement | note |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -504,7 +506,7 @@ def select(names: list[str], wanted: str, skip: str) -> list[str]:
     return [n for n in names if (not picks or any(n.startswith(p) for p in picks)) and n not in drops]
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--bundles",
@@ -517,7 +519,8 @@ def main() -> None:
         "--contenders",
         default="",
         metavar="LIST",
-        help=f"comma-separated contenders (or prefixes: genai, bundle) to run; default all: {', '.join(FIXED)}, bundle-*",
+        help="comma-separated contenders (or prefixes: genai, bundle) to run; "
+        f"default all: {', '.join(FIXED)}, bundle-*",
     )
     parser.add_argument("--skip", default="", metavar="LIST", help="comma-separated contenders to leave out")
     parser.add_argument(
@@ -529,6 +532,16 @@ def main() -> None:
     parser.add_argument(
         "--repeat", type=int, default=3, help="timed repetitions per prompt, after one warm-up run (default: 3)"
     )
+    _add_setting_arguments(parser)
+    parser.add_argument("--one", nargs=2, metavar=("NAME", "SPEC"), help=argparse.SUPPRESS)  # internal: child process
+    parser.add_argument("--reference", default=None, help=argparse.SUPPRESS)  # internal
+    parser.add_argument("--reference-out", default=None, help=argparse.SUPPRESS)  # internal
+    parser.add_argument("--save-hf", default=None, help=argparse.SUPPRESS)  # internal
+    return parser
+
+
+def _add_setting_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, prompts and tokens every contender runs, and where caches and results go."""
     parser.add_argument(
         "--model",
         choices=sorted(MODELS),
@@ -565,10 +578,10 @@ def main() -> None:
         metavar="FILE",
         help="also write the raw results (rows, per-prompt tokens, setting) as JSON here",
     )
-    parser.add_argument("--one", nargs=2, metavar=("NAME", "SPEC"), help=argparse.SUPPRESS)  # internal: child process
-    parser.add_argument("--reference", default=None, help=argparse.SUPPRESS)  # internal
-    parser.add_argument("--reference-out", default=None, help=argparse.SUPPRESS)  # internal
-    parser.add_argument("--save-hf", default=None, help=argparse.SUPPRESS)  # internal
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2 (TPOT is over the tokens after the first)")
@@ -582,105 +595,21 @@ def main() -> None:
         save_hf_dir(args.model, Path(args.save_hf))
         return
     if args.one:
-        print(
-            json.dumps(
-                run_one(
-                    args.one[0], args.one[1], args.threads, args.repeat, args.new_tokens, work, Path(args.reference)
-                )
-            )
+        result = run_one(
+            args.one[0], args.one[1], args.threads, args.repeat, args.new_tokens, work, Path(args.reference)
         )
+        print(json.dumps(result))
         return
 
     work.mkdir(parents=True, exist_ok=True)
     bundles = [(f"bundle-{pair.split('=', 1)[0]}", pair.split("=", 1)[1]) for pair in args.bundles.split(",") if pair]
     specs = dict([(n, "") for n in FIXED] + bundles)
-    names = select(list(specs), args.contenders, args.skip)
     interpreters = dict(pair.split("=", 1) for pair in args.python)
     ref_path = ensure_reference(args.model, work, prompts, args.new_tokens)
     ref = json.loads(ref_path.read_text())
-    rows: list[dict[str, Any]] = []
-    for name in names:
-        spec = specs[name]
-        row: dict[str, Any] = {"contender": name, "precision": PRECISION.get(name)}
-        try:
-            if name.startswith("genai-"):
-                spec = str(ensure_genai(args.model, work, name.split("-", 1)[1], args.threads))
-            elif name == "optimum-ort":
-                ensure_hf_dir(args.model, work)
-            elif name.startswith("bundle-"):
-                directory, at, mode = spec.partition("@")
-                spec = str(Path(directory).resolve()) + at + mode
-                if not (Path(directory) / "manifest.json").exists():
-                    raise RuntimeError(f"no bundle at {directory}")
-        except RuntimeError as exc:
-            rows.append({**row, "note": str(exc)})
-            print(f"{name}: {exc}", file=sys.stderr, flush=True)
-            continue
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        started = time.perf_counter()
-        try:
-            proc = _child(
-                args.model,
-                [
-                    "--one",
-                    name,
-                    spec or "-",
-                    "--threads",
-                    str(args.threads),
-                    "--repeat",
-                    str(args.repeat),
-                    "--prompts",
-                    str(args.prompts),
-                    "--new-tokens",
-                    str(args.new_tokens),
-                    "--work-dir",
-                    str(work),
-                    "--reference",
-                    str(ref_path),
-                ],
-                python=interpreters.get(name, sys.executable),
-                timeout=args.timeout,
-            )
-        except subprocess.TimeoutExpired:
-            rows.append({**row, "note": f"timed out after {args.timeout:.0f} s"})
-            continue
-        if proc.returncode != 0:
-            rows.append({**row, "note": _last_error(proc)})
-            print(f"{name} failed: {proc.stderr[-2000:]}", file=sys.stderr, flush=True)
-            continue
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        row.update(result)
-        row.update(quality(result, ref))
-        row["seconds"] = time.perf_counter() - started
-        notes = []
-        if name == "llama.cpp":
-            notes.append(_version(interpreters.get(name, sys.executable), "llama_cpp"))
-        elif name.startswith("genai-"):
-            notes.append(_version(sys.executable, "onnxruntime_genai"))
-        elif name in ("hf-eager", "optimum-ort"):
-            notes.append(_version(interpreters.get(name, sys.executable), "transformers"))
-        elif name.startswith("bundle-"):
-            notes.append(
-                f"{row['precision']}, {Path(spec.partition('@')[0]).name}"
-                + (f", --mode {spec.partition('@')[2]}" if "@" in spec else "")
-            )
-            if not row.get("codec_ids_match", True):
-                notes.append("bundle codec's prompt ids differ from HF's (HF's are used)")
-        row["note"] = ", ".join(n for n in notes if n)
-        rows.append(row)
-        print(
-            f"{name}: prefill {row['prefill_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms, RSS {row['peak_rss_mb']:.0f} MB, "
-            f"greedy {row['greedy_identical']}/{row['prompts']}, agreement {row['top1_agreement']:.3f}",
-            file=sys.stderr,
-            flush=True,
-        )
-    genai = {r["precision"]: r["tpot_ms"] for r in rows if r["contender"].startswith("genai-") and "tpot_ms" in r}
-    hf = next((r["tpot_ms"] for r in rows if r["contender"] == "hf-eager" and "tpot_ms" in r), None)
-    for r in rows:
-        if "tpot_ms" in r and genai.get(r.get("precision")):
-            r["tpot_vs_genai"] = r["tpot_ms"] / genai[r["precision"]]
-        if "tpot_ms" in r and hf:
-            r["tpot_vs_hf"] = r["tpot_ms"] / hf
+    runs = ContenderRuns(args, work, ref_path, ref, interpreters)
+    rows = [runs.row(name, specs[name]) for name in select(list(specs), args.contenders, args.skip)]
+    add_ratios(rows)
     setting = {
         "model": args.model,
         "cpu": cpu_model(),
@@ -703,6 +632,99 @@ def main() -> None:
     print(markdown_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"setting": setting, "rows": rows}, indent=2) + "\n")
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """TPOT against genai at the same precision, and against HF eager."""
+    genai = {r["precision"]: r["tpot_ms"] for r in rows if r["contender"].startswith("genai-") and "tpot_ms" in r}
+    hf = next((r["tpot_ms"] for r in rows if r["contender"] == "hf-eager" and "tpot_ms" in r), None)
+    for r in rows:
+        if "tpot_ms" in r and genai.get(r.get("precision")):
+            r["tpot_vs_genai"] = r["tpot_ms"] / genai[r["precision"]]
+        if "tpot_ms" in r and hf:
+            r["tpot_vs_hf"] = r["tpot_ms"] / hf
+
+
+@dataclass(frozen=True)
+class ContenderRuns:
+    """Runs each contender in its own subprocess (so peak RSS is its own) against one reference."""
+
+    args: argparse.Namespace
+    work: Path
+    ref_path: Path
+    ref: dict[str, Any]
+    interpreters: dict[str, str]
+
+    def row(self, name: str, spec: str) -> dict[str, Any]:
+        """The table row of contender `name`: its timings and quality, or a note saying why not."""
+        row: dict[str, Any] = {"contender": name, "precision": PRECISION.get(name)}
+        try:
+            spec = self.prepare(name, spec)
+        except RuntimeError as exc:
+            print(f"{name}: {exc}", file=sys.stderr, flush=True)
+            return {**row, "note": str(exc)}
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        try:
+            proc = self.run(name, spec)
+        except subprocess.TimeoutExpired:
+            return {**row, "note": f"timed out after {self.args.timeout:.0f} s"}
+        if proc.returncode != 0:
+            print(f"{name} failed: {proc.stderr[-2000:]}", file=sys.stderr, flush=True)
+            return {**row, "note": _last_error(proc)}
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        row.update(result)
+        row.update(quality(result, self.ref))
+        row["seconds"] = time.perf_counter() - started
+        row["note"] = self.note(name, spec, row)
+        print(
+            f"{name}: prefill {row['prefill_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms, "
+            f"RSS {row['peak_rss_mb']:.0f} MB, "
+            f"greedy {row['greedy_identical']}/{row['prompts']}, agreement {row['top1_agreement']:.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return row
+
+    def prepare(self, name: str, spec: str) -> str:
+        """Builds what the contender needs (genai model, HF directory) and returns its spec;
+        RuntimeError where it cannot."""
+        if name.startswith("genai-"):
+            return str(ensure_genai(self.args.model, self.work, name.split("-", 1)[1], self.args.threads))
+        if name == "optimum-ort":
+            ensure_hf_dir(self.args.model, self.work)
+        elif name.startswith("bundle-"):
+            directory, at, mode = spec.partition("@")
+            spec = str(Path(directory).resolve()) + at + mode
+            if not (Path(directory) / "manifest.json").exists():
+                raise RuntimeError(f"no bundle at {directory}")
+        return spec
+
+    def run(self, name: str, spec: str) -> subprocess.CompletedProcess[str]:
+        args = self.args
+        child_args = ["--one", name, spec or "-", "--threads", str(args.threads), "--repeat", str(args.repeat)]
+        child_args += ["--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens)]
+        child_args += ["--work-dir", str(self.work), "--reference", str(self.ref_path)]
+        python = self.interpreters.get(name, sys.executable)
+        return _child(args.model, child_args, python=python, timeout=args.timeout)
+
+    def note(self, name: str, spec: str, row: dict[str, Any]) -> str:
+        """The table's note: the contender's library version, or a bundle's precision, directory and mode."""
+        notes = []
+        if name == "llama.cpp":
+            notes.append(_version(self.interpreters.get(name, sys.executable), "llama_cpp"))
+        elif name.startswith("genai-"):
+            notes.append(_version(sys.executable, "onnxruntime_genai"))
+        elif name in ("hf-eager", "optimum-ort"):
+            notes.append(_version(self.interpreters.get(name, sys.executable), "transformers"))
+        elif name.startswith("bundle-"):
+            notes.append(
+                f"{row['precision']}, {Path(spec.partition('@')[0]).name}"
+                + (f", --mode {spec.partition('@')[2]}" if "@" in spec else "")
+            )
+            if not row.get("codec_ids_match", True):
+                notes.append("bundle codec's prompt ids differ from HF's (HF's are used)")
+        return ", ".join(n for n in notes if n)
 
 
 def _version(python: str, module: str) -> str:

@@ -109,7 +109,8 @@ def main() -> None:
     rows, intercept, slope = config_rows(points, num_layers)
     print(
         f"{bundle}: threads={args.threads}, {args.new_tokens} tokens, median of {args.repeat}; "
-        f"fit: {slope:.3f} ms per layer + {intercept:.2f} ms fixed ({intercept / points['full']['tpot_ms']:.0%} of full TPOT)"
+        f"fit: {slope:.3f} ms per layer + {intercept:.2f} ms fixed "
+        f"({intercept / points['full']['tpot_ms']:.0%} of full TPOT)"
     )
     print_table(rows, ["config", "kept", "skipped", "tpot_ms", "vs_full", "cut_per_skip_share", "per_layer_efficiency"])
     if (

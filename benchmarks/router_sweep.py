@@ -61,7 +61,7 @@ def evaluate(
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--lambdas",
@@ -74,9 +74,23 @@ def main() -> None:
     parser.add_argument(
         "--single-layers",
         action="store_true",
-        help="only print the teacher-forced top-1 agreement on the calibration prompts when decoding skips each single layer",
+        help="only print the teacher-forced top-1 agreement on the calibration prompts "
+        "when decoding skips each single layer",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def print_single_layer_costs(loaded, model: GatedModel, train: list[TrainingSequence]) -> None:
+    """`--single-layers`: what skipping each one layer costs in agreement."""
+    every = set(range(loaded.spec.num_layers))
+    costs = [
+        {"skipped_layer": i, "top1_agreement": continuation_agreement(model, train, every - {i})} for i in sorted(every)
+    ]
+    print_table(costs, ["skipped_layer", "top1_agreement"])
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     pin_threads(args.threads)
     from adaptive_export.loading.model import load_model
 
@@ -84,12 +98,7 @@ def main() -> None:
     model = GatedModel(loaded).eval()
     train = [TrainingSequence(*greedy_sequence(loaded, p, 24)) for p in calibration_prompts(None)]
     if args.single_layers:
-        every = set(range(loaded.spec.num_layers))
-        costs = [
-            {"skipped_layer": i, "top1_agreement": continuation_agreement(model, train, every - {i})}
-            for i in sorted(every)
-        ]
-        print_table(costs, ["skipped_layer", "top1_agreement"])
+        print_single_layer_costs(loaded, model, train)
         return
     held = [TrainingSequence(*greedy_sequence(loaded, p, 32)) for p in load_prompts(DEFAULT_PROMPTS)]
     texts = [
@@ -110,7 +119,8 @@ def main() -> None:
             {"lambda": lam, **metrics, "tpot_ms": tpot, "tpot_vs_full": tpot / full_tpot, "train_s": result.seconds}
         )
     print(
-        f"decode engines by kept layers (threads={args.threads}); fit: {slope:.3f} ms per layer + {intercept:.2f} ms fixed"
+        f"decode engines by kept layers (threads={args.threads}); "
+        f"fit: {slope:.3f} ms per layer + {intercept:.2f} ms fixed"
     )
     print_table(
         config_table, ["config", "kept", "skipped", "tpot_ms", "vs_full", "cut_per_skip_share", "per_layer_efficiency"]
@@ -119,6 +129,11 @@ def main() -> None:
     print_table(rows, ["lambda", "mean_skipped", "top1_agreement", "perplexity", "tpot_ms", "tpot_vs_full", "train_s"])
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "configs": config_table}, indent=2))
+    plot_sweep(rows, args.plot)
+
+
+def plot_sweep(rows: list[dict], path: str) -> None:
+    """Agreement against layers skipped, perplexity against TPOT (skipped without matplotlib)."""
     try:
         import matplotlib
 
@@ -138,9 +153,9 @@ def main() -> None:
     ax[1].set_ylabel("held-out perplexity")
     fig.suptitle("SmolLM2-135M FiRST routers: lambda sweep")
     fig.tight_layout()
-    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.plot, dpi=110)
-    print(f"plot: {args.plot}")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

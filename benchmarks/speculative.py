@@ -1,5 +1,5 @@
-"""Self-speculation on any bundle (SmolLM2, Gemma 3, ...): per draft source and k, acceptance, tokens per round, TPOT,
-speed-up over the project's own AR decoding and over HF `assistant_early_exit` at the same E.
+"""Self-speculation on any bundle (SmolLM2, Gemma 3, ...): per draft source and k, acceptance, tokens per
+round, TPOT, speed-up over the project's own AR decoding and over HF `assistant_early_exit` at the same E.
 
     python -m benchmarks.speculative --bundle bundles/smollm2-spec [--threads 2]
 
@@ -81,11 +81,23 @@ def bench_hf_early_exit(model, prompts: list[list[int]], exit_layer: int, repeat
     return median_of(tpot)
 
 
+def measured_row(gen, ids: list[list[int]], set_name: str, ar: float, repeat: int, label: str, **kwargs) -> dict:
+    """One table row: bench_runtime's medians (`kwargs` go to generate) under `label`, and the
+    speed-up over plain decoding."""
+    r = bench_runtime(gen, ids, repeat, **kwargs)
+    return {"prompts": set_name, "mode": label, **r, "speedup_vs_ar": ar / r["tpot_ms"]}
+
+
+def speculation_json(gen) -> dict:
+    """The bundle's speculation section as written (calibration's notes included), {} without one."""
+    return gen.bundle.manifest.speculation.to_json() if gen.bundle.manifest.speculation else {}
+
+
 def precision_rows(gen, ids: list[list[int]], set_name: str, ar: float, repeat: int, label: str = "") -> list[dict]:
     """Plain decoding at the precision draft's precision (the fast, lossy setting) and speculation
     with it at k = 2, 4 and the calibrated k; `label` names a compared bundle's draft."""
     full = gen.bundle.config("full").engines
-    spec = gen.bundle.manifest.calibrated("precision")
+    spec = speculation_json(gen)
     graph = gen.bundle.graph(full["precision_draft"])
     name = f"{graph.precision}" + (f", head over {graph.draft_vocab} tokens" if graph.draft_vocab else "") + label
     # the draft engine as the decode engine of an extra in-memory configuration (prefill stays the bundle's)
@@ -95,29 +107,15 @@ def precision_rows(gen, ids: list[list[int]], set_name: str, ar: float, repeat: 
         gen.bundle.manifest = dataclasses.replace(gen.bundle.manifest, configs=(*configs, extra))
     rows = []
     if not graph.draft_vocab:  # a reduced head cannot decode on its own: its tokens are a subset
-        r = bench_runtime(gen, ids, repeat, config="draft_precision")
-        rows.append(
-            {
-                "prompts": set_name,
-                "mode": f"ar at the draft's precision ({name}, lossy)",
-                **r,
-                "speedup_vs_ar": ar / r["tpot_ms"],
-            }
-        )
-    for k in sorted({2, 4, spec.draft_len or 4}):
-        r = bench_runtime(gen, ids, repeat, mode="spec", draft="precision", draft_len=k)
-        rows.append(
-            {
-                "prompts": set_name,
-                "mode": f"spec precision ({name} draft) k={k}",
-                **r,
-                "speedup_vs_ar": ar / r["tpot_ms"],
-            }
-        )
+        label = f"ar at the draft's precision ({name}, lossy)"
+        rows.append(measured_row(gen, ids, set_name, ar, repeat, label, config="draft_precision"))
+    for k in sorted({2, 4, int((spec.get("precision") or {}).get("draft_len", 4))}):
+        label = f"spec precision ({name} draft) k={k}"
+        rows.append(measured_row(gen, ids, set_name, ar, repeat, label, mode="spec", draft="precision", draft_len=k))
     return rows
 
 
-def main() -> None:
+def build_parser():
     parser = bench_parser(__doc__, bundle="a bundle built with --speculate (draft/verify engines)")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per prompt set")
@@ -125,7 +123,8 @@ def main() -> None:
     parser.add_argument(
         "--prepack",
         action="store_true",
-        help="prepack the decode and verify engines (ORT; +1 copy of the weights each); default: the runtime's own choice",
+        help="prepack the decode and verify engines (ORT; +1 copy of the weights each); "
+        "default: the runtime's own choice",
     )
     parser.add_argument(
         "--compare-draft",
@@ -135,7 +134,66 @@ def main() -> None:
         "is measured in the same run, against this bundle's plain decoding",
     )
     parser.add_argument("--json", default=None)
-    args = parse_and_pin(parser)
+    return parser
+
+
+def prompt_set_rows(gen, other, ids: list[list[int]], set_name: str, args, hf_model) -> list[dict]:
+    """Every row of one prompt set: plain decoding, each draft source the bundle has, auto, HF."""
+    full = gen.bundle.config("full").engines
+    spec = speculation_json(gen)
+    exit_layer = spec.get("exit_layer")
+    ar = bench_runtime(gen, ids, args.repeat)["tpot_ms"]
+    rows = [{"prompts": set_name, "mode": "ar (project)", "tpot_ms": ar, "speedup_vs_ar": 1.0}]
+
+    def row(label: str, **kwargs) -> dict:
+        return measured_row(gen, ids, set_name, ar, args.repeat, label, **kwargs)
+
+    for k in (2, 4):
+        rows.append(row(f"spec prompt_lookup k={k}", mode="spec", draft="prompt_lookup", draft_len=k))
+    if exit_layer:
+        for k in (2, 4):  # k=1 yields one token a round by construction (no bonus token)
+            rows.append(row(f"spec early_exit E={exit_layer} k={k}", mode="spec", draft="early_exit", draft_len=k))
+    if "precision_draft" in full:
+        rows += precision_rows(gen, ids, set_name, ar, args.repeat)
+    if other is not None:
+        rows += precision_rows(other, ids, set_name, ar, args.repeat, label=f" of {Path(args.compare_draft).name}")
+    if "ppd" in full:  # PPD prompt tokens: drafts guessed by the previous verify pass
+        m = gen.bundle.graph(full["ppd"]).prompt_tokens
+        for k in range(1, m + 1):
+            rows.append(row(f"spec ppd (m={m} prompt tokens) k={k}", mode="spec", draft="ppd", draft_len=k))
+    rows.append(row(f"auto ({spec.get('source') if spec.get('auto_enabled') else 'gated prompt_lookup'})", mode="auto"))
+    if hf_model is not None:
+        hf = bench_hf_early_exit(hf_model, ids, exit_layer, 1)
+        rows.append(
+            {
+                "prompts": set_name,
+                "mode": f"HF assistant_early_exit={exit_layer}",
+                "tpot_ms": hf,
+                "speedup_vs_ar": ar / hf,
+            }
+        )
+    return rows
+
+
+def setting_line(gen, args) -> str:
+    """The run's setting above the table: CPU, model, precision, threads, prompts, prepacking."""
+    spec = speculation_json(gen)
+    onnx_entry = gen.bundle.backend_entry("onnx")
+    precision = onnx_entry.quantize
+    if precision != "none":
+        precision += f" accuracy {(onnx_entry.extra.get('quant_options') or {}).get('accuracy_level')}"
+    model = gen.bundle.model.to_json()
+    return (
+        f"{cpu_model()}, {os.cpu_count()} CPUs; {model.get('source')} ({model['model_type']}, "
+        f"{model['num_layers']} layers) {gen.bundle.manifest.dtype} ({precision}), {args.threads} threads, "
+        f"{NEW_TOKENS} new tokens, {args.prompts} prompts x {args.repeat} (medians), "
+        f"prepack {'decode+verify' if args.prepack else 'runtime default'}; "
+        f"exit adapter at E={spec.get('exit_layer')}: {bool(spec.get('adapter'))}"
+    )
+
+
+def main() -> None:
+    args = parse_and_pin(build_parser())
     from adaptive_export.runtimes import Generator
 
     full = Generator(Path(args.bundle), verify="size").bundle.config("full").engines
@@ -145,79 +203,17 @@ def main() -> None:
     other = Generator(Path(args.compare_draft), threads=args.threads, prepack=prepack) if args.compare_draft else None
     if other is not None:
         other.codec.eos_ids = set()
-    spec = gen.bundle.manifest.speculation.to_json() if gen.bundle.manifest.speculation else {}
-    exit_layer = spec.get("exit_layer")
+    spec = speculation_json(gen)
     sets = {"chat": load_prompts(DEFAULT_PROMPTS, args.prompts), "rewrite": rewrite_prompts()[: args.prompts]}
     hf_model = None
-    if not args.no_hf and exit_layer:
+    if not args.no_hf and spec.get("exit_layer"):
         from adaptive_export.loading.model import load_model
 
         hf_model = load_model(gen.bundle.model.source or "smollm2").hf_model
     rows = []
     for set_name, texts in sets.items():
-        ids = [gen.codec.encode(t) for t in texts]
-        ar = bench_runtime(gen, ids, args.repeat)["tpot_ms"]
-        rows.append({"prompts": set_name, "mode": "ar (project)", "tpot_ms": ar, "speedup_vs_ar": 1.0})
-        for k in (2, 4):
-            r = bench_runtime(gen, ids, args.repeat, mode="spec", draft="prompt_lookup", draft_len=k)
-            rows.append(
-                {"prompts": set_name, "mode": f"spec prompt_lookup k={k}", **r, "speedup_vs_ar": ar / r["tpot_ms"]}
-            )
-        if exit_layer:
-            for k in (2, 4):  # k=1 yields one token a round by construction (no bonus token)
-                r = bench_runtime(gen, ids, args.repeat, mode="spec", draft="early_exit", draft_len=k)
-                rows.append(
-                    {
-                        "prompts": set_name,
-                        "mode": f"spec early_exit E={exit_layer} k={k}",
-                        **r,
-                        "speedup_vs_ar": ar / r["tpot_ms"],
-                    }
-                )
-        if "precision_draft" in full:
-            rows += precision_rows(gen, ids, set_name, ar, args.repeat)
-        if other is not None:
-            rows += precision_rows(other, ids, set_name, ar, args.repeat, label=f" of {Path(args.compare_draft).name}")
-        if "ppd" in full:  # PPD prompt tokens: drafts guessed by the previous verify pass
-            m = gen.bundle.graph(full["ppd"]).prompt_tokens
-            for k in range(1, m + 1):
-                r = bench_runtime(gen, ids, args.repeat, mode="spec", draft="ppd", draft_len=k)
-                rows.append(
-                    {
-                        "prompts": set_name,
-                        "mode": f"spec ppd (m={m} prompt tokens) k={k}",
-                        **r,
-                        "speedup_vs_ar": ar / r["tpot_ms"],
-                    }
-                )
-        auto = bench_runtime(gen, ids, args.repeat, mode="auto")
-        rows.append(
-            {
-                "prompts": set_name,
-                "mode": f"auto ({spec.get('source') if spec.get('auto_enabled') else 'gated prompt_lookup'})",
-                **auto,
-                "speedup_vs_ar": ar / auto["tpot_ms"],
-            }
-        )
-        if hf_model is not None:
-            hf = bench_hf_early_exit(hf_model, ids, exit_layer, 1)
-            rows.append(
-                {
-                    "prompts": set_name,
-                    "mode": f"HF assistant_early_exit={exit_layer}",
-                    "tpot_ms": hf,
-                    "speedup_vs_ar": ar / hf,
-                }
-            )
-    onnx_entry = gen.bundle.backend_entry("onnx")
-    precision = onnx_entry.quantize
-    if precision != "none":
-        precision += f" accuracy {(onnx_entry.extra.get('quant_options') or {}).get('accuracy_level')}"
-    model = gen.bundle.model.to_json()
-    print(
-        f"{cpu_model()}, {os.cpu_count()} CPUs; {model.get('source')} ({model['model_type']}, {model['num_layers']} layers) {gen.bundle.manifest.dtype} ({precision}), {args.threads} threads, {NEW_TOKENS} new tokens, {args.prompts} prompts x {args.repeat} (medians), "
-        f"prepack {'decode+verify' if args.prepack else 'runtime default'}; exit adapter at E={exit_layer}: {bool(spec.get('adapter'))}"
-    )
+        rows += prompt_set_rows(gen, other, [gen.codec.encode(t) for t in texts], set_name, args, hf_model)
+    print(setting_line(gen, args))
     print_table(
         rows,
         [

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from adaptive_export.runtimes.acceptance import greedy_verdict
 from adaptive_export.runtimes.drafting import SOURCES, lookup_ngram
 
 MAX_DRAFT = 8
@@ -28,23 +29,21 @@ Candidate = dict[str, Any]
 def simulate_rounds(drafts_at: Any, truth: list[int], k: int, bonus: bool = False) -> dict[str, float]:
     """Greedy speculation over `truth`; drafts_at(i, k) proposes tokens for positions i+1..
 
-    `bonus`: the verifier also scores the last draft, so a round where every draft is
-    accepted emits one more token (prompt lookup; early exit would need one more draft call).
+    The verifier's tokens are the true continuation, so each round is the runtime's acceptance
+    rule (runtimes/acceptance.py `greedy_verdict`) with targets truth[i+1..]. `bonus`: the
+    verifier also scores the last draft, so a round where every draft is accepted emits one
+    more token (prompt lookup; early exit would need one more draft call).
     """
     i, rounds, drafted, accepted, hits = 0, 0, 0, 0, 0
     while i < len(truth) - 1:
         drafts = drafts_at(i, k)[: len(truth) - 1 - i]
         rounds += 1
-        if not drafts:
-            i += 1
-            continue
-        hits += 1
-        good = 0
-        while good < len(drafts) and drafts[good] == truth[i + 1 + good]:
-            good += 1
+        hits += bool(drafts)
+        scored = len(drafts) + 1 if bonus or not drafts else len(drafts)  # a plain step scores one row
+        verdict = greedy_verdict(drafts, truth[i + 1 : i + 1 + scored])
         drafted += len(drafts)
-        accepted += good
-        i += good + (1 if good < len(drafts) or bonus else 0)
+        accepted += verdict.accepted
+        i += verdict.emitted
     produced = len(truth) - 1
     return {
         "rounds": rounds,

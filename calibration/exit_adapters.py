@@ -240,20 +240,7 @@ def fit_exit_adapters(
         adapters[e], details = train_adapter(
             head, e, train, held, rank=rank, epochs=epochs, seed=seed, progress=progress
         )
-        seconds = time.perf_counter() - started
-        per_exit[str(e)] = {
-            "held_out": {
-                "before": _round(agreement(head, None, held.hidden[e], held.top_ids)),
-                "after": _round(agreement(head, adapters[e], held.hidden[e], held.top_ids)),
-            },
-            "train": {
-                "before": _round(agreement(head, None, train.hidden[e], train.top_ids)),
-                "after": _round(agreement(head, adapters[e], train.hidden[e], train.top_ids)),
-            },
-            "params": sum(p.numel() for p in adapters[e].parameters()),
-            "seconds": round(seconds, 1),
-            **details,
-        }
+        per_exit[str(e)] = exit_report(head, adapters[e], e, train, held, time.perf_counter() - started, details)
     report = {
         "rank": rank,
         "epochs": epochs,
@@ -274,6 +261,31 @@ def fit_exit_adapters(
         "per_exit": per_exit,
     }
     return ExitAdapterFit(adapters, report)
+
+
+def exit_report(
+    head: Head,
+    adapter: ExitAdapter,
+    exit_layer: int,
+    train: Split,
+    held: Split,
+    seconds: float,
+    details: dict[str, Any],
+) -> dict[str, Any]:
+    """calibration.json's entry of one exit: agreement before/after on both splits, size, time, curve."""
+    return {
+        "held_out": {
+            "before": _round(agreement(head, None, held.hidden[exit_layer], held.top_ids)),
+            "after": _round(agreement(head, adapter, held.hidden[exit_layer], held.top_ids)),
+        },
+        "train": {
+            "before": _round(agreement(head, None, train.hidden[exit_layer], train.top_ids)),
+            "after": _round(agreement(head, adapter, train.hidden[exit_layer], train.top_ids)),
+        },
+        "params": sum(p.numel() for p in adapter.parameters()),
+        "seconds": round(seconds, 1),
+        **details,
+    }
 
 
 def _round(value: float) -> float | None:

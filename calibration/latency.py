@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 
 from adaptive_export.calibration.draft_sources import MEASURES
+from adaptive_export.runtimes.bundle import load_bundle
 from adaptive_export.runtimes.drafting import FREE_SOURCE
+from adaptive_export.runtimes.generate import Generator
 
 PREFIX_TOKENS = 64  # a typical chat prompt plus some generated tokens
 REPEATS = 7
@@ -51,9 +53,6 @@ def measure_engine_latencies(
     (`run --prepack decode`), which makes T > 1 passes much cheaper on CPU; False: none;
     None: the runtime's default (what `run` does).
     """
-    from adaptive_export.runtimes import Generator
-    from adaptive_export.runtimes.bundle import load_bundle
-
     bundle = load_bundle(bundle_dir, verify="size")
     engines = bundle.config("full").engines
     choice = (
@@ -92,9 +91,6 @@ def measure_precision_acceptance(bundle_dir: Path, prompts: list[str], max_k: in
     """Acceptance of the precision draft as built: real greedy speculative runs of the staged
     engines on the calibration prompts, per draft length k. (Simulating it on the PyTorch
     model would miss exactly what differs: the engines' quantized weights and activations.)"""
-    from adaptive_export.runtimes import Generator
-    from adaptive_export.runtimes.bundle import load_bundle
-
     gen = Generator(load_bundle(bundle_dir, verify="size"), threads=threads)
     per_k: dict[str, Any] = {}
     for k in range(1, max_k + 1):

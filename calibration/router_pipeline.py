@@ -47,6 +47,7 @@ class RouterOptions:
 
 
 def plan_routers(options: RouterOptions, loaded: Any) -> tuple[Any, list[SkipConfig], dict[str, Any], dict[str, bytes]]:
+    """(routers, the skip configurations worth an engine, calibration.json's entry, the routers file)."""
     spec = loaded.spec
     prompts = calibration_prompts(options.calib)
     lam = DEFAULT_LAMBDA if options.router_lambda is None else options.router_lambda
@@ -57,25 +58,7 @@ def plan_routers(options: RouterOptions, loaded: Any) -> tuple[Any, list[SkipCon
         for p in tqdm(prompts, desc="calibration continuations", unit="prompt")
     ]
     report: dict[str, Any] = {"prompts": len(prompts), "threshold": THRESHOLD}
-    if options.routers == "train":
-        lr = options.router_lr or LEARNING_RATE
-        if lr <= 0:
-            raise UsageError(f"--router-lr {lr} is not positive", "use a learning rate such as 5e-3")
-        result = train_routers(loaded, sequences, lam=lam, seed=options.seed, lr=lr)
-        routers = result.routers
-        report["training"] = {
-            "lambda": lam,
-            "learning_rate": lr,
-            "epochs": result.epochs,
-            "seconds": round(result.seconds, 1),
-            "seed": options.seed,
-            "loss_first_epoch": round(result.loss_first, 4),
-            "loss_last_epoch": round(result.loss_last, 4),
-            "mean_p_last": round(result.mean_p_last, 4),
-        }
-    else:
-        routers = load_routers(options.routers, spec.num_layers, spec.hidden_size)
-        report["training"] = {"loaded_from": str(options.routers)}
+    routers, report["training"] = routers_and_training(options, loaded, sequences, lam)
     histogram: Counter[frozenset[int]] = Counter()
     for seq in sequences:
         histogram[kept_by_routers(loaded, routers, seq.ids[: seq.prompt_len])] += 1
@@ -109,6 +92,30 @@ def plan_routers(options: RouterOptions, loaded: Any) -> tuple[Any, list[SkipCon
         "rule": "superset: cheapest compiled configuration containing every kept layer; full always compiled",
     }
     return routers, configs, report, {ROUTERS_FILE: routers_bytes(routers)}
+
+
+def routers_and_training(
+    options: RouterOptions, loaded: Any, sequences: list[TrainingSequence], lam: float
+) -> tuple[Any, dict[str, Any]]:
+    """The routers, trained on the calibration continuations or loaded from a file, and how they came."""
+    if options.routers != "train":
+        spec = loaded.spec
+        return load_routers(options.routers, spec.num_layers, spec.hidden_size), {"loaded_from": str(options.routers)}
+    lr = options.router_lr or LEARNING_RATE
+    if lr <= 0:
+        raise UsageError(f"--router-lr {lr} is not positive", "use a learning rate such as 5e-3")
+    result = train_routers(loaded, sequences, lam=lam, seed=options.seed, lr=lr)
+    training = {
+        "lambda": lam,
+        "learning_rate": lr,
+        "epochs": result.epochs,
+        "seconds": round(result.seconds, 1),
+        "seed": options.seed,
+        "loss_first_epoch": round(result.loss_first, 4),
+        "loss_last_epoch": round(result.loss_last, 4),
+        "mean_p_last": round(result.mean_p_last, 4),
+    }
+    return result.routers, training
 
 
 class QualityFloor:

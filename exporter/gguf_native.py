@@ -122,7 +122,8 @@ def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _decode_blocks(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray | None, int]:
-    """blocks: uint8 [b, type_size] -> (codes int16 [b, qk], scale f32 [b, qk // bs], bs, min f32 [b, qk // 32] | None, bits)."""
+    """blocks: uint8 [b, type_size] -> (codes int16 [b, qk], scale f32 [b, qk // bs], bs,
+    min f32 [b, qk // 32] | None, bits)."""
     b = blocks.shape[0]
     if type_name == "Q4_0":
         d = _f16(blocks[:, 0:2])
@@ -254,16 +255,10 @@ def _negative_zeros(n: int, k: int) -> np.ndarray:
     return np.full((n, k // CORRECTION_BLOCK), -0.0, np.float32)
 
 
-def native_linear(
-    reader: Any, tensor_names: list[str], row_permutations: list[np.ndarray | None] | None = None
-) -> NativeLinear:
-    """Convert GGUF tensors (concatenated along N, each rows permuted as W[perm]) to one NativeLinear.
-
-    All tensors must share K. Mixed formats are promoted losslessly: bits = the widest, block
-    size = the smallest (a 32-block scale repeats over two 16-blocks), and a tensor without a
-    min gets a zero correction when another has one. Raises NotQuantizedError for F32/F16/BF16
-    tensors and UnsupportedGGUFTypeError for other formats (Q2_K, Q3_K, IQ*...).
-    """
+def _permuted_parts(
+    reader: Any, tensor_names: list[str], row_permutations: list[np.ndarray | None] | None
+) -> list[_Decoded]:
+    """The decoded tensors, each with its rows permuted as W[perm]."""
     if row_permutations is None:
         row_permutations = [None] * len(tensor_names)
     if len(row_permutations) != len(tensor_names) or not tensor_names:
@@ -277,6 +272,40 @@ def native_linear(
             part.codes, part.scale = part.codes[perm], part.scale[perm]
             if part.minimum is not None:
                 part.minimum = part.minimum[perm]
+    return parts
+
+
+def _promote(
+    p: _Decoded, bits: int, block_size: int, has_min: bool, k: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+    """One tensor at the shared bits and block size: (stored codes, scales, correction, zero points)."""
+    zero_point = 1 << (bits - 1)
+    scale = np.repeat(p.scale, p.block_size // block_size, axis=1) if p.block_size != block_size else p.scale
+    # -0.0, not 0.0: -0.0 + w == w for every w, ggml's -0.0 products included
+    minimum = p.minimum if p.minimum is not None else (_negative_zeros(p.codes.shape[0], k) if has_min else None)
+    zp = np.full(scale.shape, zero_point, np.uint8)
+    if bits == 8 or p.minimum is None:
+        # codes are already centred for the zero point (or carry an exact min: stored unshifted)
+        return p.codes + zero_point, scale, minimum, zp
+    # 4-bit with a min: codes 0..15 stored as they are, correction = min + 8 * scale
+    c, failing = _four_bit_correction(p.codes, p.scale, p.minimum)
+    if failing.any():  # exact instead with zero point 0 and correction = min
+        c = np.where(failing, p.minimum, c)
+        zp[failing] = 0
+    return p.codes, scale, c, zp
+
+
+def native_linear(
+    reader: Any, tensor_names: list[str], row_permutations: list[np.ndarray | None] | None = None
+) -> NativeLinear:
+    """Convert GGUF tensors (concatenated along N, each rows permuted as W[perm]) to one NativeLinear.
+
+    All tensors must share K. Mixed formats are promoted losslessly: bits = the widest, block
+    size = the smallest (a 32-block scale repeats over two 16-blocks), and a tensor without a
+    min gets a zero correction when another has one. Raises NotQuantizedError for F32/F16/BF16
+    tensors and UnsupportedGGUFTypeError for other formats (Q2_K, Q3_K, IQ*...).
+    """
+    parts = _permuted_parts(reader, tensor_names, row_permutations)
     k = parts[0].codes.shape[1]
     if any(p.codes.shape[1] != k for p in parts):
         raise ValueError(f"tensors {tensor_names} do not share the input dimension K")
@@ -285,25 +314,8 @@ def native_linear(
     has_min = any(p.minimum is not None for p in parts)
     zero_point = 1 << (bits - 1)
 
-    stored_parts, scale_parts, corr_parts, zp_parts = [], [], [], []
-    for p in parts:
-        scale = np.repeat(p.scale, p.block_size // block_size, axis=1) if p.block_size != block_size else p.scale
-        # -0.0, not 0.0: -0.0 + w == w for every w, ggml's -0.0 products included
-        minimum = p.minimum if p.minimum is not None else (_negative_zeros(p.codes.shape[0], k) if has_min else None)
-        zp = np.full(scale.shape, zero_point, np.uint8)
-        if bits == 8 or p.minimum is None:
-            # codes are already centred for the zero point (or carry an exact min: stored unshifted)
-            stored_parts.append(p.codes + zero_point)
-            corr_parts.append(minimum)
-        else:  # 4-bit with a min: codes 0..15 stored as they are, correction = min + 8 * scale
-            c, failing = _four_bit_correction(p.codes, p.scale, p.minimum)
-            if failing.any():  # exact instead with zero point 0 and correction = min
-                c = np.where(failing, p.minimum, c)
-                zp[failing] = 0
-            stored_parts.append(p.codes)
-            corr_parts.append(c)
-        scale_parts.append(scale)
-        zp_parts.append(zp)
+    promoted = [_promote(p, bits, block_size, has_min, k) for p in parts]
+    stored_parts, scale_parts, corr_parts, zp_parts = (list(column) for column in zip(*promoted))
     stored = np.concatenate(stored_parts, axis=0)
     scales = np.ascontiguousarray(np.concatenate(scale_parts, axis=0), dtype=np.float32)
     correction = np.ascontiguousarray(np.concatenate(corr_parts, axis=0).T, dtype=np.float32) if has_min else None
@@ -423,7 +435,8 @@ def hf_to_gguf_tensor_names(model_type: str, num_layers: int, tied: bool = True)
 
 
 def _zero_points(nl: NativeLinear) -> np.ndarray:
-    """MatMulNBits' zero_points input: uint8 [n, ceil(blocks * bits / 8)], 4-bit ones two per byte (low nibble first)."""
+    """MatMulNBits' zero_points input: uint8 [n, ceil(blocks * bits / 8)], 4-bit ones two per byte
+    (low nibble first)."""
     zp = nl.block_zero_points()
     if nl.bits == 8:
         return np.ascontiguousarray(zp)
@@ -552,24 +565,36 @@ def gather_block_quantized_nodes(
     )
     rows = f"{ns}/rows3d"
     if linear.correction is not None:
-        c32 = f"{prefix}.corr_shape"
-        inits.append(numpy_helper.from_array(np.array([-1, linear.k // 32, 32], np.int64), c32))
-        nodes += [
-            helper.make_node("Reshape", [rows, c32], [f"{ns}/rows32"], name=f"{ns}/Rows32"),
-            helper.make_node(
-                "Gather", [names["correction"], gather_ids], [f"{ns}/corr_t"], name=f"{ns}/GatherCorrection", axis=1
-            ),
-            helper.make_node("Transpose", [f"{ns}/corr_t"], [f"{ns}/corr"], name=f"{ns}/CorrT", perm=[1, 0]),
-            helper.make_node("Unsqueeze", [f"{ns}/corr", f"{prefix}.flat"], [f"{ns}/corr3d"], name=f"{ns}/CorrUnsq"),
-            helper.make_node("Add", [f"{ns}/rows32", f"{ns}/corr3d"], [f"{ns}/rows_corr"], name=f"{ns}/AddCorrection"),
-        ]
-        rows = f"{ns}/rows_corr"
+        correction_nodes, correction_inits, rows = _gathered_correction(prefix, linear, rows, gather_ids)
+        nodes += correction_nodes
+        inits += correction_inits
     nodes += [
         helper.make_node("Shape", [ids], [f"{ns}/ids_shape"], name=f"{ns}/IdsShape"),
         helper.make_node("Concat", [f"{ns}/ids_shape", tail], [f"{ns}/out_shape"], name=f"{ns}/OutShape", axis=0),
         helper.make_node("Reshape", [rows, f"{ns}/out_shape"], [out], name=f"{ns}/Rows"),
     ]
     return nodes, inits
+
+
+def _gathered_correction(
+    prefix: str, linear: NativeLinear, rows: str, gather_ids: str
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], str]:
+    """Nodes adding the gathered rows' correction (from its [K/32, N] layout) per block of 32 to
+    `rows`; returns them, their initializer and the corrected rows' name."""
+    names = initializer_names(prefix)
+    ns = f"{prefix}/gather"
+    c32 = f"{prefix}.corr_shape"
+    inits = [numpy_helper.from_array(np.array([-1, linear.k // 32, 32], np.int64), c32)]
+    nodes = [
+        helper.make_node("Reshape", [rows, c32], [f"{ns}/rows32"], name=f"{ns}/Rows32"),
+        helper.make_node(
+            "Gather", [names["correction"], gather_ids], [f"{ns}/corr_t"], name=f"{ns}/GatherCorrection", axis=1
+        ),
+        helper.make_node("Transpose", [f"{ns}/corr_t"], [f"{ns}/corr"], name=f"{ns}/CorrT", perm=[1, 0]),
+        helper.make_node("Unsqueeze", [f"{ns}/corr", f"{prefix}.flat"], [f"{ns}/corr3d"], name=f"{ns}/CorrUnsq"),
+        helper.make_node("Add", [f"{ns}/rows32", f"{ns}/corr3d"], [f"{ns}/rows_corr"], name=f"{ns}/AddCorrection"),
+    ]
+    return nodes, inits, f"{ns}/rows_corr"
 
 
 def unique_initializers(inits: list[onnx.TensorProto]) -> list[onnx.TensorProto]:

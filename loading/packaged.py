@@ -95,7 +95,8 @@ class PackagedGGUF:
                             out.write(block)
             if digest.hexdigest() != expected:
                 raise UsageError(
-                    f"the chunks of {self.name!r} assemble to sha256 {digest.hexdigest()[:16]}..., not the listed {expected[:16]}...",
+                    f"the chunks of {self.name!r} assemble to sha256 {digest.hexdigest()[:16]}..., "
+                    f"not the listed {expected[:16]}...",
                     f"reinstall them: `{self.pip} --force-reinstall`",
                 )
             os.replace(temp, target)

@@ -11,6 +11,8 @@ of text as its token is decoded, and `generate()` consumes it (docs/architecture
 
 from __future__ import annotations
 
+import collections.abc
+import enum
 import itertools
 import os
 import time
@@ -22,21 +24,46 @@ import numpy as np
 
 from adaptive_export.runtimes.backends import Backend, make_backend
 from adaptive_export.runtimes.bundle import Bundle, load_bundle
+from adaptive_export.runtimes.drafting import FREE_SOURCE, draft_source
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_draft_len
 from adaptive_export.runtimes.manifest import ConfigEntry
-from adaptive_export.runtimes.sampling import SamplingParams, choose
+from adaptive_export.runtimes.sampling import Sampler, SamplingParams, make_sampler
 from adaptive_export.runtimes.selection import choose_config
+from adaptive_export.runtimes.sequence import SequenceState
+from adaptive_export.runtimes.speculative import SpeculativeRunner, speculation_available
 from adaptive_export.runtimes.text import StreamDecoder, TextCodec
 
-MODES = ("ar", "spec", "auto")
+
+class Mode(enum.Enum):
+    """How tokens after the first are decoded (`run --mode`)."""
+
+    AR = "ar"  # plain steps
+    SPEC = "spec"  # speculative rounds with the chosen (or calibrated) draft source
+    AUTO = "auto"  # speculative rounds, gated: the calibrated source where it pays, else prompt lookup
+
+    @classmethod
+    def parse(cls, mode: Mode | str) -> Mode:
+        if isinstance(mode, Mode):
+            return mode
+        if not isinstance(mode, str) or mode not in MODES:
+            raise UsageError(f"mode {mode!r} is unknown", f"choose one of: {', '.join(MODES)}")
+        return cls(mode)
+
+    @property
+    def loop(self) -> str:
+        """The loop that runs it, as the stats report it: "ar" (plain steps) or "spec" (rounds)."""
+        return "ar" if self is Mode.AR else "spec"
+
+
+MODES = tuple(mode.value for mode in Mode)
 
 
 @dataclass
 class GenerationStats:
     backend: str
-    mode: str
+    mode: str  # Mode.loop: "ar" or "spec"
     config: str
     kept_layers: list[int]
     skipped_layers: int
@@ -62,15 +89,21 @@ class GenerationResult:
     stats: GenerationStats
 
 
-@dataclass
-class Sequence_:
-    """Mutable state of one sequence: the arena, the chosen configuration, emitted tokens."""
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation's arguments, checked (`Generator._request`)."""
 
-    arena: KVArena
-    config: ConfigEntry
     prompt_ids: list[int]
-    tokens: list[int]
-    pending: int  # the newest token: emitted, not yet in the cache
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    config: str  # "auto" or a configuration id
+    mode: Mode
+    draft: str | None  # the draft source for Mode.SPEC (None: the calibrated one)
+    draft_len: int | None  # None: the source's calibrated draft length
+
+
+Loop = collections.abc.Generator[str, None, GenerationResult]
 
 
 def _stop_strings(stop: Any) -> list[str]:
@@ -93,12 +126,17 @@ def _stop_strings(stop: Any) -> list[str]:
 class _Run:
     """Iterating yields the text deltas of one generation; `result` is set once it is exhausted."""
 
-    def __init__(self, loop: Iterator[str]) -> None:
+    def __init__(self, loop: Loop) -> None:
         self.loop = loop
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
         self.result = yield from self.loop
+
+    def finished(self) -> GenerationResult:
+        if self.result is None:
+            raise RuntimeError("the generation loop has not run to its end")
+        return self.result
 
 
 class Generator:
@@ -139,7 +177,7 @@ class Generator:
         stop: Sequence[str] = (),
         raw: bool = False,
         config: str = "auto",
-        mode: str = "ar",
+        mode: Mode | str = "ar",
         on_text: Callable[[str], None] | None = None,
         draft: str | None = None,
         draft_len: int | None = None,
@@ -150,26 +188,29 @@ class Generator:
             raise UsageError(
                 f"on_text is {type(on_text).__name__}, not a callable", "pass a function taking one str, or None"
             )
-        run = self._run(prompt, max_new_tokens, sampling, stop, raw, config, mode, draft, draft_len)
+        run = _Run(
+            self._loop(self._request(prompt, max_new_tokens, sampling, stop, raw, config, mode, draft, draft_len))
+        )
         for delta in run:
             if on_text is not None:
                 on_text(delta)
-        return run.result
+        return run.finished()
 
     def stream(self, prompt: str | Sequence[int], **kwargs: Any) -> Iterator[str]:
         """Yield text deltas as tokens are decoded (same arguments as `generate`, except on_text).
 
         The arguments are checked at the call; decoding advances as the caller iterates, and the
         full result is `last_result` once the iterator is exhausted."""
-        run = self._run(prompt, **kwargs)
+        run = _Run(self._loop(self._request(prompt, **kwargs)))
 
         def pieces() -> Iterator[str]:
             yield from run
-            self.last_result = run.result
+            self.last_result = run.finished()
 
         return pieces()
 
-    def _run(
+    # ---- arguments --------------------------------------------------------------------
+    def _request(
         self,
         prompt: str | Sequence[int],
         max_new_tokens: int = 64,
@@ -177,98 +218,38 @@ class Generator:
         stop: Sequence[str] = (),
         raw: bool = False,
         config: str = "auto",
-        mode: str = "ar",
+        mode: Mode | str = "ar",
         draft: str | None = None,
         draft_len: int | None = None,
-    ) -> _Run:
-        """Check the arguments now; return the (not yet started) generation loop."""
+    ) -> GenerationRequest:
+        """Check the arguments now (before the loop starts) and type them."""
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise UsageError(
                 f"sampling is {type(sampling).__name__}, not SamplingParams", "pass SamplingParams(...) or None"
             )
-        stop = _stop_strings(stop)
+        stop_strings = _stop_strings(stop)
         if not isinstance(config, str):
             raise UsageError(f"config {config!r} is not a configuration id", "pass 'auto' or an id from `inspect`")
         draft_len = check_draft_len(draft_len)
+        prompt_ids = self._prompt_ids(prompt, raw)
+        self._check_lengths(prompt_ids, max_new_tokens)
+        return GenerationRequest(
+            prompt_ids, max_new_tokens, sampling, stop_strings, config, Mode.parse(mode), draft, draft_len
+        )
+
+    def _prompt_ids(self, prompt: str | Sequence[int], raw: bool) -> list[int]:
         if isinstance(prompt, str):
-            prompt_ids = self.codec.encode(prompt, raw)
-        elif isinstance(prompt, (list, tuple)) and all(
+            return self.codec.encode(prompt, raw)
+        if isinstance(prompt, (list, tuple)) and all(
             isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt
         ):
-            prompt_ids = [int(t) for t in prompt]
-        else:
-            raise UsageError(
-                f"the prompt is {type(prompt).__name__}, neither text nor a list of token ids",
-                "pass a str, or a list of int token ids (decode bytes to str first)",
-            )
-        self._check_lengths(prompt_ids, max_new_tokens)
-        if not isinstance(mode, str) or mode not in MODES:
-            raise UsageError(f"mode {mode!r} is unknown", f"choose one of: {', '.join(MODES)}")
-        return _Run(self._loop(prompt_ids, max_new_tokens, sampling, stop, config, mode, draft, draft_len))
+            return [int(t) for t in prompt]
+        raise UsageError(
+            f"the prompt is {type(prompt).__name__}, neither text nor a list of token ids",
+            "pass a str, or a list of int token ids (decode bytes to str first)",
+        )
 
-    def _loop(
-        self,
-        prompt_ids: list[int],
-        max_new_tokens: int,
-        sampling: SamplingParams,
-        stop: list[str],
-        config: str,
-        mode: str,
-        draft: str | None,
-        draft_len: int | None,
-    ) -> Iterator[str]:
-        """The one generation loop: prefill, then one token at a time from the decoder, each
-        turned into text as it arrives. Returns (StopIteration.value) the GenerationResult."""
-        rng = np.random.default_rng(sampling.seed)
-        text = StreamDecoder(self.codec, stop)
-        started = time.perf_counter()
-        seq, stats = self._prefill(prompt_ids, config, mode, sampling, rng, draft)
-        stats.prefill_ms = (time.perf_counter() - started) * 1e3
-        decode_start = time.perf_counter()
-        decoder = self._decoder(seq, stats, max_new_tokens, sampling, rng, draft, draft_len, auto=mode == "auto")
-        try:
-            for token in itertools.chain((seq.pending,), decoder):
-                seq.tokens.append(token)
-                delta = text.push(token)
-                if delta:
-                    yield delta
-                if token in self.codec.eos_ids:
-                    stats.stop_reason = "eos"
-                elif text.stopped:
-                    stats.stop_reason = "stop"
-                if stats.stop_reason != "length" or len(seq.tokens) >= max_new_tokens:
-                    break
-        finally:
-            decoder.close()  # a decoder that was started records its stats now
-        tail = text.flush()
-        if tail:
-            yield tail
-        stats.decode_ms = (time.perf_counter() - decode_start) * 1e3
-        stats.new_tokens = len(seq.tokens)
-        stats.tpot_ms = stats.decode_ms / max(1, stats.new_tokens - 1)
-        return GenerationResult(text.text, list(seq.tokens), prompt_ids, stats)
-
-    def _decoder(
-        self,
-        seq: Sequence_,
-        stats: GenerationStats,
-        max_new_tokens: int,
-        sampling: SamplingParams,
-        rng: np.random.Generator,
-        draft: str | None,
-        draft_len: int | None,
-        auto: bool,
-    ) -> Iterator[int]:
-        """Tokens after the first: plain steps or speculative rounds (built only if asked for a token)."""
-        if stats.mode == "spec":
-            yield from self._speculative_runner(seq, stats, draft, draft_len, auto).tokens(
-                seq, max_new_tokens, sampling, rng
-            )
-        else:
-            yield from self._decode_ar(seq, sampling, rng)
-
-    # ---- steps ------------------------------------------------------------------------
     def _check_lengths(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise UsageError(
@@ -284,35 +265,62 @@ class Generator:
         needed = len(prompt_ids) + max_new_tokens
         if needed > self.bundle.max_len:
             raise UsageError(
-                f"prompt ({len(prompt_ids)} tokens) + max-new-tokens ({max_new_tokens}) = {needed} exceeds the bundle's max_len {self.bundle.max_len}",
+                f"prompt ({len(prompt_ids)} tokens) + max-new-tokens ({max_new_tokens}) = {needed}"
+                f" exceeds the bundle's max_len {self.bundle.max_len}",
                 "shorten the prompt, lower --max-new-tokens, or rebuild with a larger --max-len",
             )
 
-    def _prefill(
-        self,
-        prompt_ids: list[int],
-        config: str,
-        mode: str,
-        sampling: SamplingParams,
-        rng: np.random.Generator,
-        draft: str | None = None,
-    ) -> tuple[Sequence_, GenerationStats]:
+    # ---- the loop ---------------------------------------------------------------------
+    def _loop(self, request: GenerationRequest) -> Loop:
+        """The one generation loop: prefill, then one token at a time from the decoder, each
+        turned into text as it arrives. Returns (StopIteration.value) the GenerationResult."""
+        sampler = make_sampler(request.sampling)
+        text = StreamDecoder(self.codec, request.stop)
+        started = time.perf_counter()
+        seq, stats = self._prefill(request, sampler)
+        stats.prefill_ms = (time.perf_counter() - started) * 1e3
+        decode_start = time.perf_counter()
+        decoder = self._decoder(seq, stats, request, sampler)
+        try:
+            for token in itertools.chain((seq.pending,), decoder):
+                seq.tokens.append(token)
+                delta = text.push(token)
+                if delta:
+                    yield delta
+                if token in self.codec.eos_ids:
+                    stats.stop_reason = "eos"
+                elif text.stopped:
+                    stats.stop_reason = "stop"
+                if stats.stop_reason != "length" or len(seq.tokens) >= request.max_new_tokens:
+                    break
+        finally:
+            decoder.close()  # a decoder that was started records its stats now
+        tail = text.flush()
+        if tail:
+            yield tail
+        stats.decode_ms = (time.perf_counter() - decode_start) * 1e3
+        stats.new_tokens = len(seq.tokens)
+        stats.tpot_ms = stats.decode_ms / max(1, stats.new_tokens - 1)
+        return GenerationResult(text.text, list(seq.tokens), request.prompt_ids, stats)
+
+    def _prefill(self, request: GenerationRequest, sampler: Sampler) -> tuple[SequenceState, GenerationStats]:
+        prompt_ids = request.prompt_ids
         arena = self.arena
         arena.reset()
         out = self.backend.run("prefill", np.asarray([prompt_ids], dtype=np.int64), arena, 0)
         arena.length = len(prompt_ids)
-        chosen = self._resolve_config(config, out.router_scores)
-        first = choose(out.logits[0, -1], sampling, rng)
-        resolved_mode = self._resolve_mode(mode, chosen, draft)
+        chosen = self._resolve_config(request.config, out.router_scores)
+        first = sampler.choose(out.logits[0, -1])
+        self._check_mode(request, chosen)
         stats = GenerationStats(
             backend=self.backend.name,
-            mode=resolved_mode,
+            mode=request.mode.loop,
             config=chosen.id,
             kept_layers=list(chosen.kept),
             skipped_layers=self.bundle.num_layers - len(chosen.kept),
             prompt_tokens=len(prompt_ids),
         )
-        return Sequence_(arena=arena, config=chosen, prompt_ids=list(prompt_ids), tokens=[], pending=first), stats
+        return SequenceState(arena=arena, config=chosen, prompt_ids=list(prompt_ids), tokens=[], pending=first), stats
 
     def _resolve_config(self, config: str, router_scores: np.ndarray | None) -> ConfigEntry:
         if config != "auto":
@@ -323,43 +331,48 @@ class Generator:
         kept = [i for i, score in enumerate(router_scores) if score >= threshold]
         return choose_config(self.bundle.manifest.configs, kept)
 
-    def _resolve_mode(self, mode: str, config: ConfigEntry, draft: str | None) -> str:
+    def _check_mode(self, request: GenerationRequest, config: ConfigEntry) -> None:
         """spec needs the draft source's engines; auto always runs the speculative loop (see
         _speculative_runner), which falls back to plain steps where drafting does not pay."""
-        if mode == "ar":
-            return "ar"
-        from adaptive_export.runtimes.drafting import draft_source
-        from adaptive_export.runtimes.speculative import speculation_available
-
+        if request.mode is Mode.AR:
+            return
+        draft = request.draft
         if draft is not None:
             draft_source(draft)  # a clear error for an unknown name
-        if mode == "spec" and not speculation_available(self.bundle, config, draft):
+        if request.mode is Mode.SPEC and not speculation_available(self.bundle, config, draft):
             raise UsageError(
                 f"configuration {config.id!r} has no {draft} draft engines",
                 "use --draft prompt_lookup, --mode ar, or rebuild with --speculate",
             )
-        return "spec"
 
-    def _speculative_runner(
-        self, seq: Sequence_, stats: GenerationStats, draft: str | None, draft_len: int | None, auto: bool = False
-    ) -> Any:
+    # ---- decoders ---------------------------------------------------------------------
+    def _decoder(
+        self, seq: SequenceState, stats: GenerationStats, request: GenerationRequest, sampler: Sampler
+    ) -> collections.abc.Generator[int, None, None]:
+        """Tokens after the first: plain steps or speculative rounds (built only if asked for a token)."""
+        if request.mode is Mode.AR:
+            yield from self._decode_ar(seq, sampler)
+            return
+        runner = self._speculative_runner(seq, request)
+        try:
+            yield from runner.tokens(seq, request.max_new_tokens, sampler)
+        finally:
+            stats.speculation = asdict(runner.report())
+
+    def _speculative_runner(self, seq: SequenceState, request: GenerationRequest) -> SpeculativeRunner:
         """auto: the calibrated source where it pays on average (and has engines for this
         configuration), else prompt lookup; lookup and precision drafts are gated, so a prompt
         whose drafts do not pay decodes plainly."""
-        from adaptive_export.runtimes.drafting import FREE_SOURCE
-        from adaptive_export.runtimes.speculative import SpeculativeRunner, speculation_available
-
-        if auto:
+        draft_len = request.draft_len
+        if request.mode is Mode.AUTO:
             spec = self.bundle.manifest.speculation
             if not (spec is not None and spec.auto_enabled and speculation_available(self.bundle, seq.config)):
-                return SpeculativeRunner(
-                    self.bundle, self.backend, seq.config, stats, FREE_SOURCE, draft_len, gated=True
-                )
+                return SpeculativeRunner(self.bundle, self.backend, seq.config, FREE_SOURCE, draft_len, gated=True)
             # the calibrated source, still gated: a prompt whose drafts stop paying decodes plainly
-            return SpeculativeRunner(self.bundle, self.backend, seq.config, stats, None, draft_len, gated=True)
-        return SpeculativeRunner(self.bundle, self.backend, seq.config, stats, draft, draft_len)
+            return SpeculativeRunner(self.bundle, self.backend, seq.config, None, draft_len, gated=True)
+        return SpeculativeRunner(self.bundle, self.backend, seq.config, request.draft, draft_len)
 
-    def _decode_ar(self, seq: Sequence_, sampling: SamplingParams, rng: np.random.Generator) -> Iterator[int]:
+    def _decode_ar(self, seq: SequenceState, sampler: Sampler) -> Iterator[int]:
         graph = seq.config.decode
         arena = seq.arena
         token = np.empty((1, 1), dtype=np.int64)
@@ -367,5 +380,5 @@ class Generator:
             token[0, 0] = seq.pending
             out = self.backend.run(graph, token, arena, arena.length)
             arena.length += 1
-            seq.pending = choose(out.logits[0, -1], sampling, rng)
+            seq.pending = sampler.choose(out.logits[0, -1])
             yield seq.pending

@@ -1,8 +1,12 @@
-"""Greedy and temperature / top-k / top-p sampling on numpy logits, seeded."""
+"""Greedy and temperature / top-k / top-p sampling on numpy logits, seeded.
+
+`SamplingParams` is what the caller asks for; `make_sampler` turns it into the `Sampler` one
+generation draws with (mlx-lm's `make_sampler`): the parameters and the seeded generator
+together, built once per generation and passed down instead of (params, rng) pairs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -85,3 +89,28 @@ def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
         return int(np.argmax(logits))
     probs = probabilities(logits, params)
     return int(rng.choice(probs.size, p=probs))
+
+
+@dataclass
+class Sampler:
+    """Draws one generation's tokens: its parameters and its random stream (seeded once)."""
+
+    params: SamplingParams
+    rng: np.random.Generator = field(repr=False)
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.greedy
+
+    def choose(self, logits: np.ndarray) -> int:
+        """One token from a logits row [V]."""
+        return choose(logits, self.params, self.rng)
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution `choose` draws from."""
+        return probabilities(logits, self.params)
+
+
+def make_sampler(params: SamplingParams) -> Sampler:
+    """The sampler of one generation: a fresh generator seeded with `params.seed`."""
+    return Sampler(params, np.random.default_rng(params.seed))

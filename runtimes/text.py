@@ -19,14 +19,15 @@ class TextCodec:
             self.tokenizer = Tokenizer.from_str(data.decode("utf-8"))
         except Exception as exc:  # tokenizers raises a plain Exception for malformed JSON or models
             raise UsageError(
-                f"the bundle's tokenizer {info.file!r} cannot be loaded: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}",
+                f"the bundle's tokenizer {info.file!r} cannot be loaded: "
+                f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}",
                 "rebuild the bundle with `adaptive-export build`",
             ) from None
         vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
         if vocab > bundle.model.vocab_size:
             raise UsageError(
-                f"the bundle's tokenizer has {vocab} tokens, "
-                f"more than the model's vocabulary of {bundle.model.vocab_size}",
+                f"the bundle's tokenizer has {vocab} tokens, more than the model's vocabulary"
+                f" of {bundle.model.vocab_size}",
                 "rebuild the bundle with `adaptive-export build`",
             )
         self.chat = info.chat

@@ -53,7 +53,7 @@ def make_tiny_gemma3(directory: Path, seed: int = 0) -> Path:
     model = AutoModelForCausalLM.from_config(config)
     assert type(model).__name__ == "Gemma3ForCausalLM" and model.lm_head.weight is model.model.embed_tokens.weight
     with torch.no_grad():  # peaked logits (few float ties); norm weights off zero so (1 + w) matters
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             param.normal_(0.0, 0.08 if param.dim() == 2 else 0.2)
     model.save_pretrained(directory)
     return directory

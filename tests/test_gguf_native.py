@@ -389,7 +389,8 @@ def test_onnx_smollm2_q4_1_linears_share_one_blocksum(
         )
     with capsys.disabled():
         print(
-            f"\nSmolLM2 Q4_1 linears via MatMulNBits + block-sum correction: max rel. error {errors[1]:.1e} (accuracy 1), {errors[4]:.1e} (accuracy 4)"
+            "\nSmolLM2 Q4_1 linears via MatMulNBits + block-sum correction: "
+            f"max rel. error {errors[1]:.1e} (accuracy 1), {errors[4]:.1e} (accuracy 4)"
         )
     assert errors[1] < 1e-4 and errors[4] < 5e-2
     with pytest.raises(ValueError, match="blocksum"):

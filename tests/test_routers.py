@@ -219,6 +219,7 @@ def test_training_does_not_depend_on_the_size_of_activations(tmp_path: Path) -> 
         if not (scaled_dir / source.name).exists():
             (scaled_dir / source.name).write_bytes(source.read_bytes())
     scores = []
+    first_sequences = None
     for path in (directory, scaled_dir):
         loaded = load_model(str(path))
         sequences = [TrainingSequence(*greedy_sequence(loaded, p, 8)) for p in CALIB]

@@ -130,7 +130,7 @@ def test_gated_drafting_follows_the_round_times_it_measures(auto_bundle: Path, m
     import time
 
     from adaptive_export.runtimes.drafting.prompt_lookup import PromptLookup
-    from adaptive_export.runtimes.speculative import PLAIN_EVERY, PROBE_EVERY
+    from adaptive_export.runtimes.gate import PLAIN_EVERY, PROBE_EVERY
 
     generator = Generator(auto_bundle)
     spec = generator.bundle.manifest.speculation.to_json()
@@ -144,10 +144,10 @@ def test_gated_drafting_follows_the_round_times_it_measures(auto_bundle: Path, m
     runs = {}
     for slow in ("drafting", "plain"):
 
-        def slowed(self, pending, drafts, start, arena, slow=slow):  # noqa: ANN001, ANN202
-            if bool(drafts) == (slow == "drafting"):
+        def slowed(self, pending, proposal, start, arena, slow=slow):  # noqa: ANN001, ANN202
+            if bool(proposal.tokens) == (slow == "drafting"):
                 time.sleep(0.04)
-            return verify(self, pending, drafts, start, arena)
+            return verify(self, pending, proposal, start, arena)
 
         monkeypatch.setattr(PromptLookup, "verify", slowed)
         result = generator.generate(ids, max_new_tokens=48, mode="auto")
@@ -170,6 +170,7 @@ def test_gated_lookup_scores_proposals_on_plain_rounds(auto_bundle: Path, monkey
     """Prompt lookup's proposals are free, so plain rounds score them: when every proposal
     would be rejected, gated lookup never pays for a drafting round (no probes either); when
     proposals are the very tokens plain decoding emits, it drafts."""
+    from adaptive_export.runtimes.drafting import Proposal
     from adaptive_export.runtimes.drafting.prompt_lookup import PromptLookup
 
     generator = Generator(auto_bundle)
@@ -181,13 +182,13 @@ def test_gated_lookup_scores_proposals_on_plain_rounds(auto_bundle: Path, monkey
     ids = generator.codec.encode("the sea the sea the sea and the sky the sea", raw=True)
     plain = generator.generate(ids, max_new_tokens=40).tokens
     never = next(t for t in range(generator.bundle.model.vocab_size) if t not in plain)
-    monkeypatch.setattr(PromptLookup, "propose", lambda self, pending, context, k, *rest: ([never] * k, None))
+    monkeypatch.setattr(PromptLookup, "propose", lambda self, pending, context, k, *rest: Proposal([never] * k))
     wrong = generator.generate(ids, max_new_tokens=40, mode="auto")
     assert wrong.tokens == plain and wrong.stats.speculation["drafted"] == 0, wrong.stats.speculation
 
     def oracle(self, pending, context, k, *rest):  # noqa: ANN001, ANN202
         done = len(context) - len(ids)
-        return plain[done : done + k], None
+        return Proposal(plain[done : done + k])
 
     monkeypatch.setattr(PromptLookup, "propose", oracle)
     right = generator.generate(ids, max_new_tokens=40, mode="auto").stats.speculation

@@ -12,8 +12,9 @@ import pytest
 
 from adaptive_export.commands.cli import main
 from adaptive_export.runtimes import Generator, SamplingParams
+from adaptive_export.runtimes.acceptance import judge
 from adaptive_export.runtimes.drafting import lookup_ngram
-from adaptive_export.runtimes.speculative import SpeculativeRunner
+from adaptive_export.runtimes.sampling import Sampler
 from tests.conftest import make_tiny_model
 
 TIE_MARGIN = 1e-3
@@ -202,9 +203,8 @@ def test_rejection_rule_keeps_the_target_distribution(one_hot_draft: bool) -> No
     counts = np.zeros(vocab)
     for _ in range(samples):
         draft = int(rng.choice(vocab, p=q))
-        accepted, correction = SpeculativeRunner._accept(
-            [draft], None if one_hot_draft else [draft_logits], target_logits, params, rng
-        )
+        verdict = judge([draft], None if one_hot_draft else [draft_logits], target_logits, Sampler(params, rng))
+        accepted, correction = verdict.accepted, verdict.token
         counts[draft if accepted else correction] += 1
     assert _chi_square_pvalue(counts, p) > 1e-3
 

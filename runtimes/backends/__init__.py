@@ -11,9 +11,12 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from adaptive_export.runtimes.backends.base import Backend, StepOutputs
 from adaptive_export.runtimes.bundle import Bundle, logits_width
 from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.kv_arena import KVArena
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ BACKEND_NAMES = tuple(BACKENDS)
 
 
 def make_backend(bundle: Bundle, name: str = "onnx", **options: Any) -> Backend:
+    """The named backend on `bundle`, wrapped so that a failing engine is a bad-bundle error."""
     if name not in BACKENDS:
         raise UsageError(f"backend {name!r} is unknown", f"choose one of: {', '.join(BACKENDS)}")
     bundle.backend_entry(name)  # a clear error if the bundle lacks it
@@ -69,17 +73,40 @@ def make_backend(bundle: Bundle, name: str = "onnx", **options: Any) -> Backend:
         raise UsageError(
             f"backend {name!r} does not accept these options ({exc})", "check the options passed to it"
         ) from None
-    backend.run = _engine_errors_are_usage_errors(bundle, backend.run)  # type: ignore[method-assign]
-    return backend
+    return CheckedBackend(backend)
 
 
-def _engine_errors_are_usage_errors(bundle: Bundle, run: Any) -> Any:
-    """An engine that fails on inputs the runtime built from the manifest, or returns outputs
-    of other shapes than the manifest implies, is a bad bundle: exit 2, one line."""
+class CheckedBackend(Backend):
+    """A backend whose engine failures are bad-bundle errors (exit 2, one line): an engine that
+    fails on inputs the runtime built from the manifest, or returns logits of other shapes than
+    the manifest implies. Wraps the chosen backend once, at construction (`make_backend`), so the
+    backend classes stay plain; anything backend-specific (ONNX Runtime's `prepack`, its
+    sessions) reads through to the wrapped backend."""
 
-    def checked(graph: str, first: Any, arena: Any, start: int) -> StepOutputs:
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.bundle, self.entry = inner.bundle, inner.entry
+        self.name, self.executes, self.kv_layout, self.skip_reason = (
+            inner.name,
+            inner.executes,
+            inner.kv_layout,
+            inner.skip_reason,
+        )
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute == "inner":  # not set yet (copying, unpickling): no recursion
+            raise AttributeError(attribute)
+        return getattr(self.inner, attribute)
+
+    def prepare(self, graph: str) -> None:
+        self.inner.prepare(graph)
+
+    def run_named(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.inner.run_named(graph, feeds)
+
+    def run(self, graph: str, first: np.ndarray, arena: KVArena, start: int) -> StepOutputs:
         try:
-            out = run(graph, first, arena, start)
+            out = self.inner.run(graph, first, arena, start)
         except UsageError:
             raise
         except Exception as exc:  # ORT, CoreML and numpy raise their own types for mismatched engines
@@ -88,17 +115,17 @@ def _engine_errors_are_usage_errors(bundle: Bundle, run: Any) -> Any:
                 f"engine {graph!r} failed: {type(exc).__name__}: {text}",
                 "the bundle's engines do not match its manifest: rebuild it with `adaptive-export build`",
             ) from None
+        bundle = self.bundle
         info = bundle.graph(graph)
         rows = 1 if info.logits == "last" else first.shape[1]
         expected = (1, rows, logits_width(info, bundle.model))
         if getattr(out.logits, "shape", None) != expected:
             raise UsageError(
-                f"engine {graph!r} returned logits of shape {getattr(out.logits, 'shape', None)}, the manifest implies {expected}",
+                f"engine {graph!r} returned logits of shape {getattr(out.logits, 'shape', None)},"
+                f" the manifest implies {expected}",
                 "the bundle's engines do not match its manifest: rebuild it with `adaptive-export build`",
             )
         return out
 
-    return checked
 
-
-__all__ = ["Backend", "StepOutputs", "BackendInfo", "BACKENDS", "BACKEND_NAMES", "make_backend"]
+__all__ = ["Backend", "StepOutputs", "BackendInfo", "BACKENDS", "BACKEND_NAMES", "CheckedBackend", "make_backend"]

@@ -38,7 +38,7 @@ class Backend(ABC):
     def run_named(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one engine on named numpy inputs; return its named outputs."""
 
-    def prepare(self, graph: str) -> None:
+    def prepare(self, graph: str) -> None:  # noqa: B027 - a backend that loads engines lazily needs nothing here
         """Load the engine ahead of first use (e.g. at start-up), so timings exclude it."""
 
     def run(self, graph: str, first: np.ndarray, arena: KVArena, start: int) -> StepOutputs:

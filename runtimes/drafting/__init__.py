@@ -5,7 +5,7 @@ calibration/draft_sources.py)."""
 
 from __future__ import annotations
 
-from adaptive_export.runtimes.drafting.base import DraftSource
+from adaptive_export.runtimes.drafting.base import PLAIN, DraftSource, Proposal
 from adaptive_export.runtimes.drafting.early_exit import EarlyExit
 from adaptive_export.runtimes.drafting.precision import PrecisionDraft
 from adaptive_export.runtimes.drafting.prompt_decoding import PromptDecoding
@@ -25,4 +25,4 @@ def draft_source(name: str) -> type[DraftSource]:
     return SOURCES[name]
 
 
-__all__ = ["DraftSource", "FREE_SOURCE", "SOURCES", "SOURCE_NAMES", "draft_source", "lookup_ngram"]
+__all__ = ["DraftSource", "FREE_SOURCE", "PLAIN", "Proposal", "SOURCES", "SOURCE_NAMES", "draft_source", "lookup_ngram"]

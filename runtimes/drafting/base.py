@@ -1,22 +1,50 @@
 """The draft-source protocol of self-speculative decoding (docs/architecture.md section 7).
 
-A draft source proposes up to k tokens after `pending` and runs the verify pass that scores
-them; the speculative loop (runtimes/speculative.py) owns everything else: acceptance
-(greedy or the rejection rule), the arena crop, stats and gating. Calibration measures the
+A draft source proposes up to k tokens after `pending` (a `Proposal`) and runs the verify pass
+that scores them; the speculative loop (runtimes/speculative.py) owns everything else:
+acceptance (runtimes/acceptance.py), the arena crop, stats and gating. Everything a verify
+pass needs to know about its round is in the proposal it gets, so a source keeps no
+round-to-round flags. Calibration measures the
 same sources under the same names (calibration/draft_sources.py).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from adaptive_export.runtimes.sampling import SamplingParams, probabilities
+from adaptive_export.runtimes.kv_arena import KVArena
+from adaptive_export.runtimes.sampling import Sampler
 
-if TYPE_CHECKING:  # runtimes/manifest.py imports this package (SOURCE_NAMES)
+if TYPE_CHECKING:  # the backends import the bundle, which imports this registry
+    from adaptive_export.runtimes.backends import Backend, StepOutputs
     from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One round's drafts and what its verify pass runs besides them.
+
+    `rows`: the draft distribution's logits per draft (for the rejection rule), None when the
+    drafts are deterministic (copied from the context, argmax guesses). `extra_inputs`: inputs
+    the verify pass appends after the drafts (PPD's prompt tokens), whose rows guess the next
+    round's drafts. A proposal with neither drafts nor extra inputs is a plain step: its verify
+    pass is one T=1 decode step (`PLAIN`, also what a gated-out round verifies)."""
+
+    tokens: list[int]
+    rows: list[np.ndarray] | None = None
+    extra_inputs: int = 0
+
+    @property
+    def plain(self) -> bool:
+        return not self.tokens and not self.extra_inputs
+
+
+PLAIN = Proposal([])
 
 
 class DraftSource(ABC):
@@ -35,7 +63,7 @@ class DraftSource(ABC):
     # against the tokens plain decoding emits (runtimes/speculative.py)
     free_proposals: ClassVar[bool] = False
 
-    def __init__(self, backend: Any, config: ConfigEntry, model: ModelDims, k: int) -> None:
+    def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int) -> None:
         self.backend, self.config, self.k = backend, config, k
 
     @classmethod
@@ -49,34 +77,25 @@ class DraftSource(ABC):
 
     @abstractmethod
     def propose(
-        self,
-        pending: int,
-        context: list[int],
-        k: int,
-        start: int,
-        arena: Any,
-        sampling: SamplingParams,
-        rng: np.random.Generator,
-    ) -> tuple[list[int], list[np.ndarray] | None]:
-        """(up to k draft tokens after `pending`, the draft distribution's logits per draft or
-        None when drafts are deterministic, e.g. copied from the context)."""
+        self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
+    ) -> Proposal:
+        """Up to k draft tokens after `pending`, drafted at arena position `start`."""
 
     @abstractmethod
-    def verify(self, pending: int, drafts: list[int], start: int, arena: Any) -> Any:
-        """One verifier pass at arena position `start`; its logits row j scores drafts[j]."""
+    def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
+        """One verifier pass at arena position `start`; its logits row j scores proposal.tokens[j]."""
 
 
 def engine_drafts(
-    backend: Any,
+    backend: Backend,
     graph: str,
     pending: int,
     k: int,
     start: int,
-    arena: Any,
-    sampling: SamplingParams,
-    rng: np.random.Generator,
-    on_step: Any = None,
-) -> tuple[list[int], list[np.ndarray] | None]:
+    arena: KVArena,
+    sampler: Sampler,
+    on_step: Callable[[int, StepOutputs], None] | None = None,
+) -> Proposal:
     """k T=1 steps of a draft engine over token ids from arena position `start`: the drafts
     (argmax, or sampled from the draft's own distribution) and, when sampling, each step's
     logits row for the rejection rule (greedy acceptance never reads them: no copy per step).
@@ -85,7 +104,7 @@ def engine_drafts(
     token[0, 0] = pending
     ids = backend.bundle.draft_vocab_ids if backend.bundle.graph(graph).draft_vocab else None
     drafts: list[int] = []
-    rows: list[np.ndarray] | None = None if sampling.greedy else []
+    rows: list[np.ndarray] | None = None if sampler.greedy else []
     for j in range(k):
         out = backend.run(graph, token, arena, start + j)
         if on_step is not None:
@@ -98,9 +117,9 @@ def engine_drafts(
             # the backend reuses its output buffer next step, so keep a copy (over the whole vocabulary)
             row = logits.copy() if ids is None else full_vocabulary_row(logits, ids, backend.bundle.model.vocab_size)
             rows.append(row)
-            drafts.append(int(rng.choice(row.size, p=probabilities(row, sampling))))
+            drafts.append(int(sampler.rng.choice(row.size, p=sampler.probabilities(row))))
         token[0, 0] = drafts[-1]
-    return drafts, rows
+    return Proposal(drafts, rows)
 
 
 def full_vocabulary_row(logits: np.ndarray, ids: np.ndarray, vocab: int) -> np.ndarray:
@@ -114,8 +133,8 @@ def full_vocabulary_row(logits: np.ndarray, ids: np.ndarray, vocab: int) -> np.n
 
 
 def decode_engine_verify(
-    backend: Any, config: ConfigEntry, pending: int, drafts: list[int], start: int, arena: Any
-) -> Any:
+    backend: Backend, config: ConfigEntry, pending: int, drafts: list[int], start: int, arena: KVArena
+) -> StepOutputs:
     """The configuration's decode engine over [pending, d1, .., dk] at T=k+1, writing every kept
     layer's rows: its last row scores the position after the last draft (the bonus token)."""
     inputs = np.asarray([[pending, *drafts]], dtype=np.int64)

@@ -6,14 +6,16 @@ when all k drafts are accepted (it would cost one more draft call)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from adaptive_export.runtimes.drafting.base import DraftSource, engine_drafts
-from adaptive_export.runtimes.sampling import SamplingParams
+from adaptive_export.runtimes.drafting.base import DraftSource, Proposal, engine_drafts
+from adaptive_export.runtimes.kv_arena import KVArena
+from adaptive_export.runtimes.sampling import Sampler
 
-if TYPE_CHECKING:  # runtimes/manifest.py imports this package (SOURCE_NAMES)
+if TYPE_CHECKING:  # the backends import the bundle, which imports this registry
+    from adaptive_export.runtimes.backends import Backend, StepOutputs
     from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
 
 
@@ -21,26 +23,19 @@ class EarlyExit(DraftSource):
     name = "early_exit"
     engines = ("draft", "verify")
 
-    def __init__(self, backend: Any, config: ConfigEntry, model: ModelDims, k: int) -> None:
+    def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int) -> None:
         super().__init__(backend, config, model, k)
         self.hidden = np.zeros((1, k, model.hidden_size), dtype=np.float32)
 
     def propose(
-        self,
-        pending: int,
-        context: list[int],
-        k: int,
-        start: int,
-        arena: Any,
-        sampling: SamplingParams,
-        rng: np.random.Generator,
-    ) -> tuple[list[int], list[np.ndarray] | None]:
-        def keep_exit_hidden(j: int, out: Any) -> None:  # the exit query cache the verify pass starts from
+        self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
+    ) -> Proposal:
+        def keep_exit_hidden(j: int, out: StepOutputs) -> None:  # the exit query cache the verify pass starts from
             self.hidden[0, j] = out.exit_hidden[0, -1]
 
         return engine_drafts(
-            self.backend, self.config.engines["draft"], pending, k, start, arena, sampling, rng, keep_exit_hidden
+            self.backend, self.config.engines["draft"], pending, k, start, arena, sampler, keep_exit_hidden
         )
 
-    def verify(self, pending: int, drafts: list[int], start: int, arena: Any) -> Any:
-        return self.backend.run(self.config.engines["verify"], self.hidden[:, : len(drafts)], arena, start)
+    def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
+        return self.backend.run(self.config.engines["verify"], self.hidden[:, : len(proposal.tokens)], arena, start)

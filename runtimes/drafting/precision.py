@@ -8,12 +8,14 @@ sampling stays lossless (the rejection rule with q = the draft's distribution)."
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-import numpy as np
+from adaptive_export.runtimes.drafting.base import DraftSource, Proposal, decode_engine_verify, engine_drafts
+from adaptive_export.runtimes.kv_arena import KVArena
+from adaptive_export.runtimes.sampling import Sampler
 
-from adaptive_export.runtimes.drafting.base import DraftSource, decode_engine_verify, engine_drafts
-from adaptive_export.runtimes.sampling import SamplingParams
+if TYPE_CHECKING:  # the backends import the bundle, which imports this registry
+    from adaptive_export.runtimes.backends import StepOutputs
 
 
 class PrecisionDraft(DraftSource):
@@ -23,18 +25,9 @@ class PrecisionDraft(DraftSource):
     gateable = True
 
     def propose(
-        self,
-        pending: int,
-        context: list[int],
-        k: int,
-        start: int,
-        arena: Any,
-        sampling: SamplingParams,
-        rng: np.random.Generator,
-    ) -> tuple[list[int], list[np.ndarray] | None]:
-        return engine_drafts(
-            self.backend, self.config.engines["precision_draft"], pending, k, start, arena, sampling, rng
-        )
+        self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
+    ) -> Proposal:
+        return engine_drafts(self.backend, self.config.engines["precision_draft"], pending, k, start, arena, sampler)
 
-    def verify(self, pending: int, drafts: list[int], start: int, arena: Any) -> Any:
-        return decode_engine_verify(self.backend, self.config, pending, drafts, start, arena)
+    def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
+        return decode_engine_verify(self.backend, self.config, pending, proposal.tokens, start, arena)

@@ -13,14 +13,16 @@ for q = a point mass, as for prompt lookup."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from adaptive_export.runtimes.drafting.base import DraftSource
-from adaptive_export.runtimes.sampling import SamplingParams
+from adaptive_export.runtimes.drafting.base import DraftSource, Proposal
+from adaptive_export.runtimes.kv_arena import KVArena
+from adaptive_export.runtimes.sampling import Sampler
 
-if TYPE_CHECKING:  # runtimes/manifest.py imports this package (SOURCE_NAMES)
+if TYPE_CHECKING:  # the backends import the bundle, which imports this registry
+    from adaptive_export.runtimes.backends import Backend, StepOutputs
     from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
 
 
@@ -30,32 +32,26 @@ class PromptDecoding(DraftSource):
     bonus = True
     gateable = True
 
-    def __init__(self, backend: Any, config: ConfigEntry, model: ModelDims, k: int) -> None:
+    def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int) -> None:
         super().__init__(backend, config, model, k)
         self.vocab = model.vocab_size
         self.prompt_tokens = backend.bundle.graph(config.engines["ppd"]).prompt_tokens
         self.guesses: list[int] = []
         self.guesses_at = -1  # the arena length at which the guesses are the next drafts
-        self.armed = False  # this round drafts (the gate may make it a plain T=1 step)
 
     def propose(
-        self,
-        pending: int,
-        context: list[int],
-        k: int,
-        start: int,
-        arena: Any,
-        sampling: SamplingParams,
-        rng: np.random.Generator,
-    ) -> tuple[list[int], None]:
-        self.armed = True
-        return (self.guesses[:k] if start == self.guesses_at else []), None
+        self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
+    ) -> Proposal:
+        """The last pass's guesses when they were made on exactly this context, and the prompt
+        tokens that make this round's guesses (as many as the arena has room for). A round the
+        gate makes plain verifies `PLAIN` instead: no prompt tokens."""
+        drafts = self.guesses[:k] if start == self.guesses_at else []
+        room = arena.max_len - start - (1 + len(drafts))
+        return Proposal(drafts, None, extra_inputs=max(0, min(self.prompt_tokens, room)))
 
-    def verify(self, pending: int, drafts: list[int], start: int, arena: Any) -> Any:
-        count = 1 + len(drafts)
-        prompts = min(self.prompt_tokens, arena.max_len - start - count) if self.armed else 0
-        self.armed = False
-        inputs = np.asarray([[pending, *drafts, *range(self.vocab, self.vocab + prompts)]], dtype=np.int64)
+    def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
+        count, prompts = 1 + len(proposal.tokens), proposal.extra_inputs
+        inputs = np.asarray([[pending, *proposal.tokens, *range(self.vocab, self.vocab + prompts)]], dtype=np.int64)
         out = self.backend.run(self.config.engines["ppd"], inputs, arena, start)
         logits = out.logits[0]
         self.guesses = [int(np.argmax(logits[count + i])) for i in range(prompts)]

@@ -5,12 +5,14 @@ always emits accepted + 1 tokens."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-import numpy as np
+from adaptive_export.runtimes.drafting.base import DraftSource, Proposal, decode_engine_verify
+from adaptive_export.runtimes.kv_arena import KVArena
+from adaptive_export.runtimes.sampling import Sampler
 
-from adaptive_export.runtimes.drafting.base import DraftSource, decode_engine_verify
-from adaptive_export.runtimes.sampling import SamplingParams
+if TYPE_CHECKING:  # the backends import the bundle, which imports this registry
+    from adaptive_export.runtimes.backends import StepOutputs
 
 MAX_NGRAM = 3
 
@@ -34,16 +36,9 @@ class PromptLookup(DraftSource):
     free_proposals = True
 
     def propose(
-        self,
-        pending: int,
-        context: list[int],
-        k: int,
-        start: int,
-        arena: Any,
-        sampling: SamplingParams,
-        rng: np.random.Generator,
-    ) -> tuple[list[int], None]:
-        return lookup_ngram(context, k), None
+        self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
+    ) -> Proposal:
+        return Proposal(lookup_ngram(context, k))
 
-    def verify(self, pending: int, drafts: list[int], start: int, arena: Any) -> Any:
-        return decode_engine_verify(self.backend, self.config, pending, drafts, start, arena)
+    def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
+        return decode_engine_verify(self.backend, self.config, pending, proposal.tokens, start, arena)
