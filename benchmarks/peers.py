@@ -295,7 +295,7 @@ def run_one(
 
         bundle = load_bundle(spec.partition("@")[0], verify="size")
         codec = TextCodec(bundle)
-        result["precision"] = BUNDLE_DTYPES.get(bundle.manifest["dtype"], bundle.manifest["dtype"])
+        result["precision"] = BUNDLE_DTYPES.get(bundle.manifest.dtype, bundle.manifest.dtype)
         result["codec_ids_match"] = all(codec.encode(p) == ids for p, ids in zip(ref["prompts"], ref["ids"]))
     return result
 

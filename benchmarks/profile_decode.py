@@ -35,7 +35,7 @@ def main() -> None:
     started = time.perf_counter()
     result = gen.generate(ids, max_new_tokens=args.tokens)
     wall_ms = (time.perf_counter() - started) * 1e3
-    graph = gen.bundle.config("full")["engines"]["decode"]
+    graph = gen.bundle.config("full").decode
     events = json.loads(Path(gen.backend.session(graph).end_profiling()).read_text())
     # The fused flavour's prefill runs in the same session as decoding: keep only the runs of
     # one token (prefill runs are many times longer) and the nodes inside them.

@@ -50,14 +50,14 @@ def config_tpot(bundle: Path, threads: int, repeat: int = 5, new_tokens: int = 3
     gen = Generator(bundle, threads=threads)
     gen.codec.eos_ids = set()  # decode exactly new_tokens in every configuration
     ids = gen.codec.encode(PROMPT)
-    configs = gen.bundle.manifest["configs"]
-    samples: dict[str, list[float]] = {c["id"]: [] for c in configs}
+    configs = gen.bundle.manifest.configs
+    samples: dict[str, list[float]] = {c.id: [] for c in configs}
     for c in configs:  # warm-up
-        gen.generate(ids, max_new_tokens=8, config=c["id"])
+        gen.generate(ids, max_new_tokens=8, config=c.id)
     for _ in range(repeat):
         for c in configs:
-            samples[c["id"]].append(gen.generate(ids, max_new_tokens=new_tokens, config=c["id"]).stats.tpot_ms)
-    return {c["id"]: {"kept": len(c["kept"]), "tpot_ms": statistics.median(samples[c["id"]])} for c in configs}
+            samples[c.id].append(gen.generate(ids, max_new_tokens=new_tokens, config=c.id).stats.tpot_ms)
+    return {c.id: {"kept": len(c.kept), "tpot_ms": statistics.median(samples[c.id])} for c in configs}
 
 
 def linear_cost(points: dict[str, dict[str, Any]]) -> tuple[float, float]:

@@ -10,11 +10,13 @@ Medians over prompts x repetitions, one warm-up excluded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from pathlib import Path
 
+from adaptive_export.runtimes.manifest import ConfigEntry
 from benchmarks.common import (
     DEFAULT_PROMPTS,
     ROOT,
@@ -86,27 +88,25 @@ def measured_row(gen, ids: list[list[int]], set_name: str, ar: float, repeat: in
     return {"prompts": set_name, "mode": label, **r, "speedup_vs_ar": ar / r["tpot_ms"]}
 
 
+def speculation_json(gen) -> dict:
+    """The bundle's speculation section as written (calibration's notes included), {} without one."""
+    return gen.bundle.manifest.speculation.to_json() if gen.bundle.manifest.speculation else {}
+
+
 def precision_rows(gen, ids: list[list[int]], set_name: str, ar: float, repeat: int, label: str = "") -> list[dict]:
     """Plain decoding at the precision draft's precision (the fast, lossy setting) and speculation
     with it at k = 2, 4 and the calibrated k; `label` names a compared bundle's draft."""
-    full = gen.bundle.config("full")["engines"]
-    spec = gen.bundle.manifest.get("speculation") or {}
+    full = gen.bundle.config("full").engines
+    spec = speculation_json(gen)
     graph = gen.bundle.graph(full["precision_draft"])
-    name = (
-        graph["precision"] + (f", head over {graph['draft_vocab']} tokens" if graph.get("draft_vocab") else "") + label
-    )
+    name = f"{graph.precision}" + (f", head over {graph.draft_vocab} tokens" if graph.draft_vocab else "") + label
     # the draft engine as the decode engine of an extra in-memory configuration (prefill stays the bundle's)
-    configs = gen.bundle.manifest["configs"]
-    if not any(c["id"] == "draft_precision" for c in configs):
-        configs.append(
-            {
-                "id": "draft_precision",
-                "kept": list(gen.bundle.config("full")["kept"]),
-                "engines": {"decode": full["precision_draft"]},
-            }
-        )
+    configs = gen.bundle.manifest.configs
+    if not any(c.id == "draft_precision" for c in configs):
+        extra = ConfigEntry("draft_precision", gen.bundle.config("full").kept, {"decode": full["precision_draft"]})
+        gen.bundle.manifest = dataclasses.replace(gen.bundle.manifest, configs=(*configs, extra))
     rows = []
-    if not graph.get("draft_vocab"):  # a reduced head cannot decode on its own: its tokens are a subset
+    if not graph.draft_vocab:  # a reduced head cannot decode on its own: its tokens are a subset
         label = f"ar at the draft's precision ({name}, lossy)"
         rows.append(measured_row(gen, ids, set_name, ar, repeat, label, config="draft_precision"))
     for k in sorted({2, 4, int((spec.get("precision") or {}).get("draft_len", 4))}):
@@ -139,8 +139,8 @@ def build_parser():
 
 def prompt_set_rows(gen, other, ids: list[list[int]], set_name: str, args, hf_model) -> list[dict]:
     """Every row of one prompt set: plain decoding, each draft source the bundle has, auto, HF."""
-    full = gen.bundle.config("full")["engines"]
-    spec = gen.bundle.manifest.get("speculation") or {}
+    full = gen.bundle.config("full").engines
+    spec = speculation_json(gen)
     exit_layer = spec.get("exit_layer")
     ar = bench_runtime(gen, ids, args.repeat)["tpot_ms"]
     rows = [{"prompts": set_name, "mode": "ar (project)", "tpot_ms": ar, "speedup_vs_ar": 1.0}]
@@ -158,7 +158,7 @@ def prompt_set_rows(gen, other, ids: list[list[int]], set_name: str, args, hf_mo
     if other is not None:
         rows += precision_rows(other, ids, set_name, ar, args.repeat, label=f" of {Path(args.compare_draft).name}")
     if "ppd" in full:  # PPD prompt tokens: drafts guessed by the previous verify pass
-        m = gen.bundle.graph(full["ppd"])["prompt_tokens"]
+        m = gen.bundle.graph(full["ppd"]).prompt_tokens
         for k in range(1, m + 1):
             rows.append(row(f"spec ppd (m={m} prompt tokens) k={k}", mode="spec", draft="ppd", draft_len=k))
     rows.append(row(f"auto ({spec.get('source') if spec.get('auto_enabled') else 'gated prompt_lookup'})", mode="auto"))
@@ -177,15 +177,15 @@ def prompt_set_rows(gen, other, ids: list[list[int]], set_name: str, args, hf_mo
 
 def setting_line(gen, args) -> str:
     """The run's setting above the table: CPU, model, precision, threads, prompts, prepacking."""
-    spec = gen.bundle.manifest.get("speculation") or {}
-    onnx_entry = gen.bundle.manifest["backends"]["onnx"]
-    precision = onnx_entry.get("quantize", "none")
+    spec = speculation_json(gen)
+    onnx_entry = gen.bundle.backend_entry("onnx")
+    precision = onnx_entry.quantize
     if precision != "none":
-        precision += f" accuracy {(onnx_entry.get('quant_options') or {}).get('accuracy_level')}"
-    model = gen.bundle.model
+        precision += f" accuracy {(onnx_entry.extra.get('quant_options') or {}).get('accuracy_level')}"
+    model = gen.bundle.model.to_json()
     return (
         f"{cpu_model()}, {os.cpu_count()} CPUs; {model.get('source')} ({model['model_type']}, "
-        f"{model['num_layers']} layers) {gen.bundle.manifest['dtype']} ({precision}), {args.threads} threads, "
+        f"{model['num_layers']} layers) {gen.bundle.manifest.dtype} ({precision}), {args.threads} threads, "
         f"{NEW_TOKENS} new tokens, {args.prompts} prompts x {args.repeat} (medians), "
         f"prepack {'decode+verify' if args.prepack else 'runtime default'}; "
         f"exit adapter at E={spec.get('exit_layer')}: {bool(spec.get('adapter'))}"
@@ -196,20 +196,20 @@ def main() -> None:
     args = parse_and_pin(build_parser())
     from adaptive_export.runtimes import Generator
 
-    full = Generator(Path(args.bundle), verify="size").bundle.config("full")["engines"]
+    full = Generator(Path(args.bundle), verify="size").bundle.config("full").engines
     prepack = [full["decode"], full.get("verify", "")] if args.prepack else None
     gen = Generator(Path(args.bundle), threads=args.threads, prepack=prepack)
     gen.codec.eos_ids = set()
     other = Generator(Path(args.compare_draft), threads=args.threads, prepack=prepack) if args.compare_draft else None
     if other is not None:
         other.codec.eos_ids = set()
-    spec = gen.bundle.manifest.get("speculation") or {}
+    spec = speculation_json(gen)
     sets = {"chat": load_prompts(DEFAULT_PROMPTS, args.prompts), "rewrite": rewrite_prompts()[: args.prompts]}
     hf_model = None
     if not args.no_hf and spec.get("exit_layer"):
         from adaptive_export.loading.model import load_model
 
-        hf_model = load_model(gen.bundle.model.get("source") or "smollm2").hf_model
+        hf_model = load_model(gen.bundle.model.source or "smollm2").hf_model
     rows = []
     for set_name, texts in sets.items():
         rows += prompt_set_rows(gen, other, [gen.codec.encode(t) for t in texts], set_name, args, hf_model)

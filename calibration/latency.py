@@ -54,7 +54,7 @@ def measure_engine_latencies(
     None: the runtime's default (what `run` does).
     """
     bundle = load_bundle(bundle_dir, verify="size")
-    engines = bundle.config("full")["engines"]
+    engines = bundle.config("full").engines
     choice = (
         None if prepack is None else [engines["decode"], engines.get("verify", engines["decode"])] if prepack else []
     )
@@ -68,7 +68,7 @@ def measure_engine_latencies(
     }
     result: dict[str, Any] = {"prefix_tokens": prefix, "threads": threads, "prepack": prepack, "decode_ms": decode}
     if "draft" in engines and "verify" in engines:
-        hidden = np.zeros((1, max_k, gen.bundle.model["hidden_size"]), dtype=np.float32)
+        hidden = np.zeros((1, max_k, gen.bundle.model.hidden_size), dtype=np.float32)
         result["draft_ms"] = _median_ms(
             lambda: backend.run(engines["draft"], np.ones((1, 1), dtype=np.int64), arena, prefix)
         )

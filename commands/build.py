@@ -25,6 +25,7 @@ from adaptive_export.loading.packaged import PACKAGED
 from adaptive_export.loading.prompts import read_prompts
 from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.manifest import Manifest
 
 
 def check_exit_adapter_option(options: BuildOptions) -> None:
@@ -290,7 +291,7 @@ def export_options(options: BuildOptions, checked: CheckedBuild, state: Calibrat
     )
 
 
-def run_build(options: BuildOptions) -> dict[str, Any]:
+def run_build(options: BuildOptions) -> Manifest:
     checked = check_build_options(options)
     loaded = load_model(options.model)
     parts = ModelParts(loaded.hf_model, loaded.spec)
@@ -308,9 +309,9 @@ def run_build(options: BuildOptions) -> dict[str, Any]:
 
 def cmd_build(options: BuildOptions) -> int:
     manifest = run_build(options)
-    onnx_entry = manifest["backends"]["onnx"]
+    onnx_entry = manifest.backends["onnx"]
     print(
-        f"wrote {options.output}: {len(manifest['graphs'])} graphs, {len(manifest['configs'])} configurations, "
-        f"weights {onnx_entry['weight_bytes'] / 1e6:.1f} MB stored once"
+        f"wrote {options.output}: {len(manifest.graphs)} graphs, {len(manifest.configs)} configurations, "
+        f"weights {onnx_entry.weight_bytes / 1e6:.1f} MB stored once"
     )
     return EXIT_OK

@@ -20,7 +20,7 @@ def prepack_graphs(bundle: Bundle, choice: str) -> list[str] | None:
         return None
     if choice == "none":
         return []
-    return [name for name, g in bundle.manifest["graphs"].items() if choice == "all" or g["kind"] == "decode"]
+    return [name for name, g in bundle.manifest.graphs.items() if choice == "all" or g.kind == "decode"]
 
 
 def cmd_run(options: RunOptions) -> int:

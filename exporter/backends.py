@@ -15,14 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 from adaptive_export.runtimes.backends import BACKEND_NAMES, BACKENDS
 from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.manifest import Manifest
 
 if TYPE_CHECKING:
     from adaptive_export.exporter.build import ExportOptions
     from adaptive_export.graphs.plan import BuildPlan
     from adaptive_export.graphs.span_graph import ModelParts
 
-# (bundle_dir, provisional manifest, parts, plan, options) -> the manifest's entry for the backend
-Compile = Callable[[Path, dict[str, Any], "ModelParts", "BuildPlan", "ExportOptions"], dict[str, Any]]
+# (bundle_dir, provisional manifest, parts, plan, options) -> the manifest's entry for the backend (its JSON,
+# which build_bundle parses with runtimes.manifest.BackendEntry.from_json)
+Compile = Callable[[Path, Manifest, "ModelParts", "BuildPlan", "ExportOptions"], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class BackendCompiler:
 
 
 def _compile_coreml(
-    root: Path, manifest: dict[str, Any], parts: ModelParts, plan: BuildPlan, options: ExportOptions
+    root: Path, manifest: Manifest, parts: ModelParts, plan: BuildPlan, options: ExportOptions
 ) -> dict[str, Any]:
     from adaptive_export.exporter.coreml_compile import compile_coreml
 
@@ -50,7 +52,7 @@ def _preflight_coreml() -> None:
 
 
 def _compile_tensorrt(
-    root: Path, manifest: dict[str, Any], parts: ModelParts, plan: BuildPlan, options: ExportOptions
+    root: Path, manifest: Manifest, parts: ModelParts, plan: BuildPlan, options: ExportOptions
 ) -> dict[str, Any]:
     from adaptive_export.exporter.tensorrt_compile import compile_tensorrt
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,19 @@ from adaptive_export.graphs.plan import FULL_CONFIG, BuildPlan
 from adaptive_export.graphs.span_graph import GraphSpec, ModelParts, draft_head
 from adaptive_export.loading.model import LoadedModel
 from adaptive_export.runtimes.errors import UsageError
-from adaptive_export.runtimes.manifest import FORMAT, SCHEMA_VERSION
+from adaptive_export.runtimes.manifest import (
+    BackendEntry,
+    ChatFormat,
+    ConfigEntry,
+    DraftVocab,
+    EngineEntry,
+    GraphEntry,
+    Manifest,
+    ModelDims,
+    Speculation,
+    TensorEntry,
+    TokenizerEntry,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,24 +69,18 @@ class ExportOptions:
     after_export: Callable[[Path, dict[str, Any]], None] | None = None
 
 
-def graph_entry(graph: GraphSpec) -> dict[str, Any]:
-    return {
-        "kind": graph.kind,
-        "layers": list(graph.layers),
-        "source": graph.source,
-        "logits": graph.logits,
-        "router_scores": graph.router_scores,
-        "exit_hidden": graph.exit_hidden,
-        "exit_adapter": graph.exit_adapter,
-        "config": graph.config,
-        "exit_layer": graph.exit_layer,
-        "flavour": graph.flavour,
-        "precision": graph.precision,
-        "prompt_tokens": graph.prompt_tokens,
-        "draft_vocab": graph.draft_vocab,
-        "inputs": graph.input_names(),
-        "outputs": graph.output_names(),
-    }
+def manifest_graph(graph: GraphSpec) -> GraphEntry:
+    """The manifest's typed entry of a graph: the same fields, I/O names derived by the entry."""
+    entry = GraphEntry(**{name: getattr(graph, name) for name in _GRAPH_FIELDS})
+    entry = replace(entry, inputs=tuple(entry.input_names()), outputs=tuple(entry.output_names()))
+    if list(entry.inputs) != graph.input_names() or list(entry.outputs) != graph.output_names():
+        raise RuntimeError(f"graph {graph.name!r}: the traced I/O names differ from the manifest's")
+    return entry
+
+
+_GRAPH_FIELDS = tuple(f.name for f in fields(GraphSpec))
+if set(_GRAPH_FIELDS) != {f.name for f in fields(GraphEntry)} - {"inputs", "outputs"}:  # pragma: no cover
+    raise RuntimeError("graphs.span_graph.GraphSpec and runtimes.manifest.GraphEntry declare different fields")
 
 
 def flavoured(graphs: list[GraphSpec], flavour: str) -> list[GraphSpec]:
@@ -95,22 +101,6 @@ def flavoured(graphs: list[GraphSpec], flavour: str) -> list[GraphSpec]:
     return out
 
 
-def _engine_key(graph: GraphSpec) -> tuple[Any, ...]:
-    """Graphs with equal keys are the same ONNX model; their engine file is written once."""
-    return (
-        graph.flavour,
-        graph.layers,
-        graph.source,
-        graph.router_scores,
-        graph.exit_hidden,
-        graph.exit_layer if graph.exit_adapter else None,
-        graph.logits if graph.flavour == "portable" else None,
-        graph.precision,
-        graph.prompt_tokens,
-        graph.draft_vocab,
-    )
-
-
 def export_onnx(
     root: Path,
     parts: ModelParts,
@@ -120,71 +110,66 @@ def export_onnx(
     quant_options: dict[str, int] | None = None,
     max_len: int = DEFAULT_MAX_LEN,
     native_source: Path | None = None,
-) -> dict[str, Any]:
+) -> BackendEntry:
     """Export every graph to root/onnx with one shared weights file (optionally weight-quantized)."""
     folder = root / "onnx"
     folder.mkdir()
-    entries: dict[str, Any] = {}
-    written: dict[tuple[Any, ...], dict[str, Any]] = {}
-    flavour = graphs[0].flavour
+    flavour, quant_options = graphs[0].flavour, quant_options or {}
     packed = packed_weights(parts, max_len) if flavour == "ort" else None
-    native = None
-    if quantize == "native":
-        from adaptive_export.exporter.native_quant import NativeWeights
-
-        if flavour != "ort" or native_source is None:
-            raise UsageError(
-                "--quantize native needs the ort ONNX flavour and a quantized .gguf model",
-                "drop --onnx-flavour portable / --backend tensorrt, or use --quantize int8|int4",
-            )
-        native = NativeWeights.from_gguf(native_source, parts.spec)
+    native = _native_weights(parts, quantize, flavour, native_source)
+    engines: dict[str, EngineEntry] = {}
+    written: dict[tuple[Any, ...], EngineEntry] = {}
     with WeightStore(folder / WEIGHTS_FILE) as store:
-        store.name_parameters((n, p.detach().numpy()) for n, p in parts.hf_model.named_parameters())
-        if packed is not None:
-            store.name_parameters((n, t.detach().numpy()) for n, t in packed.named())
-        if parts.routers is not None:
-            store.name_parameters([("routers.weight", parts.routers.weight.detach().numpy())])
-        if parts.prompt_tokens is not None:
-            store.name_parameters([("ppd.prompt_tokens", parts.prompt_tokens.detach().numpy())])
-        if parts.draft_vocab is not None:
-            rows = next((draft_head(parts, g) for g in graphs if g.draft_vocab), None)
-            if rows is not None:
-                store.name_parameters([("draft_head.weight", rows.numpy())])
-        for layer, adapter in parts.exit_adapters.items():
-            store.name_parameters(
-                (f"exit_adapter.{layer}.{n}", p.detach().numpy()) for n, p in adapter.named_parameters()
-            )
+        _name_weights(store, parts, packed, graphs)
         for graph in tqdm(graphs, desc="export ONNX", unit="graph", disable=not progress):
-            same = written.get(_engine_key(graph))
-            if same is not None:
-                entries[graph.name] = dict(same)
-                continue
-            model = export_graph(parts, graph, packed)
-            canonicalize_names(model, store)
-            model = _apply_precision(model, graph, quantize, quant_options or {}, native)
-            externalize(model, store, WEIGHTS_FILE)
-            onnx.save(model, str(folder / f"{graph.name}.onnx"))
-            entries[graph.name] = {"file": f"onnx/{graph.name}.onnx"}
-            entries[graph.name]["initializers"] = sorted(
-                init.name for init in model.graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL
-            )
-            written[_engine_key(graph)] = entries[graph.name]
-        tensors = {
-            t.name: {"dtype": t.dtype, "shape": list(t.shape), "offset": t.offset, "bytes": t.length}
-            for t in store.tensors.values()
-        }
+            key = manifest_graph(graph).engine_key()
+            if key not in written:
+                model = export_graph(parts, graph, packed)
+                canonicalize_names(model, store)
+                model = _apply_precision(model, graph, quantize, quant_options, native)
+                externalize(model, store, WEIGHTS_FILE)
+                onnx.save(model, str(folder / f"{graph.name}.onnx"))
+                external = (i.name for i in model.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL)
+                written[key] = EngineEntry(file=f"onnx/{graph.name}.onnx", initializers=tuple(sorted(external)))
+            engines[graph.name] = written[key]
+        tensors = {t.name: TensorEntry(t.dtype, tuple(t.shape), t.offset, t.length) for t in store.tensors.values()}
         weight_bytes = store.total_bytes
-    return {
-        "weights": f"onnx/{WEIGHTS_FILE}",
-        "weight_bytes": weight_bytes,
-        "opset": OPSET,
-        "flavour": flavour,
-        "quantize": quantize,
-        "quant_options": quant_options or {},
-        "quant_bits": native.dtype if native else quantize,
-        "tensors": tensors,
-        "graphs": entries,
-    }
+    extra = {"opset": OPSET, "quant_options": quant_options, "quant_bits": native.dtype if native else quantize}
+    return BackendEntry(
+        "onnx", engines, f"onnx/{WEIGHTS_FILE}", weight_bytes, tensors, flavour, quantize, extra=extra,
+        key_order=("weights", "weight_bytes", "opset", "flavour", "quantize", "quant_options", "quant_bits"),
+    )  # fmt: skip
+
+
+def _native_weights(parts: ModelParts, quantize: str, flavour: str, native_source: Path | None) -> Any:
+    """A GGUF-exact build's blocks (--quantize native), or None."""
+    if quantize != "native":
+        return None
+    from adaptive_export.exporter.native_quant import NativeWeights
+
+    if flavour != "ort" or native_source is None:
+        raise UsageError(
+            "--quantize native needs the ort ONNX flavour and a quantized .gguf model",
+            "drop --onnx-flavour portable / --backend tensorrt, or use --quantize int8|int4",
+        )
+    return NativeWeights.from_gguf(native_source, parts.spec)
+
+
+def _name_weights(store: WeightStore, parts: ModelParts, packed: Any, graphs: list[GraphSpec]) -> None:
+    """Every tensor an engine may take from the weights file, under its canonical name."""
+    store.name_parameters((n, p.detach().numpy()) for n, p in parts.hf_model.named_parameters())
+    if packed is not None:
+        store.name_parameters((n, t.detach().numpy()) for n, t in packed.named())
+    if parts.routers is not None:
+        store.name_parameters([("routers.weight", parts.routers.weight.detach().numpy())])
+    if parts.prompt_tokens is not None:
+        store.name_parameters([("ppd.prompt_tokens", parts.prompt_tokens.detach().numpy())])
+    if parts.draft_vocab is not None:
+        rows = next((draft_head(parts, g) for g in graphs if g.draft_vocab), None)
+        if rows is not None:
+            store.name_parameters([("draft_head.weight", rows.numpy())])
+    for layer, adapter in parts.exit_adapters.items():
+        store.name_parameters((f"exit_adapter.{layer}.{n}", p.detach().numpy()) for n, p in adapter.named_parameters())
 
 
 def _apply_precision(
@@ -225,7 +210,7 @@ def _apply_precision(
 
 def build_bundle(
     loaded: LoadedModel, plan: BuildPlan, options: ExportOptions, parts: ModelParts | None = None
-) -> dict[str, Any]:
+) -> Manifest:
     """Export, compile and write the bundle atomically; returns the manifest."""
     from adaptive_export.exporter.bundle_writer import staging_dir, write_manifest
 
@@ -241,60 +226,67 @@ def build_bundle(
     flavour = "portable" if needs_portable_onnx(options.backends) else options.onnx_flavour
     graphs = flavoured(plan.graphs(), flavour)
     with staging_dir(options.output, options.force) as root:
-        backends = {
-            "onnx": export_onnx(
-                root,
-                parts,
-                graphs,
-                options.progress,
-                options.quantize,
-                options.quant_options,
-                options.max_len,
-                options.native_source,
-            )
-        }
+        onnx_entry = export_onnx(
+            root, parts, graphs, options.progress, options.quantize, options.quant_options, options.max_len,
+            options.native_source,
+        )  # fmt: skip
         save_tokenizer(loaded.tokenizer, root / "tokenizer.json", loaded.spec.vocab_size)
-        manifest: dict[str, Any] = {
-            "schema_version": SCHEMA_VERSION,
-            "format": FORMAT,
-            "model": {**loaded.spec.to_json(), "source": loaded.source},
-            "max_len": options.max_len,
-            "dtype": "float32" if options.quantize == "none" else backends["onnx"]["quant_bits"],
-            "router_threshold": options.router_threshold,
-            "tokenizer": {
-                "file": "tokenizer.json",
-                "chat": chat_format(loaded.tokenizer),
-                **special_tokens(loaded.tokenizer, loaded.hf_model),
-            },
-            "configs": [
-                {
-                    "id": c.id,
-                    "kept": list(c.kept),
-                    "engines": {"decode": f"decode_{c.id}", **_exit_engines(graphs, c.id)},
-                }
-                for c in plan.configs
-            ],
-            "speculation": options.speculation,
-            "graphs": {g.name: graph_entry(g) for g in graphs},
-            "backends": backends,
-            "calibration": "calibration.json" if options.calibration is not None else None,
-            "draft_vocab": {"file": DRAFT_VOCAB_FILE, "size": plan.draft_vocab} if plan.draft_vocab else None,
-        }
-        if plan.draft_vocab:
-            (root / DRAFT_VOCAB_FILE).write_bytes(draft_vocab_bytes(parts))
-        if options.calibration is not None:
-            (root / "calibration.json").write_text(json.dumps(options.calibration, indent=2) + "\n")
-        for name, data in options.extra_files.items():
-            (root / name).write_bytes(data)
+        manifest = _manifest(loaded, plan, options, graphs, onnx_entry)
+        _write_side_files(root, plan, parts, options)
         if options.after_export is not None:
             write_manifest(root, manifest)
-            options.after_export(root, manifest)
+            provisional = manifest.to_json()
+            options.after_export(root, provisional)  # calibration may update the speculation section
+            manifest = replace(manifest, speculation=Speculation.from_json(provisional["speculation"]))
         for backend in options.backends:
             compile_backend = COMPILERS[backend].compile
             if compile_backend is not None:
-                manifest["backends"][backend] = compile_backend(root, manifest, parts, plan, options)
-        write_manifest(root, manifest)
+                compiled = compile_backend(root, manifest, parts, plan, options)
+                entry = BackendEntry.from_json(backend, compiled, manifest.graphs)
+                manifest = replace(manifest, backends={**manifest.backends, backend: entry})
+        manifest = write_manifest(root, manifest)
     return manifest
+
+
+def _manifest(
+    loaded: LoadedModel, plan: BuildPlan, options: ExportOptions, graphs: list[GraphSpec], onnx_entry: BackendEntry
+) -> Manifest:
+    """The bundle's manifest before the backends are compiled and the files listed."""
+    chat = chat_format(loaded.tokenizer)
+    special = special_tokens(loaded.tokenizer, loaded.hf_model)
+    tokenizer = TokenizerEntry(
+        "tokenizer.json",
+        ChatFormat(chat["prefix"], chat["suffix"]) if chat else None,
+        tuple(special["eos_token_ids"]),
+        tuple(special["prefix_token_ids"]),
+    )
+    configs = tuple(
+        ConfigEntry(c.id, tuple(c.kept), {"decode": f"decode_{c.id}", **_exit_engines(graphs, c.id)})
+        for c in plan.configs
+    )
+    return Manifest(
+        model=ModelDims.from_json({**loaded.spec.to_json(), "source": loaded.source}),
+        max_len=options.max_len,
+        dtype="float32" if options.quantize == "none" else onnx_entry.extra["quant_bits"],
+        router_threshold=options.router_threshold,
+        tokenizer=tokenizer,
+        configs=configs,
+        speculation=Speculation.from_json(options.speculation),
+        graphs={g.name: manifest_graph(g) for g in graphs},
+        backends={"onnx": onnx_entry},
+        calibration="calibration.json" if options.calibration is not None else None,
+        draft_vocab=DraftVocab(DRAFT_VOCAB_FILE, plan.draft_vocab) if plan.draft_vocab else None,
+    )
+
+
+def _write_side_files(root: Path, plan: BuildPlan, parts: ModelParts, options: ExportOptions) -> None:
+    """The draft vocabulary, calibration.json and calibration's files (routers, adapters, ...)."""
+    if plan.draft_vocab:
+        (root / DRAFT_VOCAB_FILE).write_bytes(draft_vocab_bytes(parts))
+    if options.calibration is not None:
+        (root / "calibration.json").write_text(json.dumps(options.calibration, indent=2) + "\n")
+    for name, data in options.extra_files.items():
+        (root / name).write_bytes(data)
 
 
 def draft_vocab_bytes(parts: ModelParts) -> bytes:

@@ -14,21 +14,21 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from adaptive_export.runtimes.bundle import sha256_of
 from adaptive_export.runtimes.errors import UsageError
-from adaptive_export.runtimes.manifest import FORMAT
+from adaptive_export.runtimes.manifest import FORMAT, FileEntry, Manifest
 
 
-def file_table(root: Path) -> dict[str, dict[str, Any]]:
+def file_table(root: Path) -> dict[str, FileEntry]:
     """sha256 and size of every file under root except the manifest itself."""
-    table: dict[str, dict[str, Any]] = {}
+    table: dict[str, FileEntry] = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root).as_posix()
         if rel != "manifest.json":
-            table[rel] = {"sha256": sha256_of(path), "bytes": path.stat().st_size}
+            table[rel] = FileEntry(sha256_of(path), path.stat().st_size)
     return table
 
 
@@ -211,6 +211,8 @@ def _commit(staging: Path, target: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
-    manifest = dict(manifest, files=file_table(root))
-    (root / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+def write_manifest(root: Path, manifest: Manifest) -> Manifest:
+    """Write manifest.json listing every file now under root; returns the manifest written."""
+    manifest = replace(manifest, files=file_table(root))
+    (root / "manifest.json").write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n")
+    return manifest

@@ -100,11 +100,13 @@ def gated_on_quality(bundle: Bundle) -> bool:
     """Quantized weights are gated on quality, except GGUF-exact engines at accuracy level 1:
     their weights are the reference model's own (the GGUF dequantized) and their activations
     fp32, so they are held to the fp32 tolerances and greedy identity."""
-    onnx_entry = bundle.manifest["backends"].get("onnx", {})
+    onnx_entry = bundle.manifest.backends.get("onnx")
     exact = (
-        onnx_entry.get("quantize") == "native" and (onnx_entry.get("quant_options") or {}).get("accuracy_level") == 1
+        onnx_entry is not None
+        and onnx_entry.quantize == "native"
+        and (onnx_entry.extra.get("quant_options") or {}).get("accuracy_level") == 1
     )
-    return bundle.manifest["dtype"] in QUANT_MIN_AGREEMENT and not exact
+    return bundle.manifest.dtype in QUANT_MIN_AGREEMENT and not exact
 
 
 def compare(
@@ -129,40 +131,40 @@ def engine_parity(
     info = bundle.graph(graph_name)
     spec = GraphSpec(
         name=graph_name,
-        kind=info["kind"],
-        layers=tuple(info["layers"]),
-        source=info["source"],
-        logits=info["logits"],
-        router_scores=info["router_scores"],
-        exit_hidden=info["exit_hidden"],
-        exit_adapter=info["exit_adapter"],
-        config=info["config"],
-        exit_layer=info["exit_layer"],
-        prompt_tokens=info.get("prompt_tokens", 0),
-        draft_vocab=info.get("draft_vocab", 0),
+        kind=info.kind,
+        layers=info.layers,
+        source=info.source,
+        logits=info.logits,
+        router_scores=info.router_scores,
+        exit_hidden=info.exit_hidden,
+        exit_adapter=info.exit_adapter,
+        config=info.config,  # type: ignore[arg-type]  # None where the manifest names none, as before
+        exit_layer=info.exit_layer,
+        prompt_tokens=info.prompt_tokens,
+        draft_vocab=info.draft_vocab,
     )
     rng = np.random.default_rng(seed)
     model = bundle.model
-    past_len, count = 7, (9 if info["kind"] == "prefill" else 1 if info["kind"] == "draft" else 4)
-    if info["kind"] == "prefill":
+    past_len, count = 7, (9 if info.kind == "prefill" else 1 if info.kind == "draft" else 4)
+    if info.kind == "prefill":
         past_len = 0
     first = (
-        rng.integers(0, model["vocab_size"], (1, count))
+        rng.integers(0, model.vocab_size, (1, count))
         if spec.source == "ids"
-        else rng.standard_normal((1, count, model["hidden_size"])).astype(np.float32)
+        else rng.standard_normal((1, count, model.hidden_size)).astype(np.float32)
     )
     if (
         spec.prompt_tokens and spec.source == "ids"
     ):  # the last rows are PPD prompt tokens: their embedding is checked too
         prompts = min(spec.prompt_tokens, count - 1)
-        first[0, count - prompts :] = model["vocab_size"] + np.arange(prompts)
-    fused = info.get("flavour", "portable") == "ort"
+        first[0, count - prompts :] = model.vocab_size + np.arange(prompts)
+    fused = info.flavour == "ort"
     # fused engines bind the whole [1, n_kv, max_len, hd] block, so their arena is max_len long
     arena = KVArena(
         bundle.num_layers,
         bundle.max_len if fused else past_len + count,
-        model["num_kv_heads"],
-        model["head_dim"],
+        model.num_kv_heads,
+        model.head_dim,
         layout=backend.kv_layout,
     )
     for layer in range(bundle.num_layers):
@@ -208,7 +210,7 @@ def engine_parity(
             expected = expected[:, :, : past_len + count]
         else:
             actual = actual_by_name[name]
-        if quantized or info.get("precision"):  # informational: the quality checks gate quantized engines
+        if quantized or info.precision:  # informational: the quality checks gate quantized engines
             _, max_abs, max_rel, bound = compare(np.asarray(actual), expected, "float32", scale_tol)
             ok = bool(np.isfinite(actual).all())
         else:
@@ -217,8 +219,8 @@ def engine_parity(
             failures.append(f"{name}: max |diff| {max_abs:.3g} > {bound:.3g}")
         if max_abs > worst[1] or not ok:
             worst = (ok and worst[0], max_abs, max_rel, bound)
-    quantized = quantized or bool(info.get("precision"))
-    dtype = info.get("precision") or bundle.manifest["dtype"]
+    quantized = quantized or bool(info.precision)
+    dtype = info.precision or bundle.manifest.dtype
     detail = "; ".join(failures) or (
         f"{dtype} weights: difference to fp32 is informational, the quality checks gate"
         if quantized
@@ -266,7 +268,7 @@ def teacher_forced_logits(
     """Logits of a bundle at each position of `continuation` (row i predicts continuation[i])
     when fed prompt + continuation[:-1]: the prefill engine over the prompt, then one pass of
     the configuration's decode engine (or `engine`) over the forced tokens, on the generator's arena."""
-    decode = engine or generator.bundle.config(config)["engines"]["decode"]
+    decode = engine or generator.bundle.config(config).decode
     arena = generator.arena
     arena.reset()
     out = generator.backend.run("prefill", np.asarray([prompt_ids]), arena, 0)
@@ -274,8 +276,8 @@ def teacher_forced_logits(
     arena.length = len(prompt_ids)
     if len(continuation) > 1:
         out = generator.backend.run(decode, np.asarray([continuation[:-1]]), arena, arena.length)
-        if generator.bundle.graph(decode).get("draft_vocab"):  # a reduced draft head: its rows over the vocabulary
-            ids, vocab = generator.bundle.draft_vocab_ids, int(generator.bundle.model["vocab_size"])
+        if generator.bundle.graph(decode).draft_vocab:  # a reduced draft head: its rows over the vocabulary
+            ids, vocab = generator.bundle.draft_vocab_ids, generator.bundle.model.vocab_size
             rows += [full_vocabulary_row(row, ids, vocab) for row in out.logits[0]]
         else:
             rows += list(out.logits[0].copy())
@@ -332,13 +334,13 @@ def greedy_check(
     """Greedy tokens of the runtime (plain decoding, or speculation with `draft`) against PyTorch."""
     started = time.perf_counter()
     mode = "ar" if draft is None else "spec"
-    result = generator.generate(prompt, max_new_tokens=new_tokens, config=config["id"], mode=mode, draft=draft)
-    expected, steps = reference_greedy(parts, result.prompt_ids, new_tokens, generator.codec.eos_ids, config["kept"])
+    result = generator.generate(prompt, max_new_tokens=new_tokens, config=config.id, mode=mode, draft=draft)
+    expected, steps = reference_greedy(parts, result.prompt_ids, new_tokens, generator.codec.eos_ids, config.kept)
     at, margin, passed = greedy_verdict(result.tokens, expected, [top2_margin(s) for s in steps])
     detail = f"{len(result.tokens)} tokens identical"
     if at is not None:
         detail = f"first divergence at token {at} (reference top-1/top-2 margin {margin:.2e}: {'a float tie' if passed else 'a real mismatch'})"
-    engine = config["engines"]["decode"] if draft is None else f"spec:{config['id']}:{draft}"
+    engine = config.decode if draft is None else f"spec:{config.id}:{draft}"
     return CheckResult(
         generator.backend.name,
         engine,
@@ -356,7 +358,7 @@ def quality_check(generator: Any, parts: Any, prompt: str, new_tokens: int, engi
     started = time.perf_counter()
     prompt_ids = generator.codec.encode(prompt)
     full = generator.bundle.config("full")
-    reference, steps = reference_greedy(parts, prompt_ids, new_tokens, set(), full["kept"])
+    reference, steps = reference_greedy(parts, prompt_ids, new_tokens, set(), full.kept)
     logits = teacher_forced_logits(generator, prompt_ids, reference, engine=engine)
     # a draft engine never predicts the first token (prefill does): its rows start at 1
     first = 1 if engine is not None else 0
@@ -364,7 +366,7 @@ def quality_check(generator: Any, parts: Any, prompt: str, new_tokens: int, engi
     agreement = float(np.mean(predicted == expected))
     if engine is not None:
         detail = f"top-1 agreement {agreement:.3f} of the draft's forced rows with the fp32 greedy tokens"
-        if generator.bundle.graph(engine).get("draft_vocab"):
+        if generator.bundle.graph(engine).draft_vocab:
             # a reduced head cannot name tokens outside its vocabulary: the gate judges the draft's
             # weights on the tokens it can name, and the coverage is reported beside it
             named = np.isin(expected, generator.bundle.draft_vocab_ids)
@@ -447,19 +449,19 @@ def run_check(
     loaded, parts = load_parts(bundle, model)
     report = CheckReport(bundle=str(bundle_dir), model=loaded.source)
     prompts = prompts or BUILTIN_PROMPTS
-    for backend_name in bundle.manifest["backends"]:
+    for backend_name in bundle.manifest.backends:
         backend = make_backend(bundle, backend_name)
         if not backend.executes:
-            for graph in bundle.backend_entry(backend_name)["graphs"]:
+            for graph in bundle.backend_entry(backend_name).graphs:
                 report.results.append(
                     CheckResult(backend_name, graph, "parity", True, executed=False, detail=backend.skip_reason)
                 )
             continue
-        graphs = list(bundle.backend_entry(backend_name)["graphs"])
+        graphs = list(bundle.backend_entry(backend_name).graphs)
         for graph in tqdm(graphs, desc=f"check {backend_name} engines", unit="engine", disable=not progress):
             report.results.append(engine_parity(bundle, backend, parts, graph, scale_tol=scale_tol))
         generator = Generator(bundle, backend=backend_name)
-        draft_engine = bundle.config("full")["engines"].get("precision_draft")
+        draft_engine = bundle.config("full").engines.get("precision_draft")
         if draft_engine is not None:  # the draft's own quality: drafts that rarely agree cost time, not correctness
             rows = [
                 quality_check(generator, parts, prompt, new_tokens, engine=draft_engine)
@@ -467,21 +469,21 @@ def run_check(
                     prompts, desc=f"check {backend_name} precision draft", unit="prompt", disable=not progress
                 )
             ]
-            bits = precision_bits(bundle.graph(draft_engine)["precision"])
+            bits = precision_bits(bundle.graph(draft_engine).precision)
             report.results += rows + [quality_gate(backend_name, bits, rows, engine=draft_engine)]
         if gated_on_quality(bundle):
             rows = [
                 quality_check(generator, parts, prompt, new_tokens)
                 for prompt in tqdm(prompts, desc=f"check {backend_name} quality", unit="prompt", disable=not progress)
             ]
-            report.results += rows + [quality_gate(backend_name, bundle.manifest["dtype"], rows)]
+            report.results += rows + [quality_gate(backend_name, bundle.manifest.dtype, rows)]
             continue
         # plain decoding for every configuration; speculation (lossless) for every draft source:
         # on every configuration with its engines, or on the full model for a source without any
-        cases = [(c, p, None) for c in bundle.manifest["configs"] for p in prompts]
+        cases = [(c, p, None) for c in bundle.manifest.configs for p in prompts]
         for name, source in SOURCES.items():
             configs = (
-                [c for c in bundle.manifest["configs"] if source.available(c)]
+                [c for c in bundle.manifest.configs if source.available(c)]
                 if source.engines
                 else [bundle.config("full")]
             )

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from adaptive_export.graphs.plan import BuildPlan
 from adaptive_export.graphs.span_graph import GraphSpec, ModelParts, SpanGraph
 from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.manifest import Manifest
 
 PACKAGE = "coreml/model.mlpackage"
 PRECISIONS = ("float16", "float32")
@@ -80,7 +81,7 @@ def convert_graph(ct: Any, parts: ModelParts, graph: GraphSpec, max_len: int, pr
 
 def compile_coreml(
     root: Path,
-    manifest: dict[str, Any],
+    manifest: Manifest,
     parts: ModelParts,
     plan: BuildPlan,
     precision: str = "float16",
@@ -96,7 +97,7 @@ def compile_coreml(
         descriptor = ct.utils.MultiFunctionDescriptor()
         for graph in tqdm(graphs, desc="convert CoreML", unit="function", disable=not progress):
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                model = convert_graph(ct, parts, graph, manifest["max_len"], precision)
+                model = convert_graph(ct, parts, graph, manifest.max_len, precision)
             path = scratch / f"{graph.name}.mlpackage"
             model.save(str(path))
             descriptor.add_function(str(path), src_function_name="main", target_function_name=graph.name)

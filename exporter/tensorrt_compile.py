@@ -16,20 +16,21 @@ from typing import Any
 
 from adaptive_export.exporter.trt_compat import check_bundle
 from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.manifest import Manifest
 
 PRECISIONS = ("fp32", "fp16", "int8")
 
 
-def compile_tensorrt(root: Path, manifest: dict[str, Any], precision: str = "fp16") -> dict[str, Any]:
+def compile_tensorrt(root: Path, manifest: Manifest, precision: str = "fp16") -> dict[str, Any]:
     if precision not in PRECISIONS:
         raise UsageError(f"TensorRT precision {precision!r} is unknown", f"choose one of: {', '.join(PRECISIONS)}")
-    onnx_entry = manifest["backends"]["onnx"]
-    if onnx_entry.get("quantize", "none") != "none":
+    onnx_entry = manifest.backends["onnx"]
+    if onnx_entry.quantize != "none":
         raise UsageError(
             "TensorRT engines are built from fp32 ONNX graphs, but this build quantizes them (MatMulNBits)",
             "build the tensorrt backend without --quantize and pick --trt-precision fp16 or int8",
         )
-    reports = check_bundle(root, onnx_entry)
+    reports = check_bundle(root, onnx_entry.to_json())
     bad = [r for r in reports if not r.ok]
     if bad:
         raise UsageError(
@@ -40,7 +41,7 @@ def compile_tensorrt(root: Path, manifest: dict[str, Any], precision: str = "fp1
         "precision": precision,
         "weights": "stripped engines, refit from onnx/weights.bin at load",
         "compat": {r.graph: {"opset": r.opset, "ops": r.ops} for r in reports},
-        "graphs": {name: {"onnx": engine["file"]} for name, engine in onnx_entry["graphs"].items()},
+        "graphs": {name: {"onnx": engine.file} for name, engine in onnx_entry.graphs.items()},
         "built_at_export": False,
     }
     try:
@@ -50,7 +51,8 @@ def compile_tensorrt(root: Path, manifest: dict[str, Any], precision: str = "fp1
     from adaptive_export.runtimes.backends.tensorrt_backend import build_engine, engine_cache_dir, plan_name
 
     cache = engine_cache_dir()
-    for name, engine in onnx_entry["graphs"].items():
-        build_engine(root / engine["file"], cache / plan_name(root / engine["file"], name), manifest, precision)
+    for name, engine in onnx_entry.graphs.items():
+        path = root / (engine.file or "")
+        build_engine(path, cache / plan_name(path, name), manifest, precision)
     entry["built_at_export"] = True
     return entry

@@ -23,7 +23,11 @@ from adaptive_export.graphs.spec import ModelSpec
 
 @dataclass(frozen=True)
 class GraphSpec:
-    """What one graph computes; stored in the manifest so the runtime knows its I/O."""
+    """What one graph computes; stored in the manifest so the runtime knows its I/O.
+
+    Its manifest form is runtimes.manifest.GraphEntry, with the same field names (graphs/ may
+    not import runtimes/, so exporter/build.py copies the fields by name and checks at import
+    that both declare the same ones, and that both derive the same I/O names)."""
 
     name: str
     kind: Literal["prefill", "decode", "draft", "verify"]

@@ -147,26 +147,27 @@ def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
     from adaptive_export.loading.model import DEFAULT_MODEL, load_model
     from adaptive_export.loading.packaged import PACKAGED
 
-    recorded = bundle.model.get("source") or DEFAULT_MODEL
+    recorded = bundle.model.source or DEFAULT_MODEL
     if model is None and recorded not in PACKAGED and not Path(recorded).is_absolute():
         # a bundle may come from anywhere: its recorded source is never resolved against the current directory
         raise UsageError(
             f"the bundle records its model as {recorded!r}, a relative path", "pass the reference model with --model"
         )
     loaded = load_model(model or recorded)
-    if loaded.spec.to_json() != {k: bundle.model[k] for k in loaded.spec.to_json()}:
+    recorded_dims = bundle.model.to_json()
+    if loaded.spec.to_json() != {k: recorded_dims.get(k) for k in loaded.spec.to_json()}:
         raise UsageError(
             f"model {loaded.source!r} does not match the bundle's dimensions",
             "pass the model the bundle was built from with --model",
         )
     parts = ModelParts(loaded.hf_model, loaded.spec)
-    if ROUTERS_FILE in bundle.manifest["files"]:  # only listed (checksummed) files are opened
+    if ROUTERS_FILE in bundle.manifest.files:  # only listed (checksummed) files are opened
         parts.routers = load_routers(bundle.path(ROUTERS_FILE), loaded.spec.num_layers, loaded.spec.hidden_size)
-    if ADAPTERS_FILE in bundle.manifest["files"]:
+    if ADAPTERS_FILE in bundle.manifest.files:
         parts.exit_adapters = load_adapters(
             bundle.path(ADAPTERS_FILE), loaded.spec.hidden_size, loaded.spec.rms_norm_eps, loaded.spec.num_layers
         )
-    if PROMPT_TOKENS_FILE in bundle.manifest["files"]:
+    if PROMPT_TOKENS_FILE in bundle.manifest.files:
         parts.prompt_tokens = load_prompt_tokens(bundle.path(PROMPT_TOKENS_FILE), loaded.spec.hidden_size)
     if bundle.draft_vocab_ids is not None:
         import torch

@@ -19,7 +19,16 @@ import numpy as np
 
 from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.errors import UsageError
-from adaptive_export.runtimes.manifest import path_problem, validate
+from adaptive_export.runtimes.manifest import (
+    BackendEntry,
+    ConfigEntry,
+    FileEntry,
+    GraphEntry,
+    Manifest,
+    ModelDims,
+    path_problem,
+)
+from adaptive_export.runtimes.manifest_fields import JsonObject
 
 _HASH_CHUNK = 1 << 22
 
@@ -27,59 +36,53 @@ _HASH_CHUNK = 1 << 22
 @dataclass
 class Bundle:
     root: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
 
     @property
-    def model(self) -> dict[str, Any]:
-        return self.manifest["model"]
+    def model(self) -> ModelDims:
+        return self.manifest.model
 
     @property
     def num_layers(self) -> int:
-        return int(self.model["num_layers"])
+        return self.model.num_layers
 
     @property
     def max_len(self) -> int:
-        return int(self.manifest["max_len"])
+        return self.manifest.max_len
 
-    def graph(self, name: str) -> dict[str, Any]:
-        return self.manifest["graphs"][name]
+    def graph(self, name: str) -> GraphEntry:
+        return self.manifest.graph(name)
 
     @cached_property
     def draft_vocab_ids(self) -> np.ndarray | None:
         """VocabTrim's token ids (a reduced draft head's row j scores id ids[j]), read once and
         checked, since a hostile file could otherwise map drafts outside the vocabulary."""
-        entry = self.manifest.get("draft_vocab")
-        if not entry:
+        entry = self.manifest.draft_vocab
+        if entry is None:
             return None
-        size, vocab = entry["size"], int(self.model["vocab_size"])
-        data = read_listed(self, entry["file"], 4 * size)
+        size, vocab = entry.size, self.model.vocab_size
+        data = read_listed(self, entry.file, 4 * size)
         fix = "rebuild the bundle with --draft-vocab"
         if len(data) != 4 * size:
-            raise UsageError(
-                f"draft vocabulary file {entry['file']!r} holds {len(data)} bytes, not {size} int32 ids", fix
-            )
+            raise UsageError(f"draft vocabulary file {entry.file!r} holds {len(data)} bytes, not {size} int32 ids", fix)
         ids = np.frombuffer(data, dtype="<i4").astype(np.int64)
         if ids[0] < 0 or ids[-1] >= vocab or (size > 1 and not bool(np.all(np.diff(ids) > 0))):
             raise UsageError(
-                f"draft vocabulary file {entry['file']!r} is not ascending unique token ids within 0..{vocab - 1}", fix
+                f"draft vocabulary file {entry.file!r} is not ascending unique token ids within 0..{vocab - 1}", fix
             )
         return ids
 
-    def config(self, config_id: str) -> dict[str, Any]:
-        for config in self.manifest["configs"]:
-            if config["id"] == config_id:
-                return config
-        known = ", ".join(c["id"] for c in self.manifest["configs"])
-        raise UsageError(f"unknown configuration {config_id!r}", f"use auto, or one of: {known}")
+    def config(self, config_id: str) -> ConfigEntry:
+        return self.manifest.config(config_id)
 
     def path(self, relative: str) -> Path:
         """Resolve a manifest path, refusing anything that leaves the bundle directory."""
         return confined_path(self.root, relative)
 
-    def backend_entry(self, backend: str) -> dict[str, Any]:
-        entry = self.manifest["backends"].get(backend)
+    def backend_entry(self, backend: str) -> BackendEntry:
+        entry = self.manifest.backends.get(backend)
         if entry is None:
-            present = ", ".join(self.manifest["backends"]) or "none"
+            present = ", ".join(self.manifest.backends) or "none"
             raise UsageError(
                 f"backend {backend!r} is not in this bundle (it has: {present})",
                 f"choose one of them, or rebuild with --backend {backend}",
@@ -87,9 +90,9 @@ class Bundle:
         return entry
 
 
-def logits_width(graph: dict[str, Any], model: dict[str, Any]) -> int:
+def logits_width(graph: GraphEntry, model: ModelDims) -> int:
     """Columns of a graph's logits: the vocabulary, or a reduced draft head's token count."""
-    return int(graph.get("draft_vocab") or model["vocab_size"])
+    return graph.logits_width(model.vocab_size)
 
 
 def confined_path(root: Path, relative: str) -> Path:
@@ -132,7 +135,7 @@ def parse_manifest(data: bytes, name: str = "manifest.json") -> Any:
     """Strict JSON from a bundle: UTF-8, no duplicate keys, no NaN/Infinity, bounded nesting."""
     fix = "rebuild the bundle with `adaptive-export build`"
 
-    def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> JsonObject:
         keys = [key for key, _ in pairs]
         if len(set(keys)) != len(keys):
             duplicate = next(k for k in keys if keys.count(k) > 1)
@@ -154,9 +157,7 @@ def parse_manifest(data: bytes, name: str = "manifest.json") -> Any:
         raise UsageError(f"{name} cannot be parsed ({type(exc).__name__})", fix) from None
 
 
-def _check_file(
-    bundle: Bundle, relative: str, entry: dict[str, Any], verify: str, seen: dict[tuple[int, int], str]
-) -> None:
+def _check_file(bundle: Bundle, relative: str, entry: FileEntry, verify: str, seen: dict[tuple[int, int], str]) -> None:
     """One listed file: inside the bundle, a regular file (no symlink, FIFO or device), a
     file no other entry names (aliases and hard links refused), with its size and sha256."""
     path = bundle.path(relative)
@@ -182,12 +183,12 @@ def _check_file(
     fd = limits.open_regular(path, f"bundle file {relative!r}")
     try:
         size = os.fstat(fd).st_size
-        if size != entry["bytes"]:
+        if size != entry.bytes:
             raise UsageError(
-                f"bundle file {relative!r} has {size} bytes, the manifest says {entry['bytes']}",
+                f"bundle file {relative!r} has {size} bytes, the manifest says {entry.bytes}",
                 "the bundle is corrupt or truncated: copy it again or rebuild it",
             )
-        if verify == "full" and _sha256_fd(fd, size)[0] != entry["sha256"]:
+        if verify == "full" and _sha256_fd(fd, size)[0] != entry.sha256:
             raise UsageError(
                 f"checksum mismatch for bundle file {relative!r}",
                 "the bundle is corrupt or was modified: copy it again or rebuild it",
@@ -199,14 +200,14 @@ def _check_file(
 def read_listed(bundle: Bundle, relative: str, max_bytes: int) -> bytes:
     """The bytes of a listed bundle file, read once and checked against its size and sha256
     whatever the verify mode, so what is used is exactly what was checked."""
-    entry = bundle.manifest["files"].get(relative)
+    entry = bundle.manifest.files.get(relative)
     if entry is None:
         raise UsageError(
             f"bundle file {relative!r} is not listed with a checksum",
             "rebuild the bundle; unlisted files are never opened",
         )
     data = limits.read_regular(bundle.path(relative), f"bundle file {relative!r}", max_bytes)
-    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+    if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
         raise UsageError(
             f"checksum mismatch for bundle file {relative!r}",
             "the bundle is corrupt or was modified: copy it again or rebuild it",
@@ -249,16 +250,17 @@ def load_bundle(directory: str | os.PathLike[str], verify: str = "full") -> Bund
             f"{str(root)!r} has no manifest.json, so it is not a bundle",
             "pass a directory written by `adaptive-export build`",
         )
-    manifest = parse_manifest(limits.read_regular(manifest_path, "manifest", limits.MAX_MANIFEST_BYTES))
-    validate(manifest)
+    manifest = Manifest.from_json(
+        parse_manifest(limits.read_regular(manifest_path, "manifest", limits.MAX_MANIFEST_BYTES))
+    )
     bundle = Bundle(root=root, manifest=manifest)
     seen: dict[tuple[int, int], str] = {}
-    for relative, entry in manifest["files"].items():
+    for relative, entry in manifest.files.items():
         _check_file(bundle, relative, entry, verify, seen)
-    onnx = manifest["backends"].get("onnx")
-    if onnx is not None:
-        size = manifest["files"][onnx["weights"]]["bytes"]
-        for name, meta in onnx["tensors"].items():
-            if meta["offset"] + meta["bytes"] > size:
+    onnx = manifest.backends.get("onnx")
+    if onnx is not None and onnx.weights is not None:
+        size = manifest.files[onnx.weights].bytes
+        for name, meta in onnx.tensors.items():
+            if meta.offset + meta.bytes > size:
                 raise UsageError(f"weight {name!r} lies outside the weights file", "the bundle is corrupt: rebuild it")
     return bundle

@@ -28,6 +28,7 @@ from adaptive_export.runtimes.drafting import FREE_SOURCE, draft_source
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_draft_len
+from adaptive_export.runtimes.manifest import ConfigEntry
 from adaptive_export.runtimes.sampling import Sampler, SamplingParams, make_sampler
 from adaptive_export.runtimes.selection import choose_config
 from adaptive_export.runtimes.sequence import SequenceState
@@ -160,12 +161,12 @@ class Generator:
         self.arena = KVArena(
             self.bundle.num_layers,
             self.bundle.max_len,
-            model["num_kv_heads"],
-            model["head_dim"],
+            model.num_kv_heads,
+            model.head_dim,
             layout=self.backend.kv_layout,
         )
         self.backend.prepare("prefill")
-        self.backend.prepare(self.bundle.config("full")["engines"]["decode"])
+        self.backend.prepare(self.bundle.config("full").decode)
 
     # ---- public API -------------------------------------------------------------------
     def generate(
@@ -256,7 +257,7 @@ class Generator:
             )
         if not prompt_ids:
             raise UsageError("the prompt has no tokens", "pass a non-empty prompt")
-        vocab = self.bundle.model["vocab_size"]
+        vocab = self.bundle.model.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_ids):
             raise UsageError(
                 f"a prompt token id is outside the vocabulary 0..{vocab - 1}", "pass ids from this bundle's tokenizer"
@@ -314,23 +315,23 @@ class Generator:
         stats = GenerationStats(
             backend=self.backend.name,
             mode=request.mode.loop,
-            config=chosen["id"],
-            kept_layers=list(chosen["kept"]),
-            skipped_layers=self.bundle.num_layers - len(chosen["kept"]),
+            config=chosen.id,
+            kept_layers=list(chosen.kept),
+            skipped_layers=self.bundle.num_layers - len(chosen.kept),
             prompt_tokens=len(prompt_ids),
         )
         return SequenceState(arena=arena, config=chosen, prompt_ids=list(prompt_ids), tokens=[], pending=first), stats
 
-    def _resolve_config(self, config: str, router_scores: np.ndarray | None) -> dict[str, Any]:
+    def _resolve_config(self, config: str, router_scores: np.ndarray | None) -> ConfigEntry:
         if config != "auto":
             return self.bundle.config(config)
         if router_scores is None:
             return self.bundle.config("full")
-        threshold = float(self.bundle.manifest["router_threshold"])
+        threshold = float(self.bundle.manifest.router_threshold)
         kept = [i for i, score in enumerate(router_scores) if score >= threshold]
-        return choose_config(self.bundle.manifest["configs"], kept)
+        return choose_config(self.bundle.manifest.configs, kept)
 
-    def _check_mode(self, request: GenerationRequest, config: dict[str, Any]) -> None:
+    def _check_mode(self, request: GenerationRequest, config: ConfigEntry) -> None:
         """spec needs the draft source's engines; auto always runs the speculative loop (see
         _speculative_runner), which falls back to plain steps where drafting does not pay."""
         if request.mode is Mode.AR:
@@ -340,7 +341,7 @@ class Generator:
             draft_source(draft)  # a clear error for an unknown name
         if request.mode is Mode.SPEC and not speculation_available(self.bundle, config, draft):
             raise UsageError(
-                f"configuration {config['id']!r} has no {draft} draft engines",
+                f"configuration {config.id!r} has no {draft} draft engines",
                 "use --draft prompt_lookup, --mode ar, or rebuild with --speculate",
             )
 
@@ -364,15 +365,15 @@ class Generator:
         whose drafts do not pay decodes plainly."""
         draft_len = request.draft_len
         if request.mode is Mode.AUTO:
-            spec = self.bundle.manifest.get("speculation") or {}
-            if not (spec.get("auto_enabled", False) and speculation_available(self.bundle, seq.config)):
+            spec = self.bundle.manifest.speculation
+            if not (spec is not None and spec.auto_enabled and speculation_available(self.bundle, seq.config)):
                 return SpeculativeRunner(self.bundle, self.backend, seq.config, FREE_SOURCE, draft_len, gated=True)
             # the calibrated source, still gated: a prompt whose drafts stop paying decodes plainly
             return SpeculativeRunner(self.bundle, self.backend, seq.config, None, draft_len, gated=True)
         return SpeculativeRunner(self.bundle, self.backend, seq.config, request.draft, draft_len)
 
     def _decode_ar(self, seq: SequenceState, sampler: Sampler) -> Iterator[int]:
-        graph = seq.config["engines"]["decode"]
+        graph = seq.config.decode
         arena = seq.arena
         token = np.empty((1, 1), dtype=np.int64)
         while True:

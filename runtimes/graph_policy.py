@@ -27,8 +27,10 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any
 
-from adaptive_export.runtimes.bundle import logits_width
+from adaptive_export.runtimes import limits
+from adaptive_export.runtimes.bundle import Bundle, read_listed
 from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.manifest import BackendEntry, EngineEntry, GraphEntry, ModelDims
 
 # domain -> op types. "" is the default ONNX domain (also spelled "ai.onnx").
 ALLOWED_OPS: dict[str, frozenset[str]] = {
@@ -152,21 +154,21 @@ def io_rule(name: str) -> tuple[frozenset[int], tuple[tuple[Any, ...], ...]] | N
     return None
 
 
-def _dims_of(graph_entry: dict[str, Any], model: dict[str, Any], max_len: int | None) -> dict[str, Any]:
+def _dims_of(graph_entry: GraphEntry, model: ModelDims, max_len: int | None) -> dict[str, int | None]:
     # fused ("ort") graphs choose their logit rows with the `logit_rows` input: dynamic for every kind
-    fixed_rows = graph_entry.get("logits", "all") == "last" and graph_entry.get("flavour", "portable") != "ort"
+    fixed_rows = graph_entry.logits == "last" and graph_entry.flavour != "ort"
     return {
-        "kv_heads": model["num_kv_heads"],
-        "head_dim": model["head_dim"],
-        "hidden": model["hidden_size"],
-        "vocab": logits_width(graph_entry, model),
-        "layers": len(graph_entry["layers"]),
+        "kv_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "hidden": model.hidden_size,
+        "vocab": graph_entry.logits_width(model.vocab_size),
+        "layers": len(graph_entry.layers),
         "max_len": max_len,
         "logit_rows": 1 if fixed_rows else None,
     }
 
 
-def _check_value(where: str, value: Any, graph_entry: dict[str, Any], dims: dict[str, Any]) -> None:
+def _check_value(where: str, value: Any, dims: dict[str, int | None]) -> None:
     rule = io_rule(value.name)
     if rule is None:
         raise _refuse(where, f"input/output {value.name!r} is not one the runtime knows (graph_policy.IO_RULES)")
@@ -224,14 +226,22 @@ def _tensors_in_attributes(node: Any) -> list[Any]:
 def checked_model_bytes(
     data: bytes,
     where: str,
-    graph_entry: dict[str, Any],
-    engine_entry: dict[str, Any],
-    onnx_entry: dict[str, Any],
-    model: dict[str, Any],
+    graph_entry: GraphEntry,
+    engine_entry: EngineEntry,
+    onnx_entry: BackendEntry,
+    model: ModelDims,
     max_len: int | None = None,
 ) -> bytes:
     """Parse one engine's bytes (external data is never loaded), refuse anything outside the
     policy above, and return the bytes to create the session from."""
+    proto = _parse(data, where)
+    _check_ops(proto, where)
+    _check_external_data(proto.graph, where, engine_entry, onnx_entry)
+    _check_io(proto.graph, where, graph_entry, _dims_of(graph_entry, model, max_len))
+    return data
+
+
+def _parse(data: bytes, where: str) -> Any:
     import onnx
     from google.protobuf.message import DecodeError
 
@@ -240,18 +250,24 @@ def checked_model_bytes(
         proto.ParseFromString(data)
     except (DecodeError, ValueError, RuntimeError) as exc:
         raise _refuse(where, f"it is not an ONNX model ({type(exc).__name__})") from None
-    graph = proto.graph
-    if not graph.node or not graph.output:
+    if not proto.graph.node or not proto.graph.output:
         raise _refuse(where, "it has no nodes or no outputs")
     if len(proto.functions):
         raise _refuse(where, "it defines model-local functions")
     if len(proto.training_info):
         raise _refuse(where, "it carries training graphs")
+    return proto
+
+
+def _check_ops(proto: Any, where: str) -> None:
+    """Allowed ops only, no subgraphs, no sparse or external constants."""
+    import onnx
+
     for opset in proto.opset_import:
         if _DOMAIN_ALIASES.get(opset.domain, opset.domain) not in ALLOWED_OPS:
             raise _refuse(where, f"it imports operator domain {opset.domain!r}")
     constants: list[Any] = []
-    for node in graph.node:
+    for node in proto.graph.node:
         domain = _DOMAIN_ALIASES.get(node.domain, node.domain)
         if node.op_type not in ALLOWED_OPS.get(domain, frozenset()):
             raise _refuse(where, f"op {node.op_type!r} of domain {node.domain or 'ai.onnx'!r} is not allowed")
@@ -259,14 +275,19 @@ def checked_model_bytes(
             constants += _tensors_in_attributes(node)
         except ValueError as exc:
             raise _refuse(where, str(exc)) from None
-    if len(graph.sparse_initializer):
+    if len(proto.graph.sparse_initializer):
         raise _refuse(where, "it has sparse initializers")
     for tensor in constants:
         if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.external_data):
             raise _refuse(where, "a constant refers to external data")
-    supplied = set(engine_entry.get("initializers", []))
-    weights_name = PurePosixPath(onnx_entry["weights"]).name
-    tensors = onnx_entry["tensors"]
+
+
+def _check_external_data(graph: Any, where: str, engine_entry: EngineEntry, onnx_entry: BackendEntry) -> None:
+    """External data only for the weights the manifest supplies, from the weights file, typed as its table says."""
+    import onnx
+
+    supplied = set(engine_entry.initializers or ())
+    weights_name = PurePosixPath(onnx_entry.weights or "").name
     external = set()
     for init in graph.initializer:
         if init.data_location != onnx.TensorProto.EXTERNAL and not len(init.external_data):
@@ -278,12 +299,12 @@ def checked_model_bytes(
             raise _refuse(
                 where, f"initializer {init.name!r} refers to {info.get('location')!r}, not the bundle's weights file"
             )
-        meta = tensors[init.name]
-        if _ONNX_OF_DTYPE[meta["dtype"]] != init.data_type or list(init.dims) != list(meta["shape"]):
+        meta = onnx_entry.tensors[init.name]
+        if _ONNX_OF_DTYPE[meta.dtype] != init.data_type or list(init.dims) != list(meta.shape):
             raise _refuse(
                 where,
                 f"initializer {init.name!r} is type {init.data_type} of shape {list(init.dims)}, "
-                f"the weight table says {meta['dtype']} of shape {meta['shape']}",
+                f"the weight table says {meta.dtype} of shape {list(meta.shape)}",
             )
         external.add(init.name)
     missing = supplied - external
@@ -292,34 +313,35 @@ def checked_model_bytes(
             where,
             f"the manifest supplies weight {sorted(missing)[0]!r}, which the graph does not take from the weights file",
         )
+
+
+def _check_io(graph: Any, where: str, graph_entry: GraphEntry, dims: dict[str, int | None]) -> None:
+    """Graph inputs and outputs exactly the manifest's, each as IO_RULES allows."""
     initializer_names = {init.name for init in graph.initializer}
     inputs = [value for value in graph.input if value.name not in initializer_names]
-    if [v.name for v in inputs] != list(graph_entry["inputs"]):
+    if [v.name for v in inputs] != list(graph_entry.inputs):
         raise _refuse(
             where,
-            f"its inputs {[v.name for v in inputs][:6]} differ from the manifest's {list(graph_entry['inputs'])[:6]}",
+            f"its inputs {[v.name for v in inputs][:6]} differ from the manifest's {list(graph_entry.inputs)[:6]}",
         )
-    if [v.name for v in graph.output] != list(graph_entry["outputs"]):
+    if [v.name for v in graph.output] != list(graph_entry.outputs):
         raise _refuse(
             where,
-            f"its outputs {[v.name for v in graph.output][:6]} differ from the manifest's {list(graph_entry['outputs'])[:6]}",
+            f"its outputs {[v.name for v in graph.output][:6]} differ from the manifest's "
+            f"{list(graph_entry.outputs)[:6]}",
         )
-    dims = _dims_of(graph_entry, model, max_len)
     for value in [*inputs, *graph.output]:
-        _check_value(where, value, graph_entry, dims)
-    return data
+        _check_value(where, value, dims)
 
 
-def checked_engine_bytes(bundle: Any, graph: str, backend: str = "onnx") -> bytes:
+def checked_engine_bytes(bundle: Bundle, graph: str, backend: str = "onnx") -> bytes:
     """The policy-checked bytes of `graph`'s engine in `bundle` (read once, hashed, checked)."""
-    from adaptive_export.runtimes import limits
-    from adaptive_export.runtimes.bundle import read_listed
-
     entry = bundle.backend_entry(backend)
-    engine = entry["graphs"].get(graph)
-    if engine is None:
-        raise UsageError(f"the {backend} backend has no engine for graph {graph!r}", "rebuild the bundle")
-    data = read_listed(bundle, engine["file"], limits.MAX_ENGINE_BYTES)
+    engine = entry.engine(graph)
+    if engine.file is None:
+        raise UsageError(f"the {backend} backend has no engine file for graph {graph!r}", "rebuild the bundle")
+    data = read_listed(bundle, engine.file, limits.MAX_ENGINE_BYTES)
+    onnx_entry = bundle.backend_entry("onnx")
     return checked_model_bytes(
-        data, repr(engine["file"]), bundle.graph(graph), engine, entry, bundle.model, bundle.max_len
+        data, repr(engine.file), bundle.graph(graph), engine, onnx_entry, bundle.model, bundle.max_len
     )

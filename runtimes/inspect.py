@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from adaptive_export.runtimes.bundle import Bundle, load_bundle, parse_manifest, read_listed
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.limits import MAX_CALIBRATION_BYTES
+from adaptive_export.runtimes.manifest import GraphEntry
+from adaptive_export.runtimes.manifest_fields import JsonObject
 
 
 def calibration_shares(bundle: Bundle) -> dict[str, float | None]:
     """Configuration id -> share of calibration prompts it served, from calibration.json
     (optional: a malformed file is a bad bundle, exit 2)."""
-    relative = bundle.manifest.get("calibration")
+    relative = bundle.manifest.calibration
     if not relative:
         return {}
     data = parse_manifest(
@@ -31,9 +32,9 @@ def calibration_shares(bundle: Bundle) -> dict[str, float | None]:
             c.get("share") is None
             or (isinstance(c["share"], (int, float)) and not isinstance(c["share"], bool) and 0 <= c["share"] <= 1)
         )
-        for c in chosen
+        for c in (chosen if isinstance(chosen, list) else [])
     )
-    if not ok:
+    if not ok or not isinstance(chosen, list):
         raise UsageError(
             f"the bundle's {relative!r} is malformed (configs.chosen must list {{id, share}})",
             "rebuild the bundle with `adaptive-export build`",
@@ -41,59 +42,66 @@ def calibration_shares(bundle: Bundle) -> dict[str, float | None]:
     return {c["id"]: c.get("share") for c in chosen}
 
 
-def describe(directory: str) -> dict[str, Any]:
+def describe(directory: str) -> JsonObject:
+    """What `inspect` prints (and writes with --json): the manifest's summary."""
     bundle = load_bundle(directory, verify="size")
     m = bundle.manifest
     shares = calibration_shares(bundle)
-    total = sum(e["bytes"] for e in m["files"].values())
-    weight_bytes = m["backends"].get("onnx", {}).get("weight_bytes", 0)
+    total = sum(e.bytes for e in m.files.values())
+    onnx = m.backends.get("onnx")
+    weight_bytes = onnx.weight_bytes if onnx is not None else 0
     return {
         "bundle": str(directory),
-        "model": m["model"],
-        "max_len": m["max_len"],
-        "dtype": m["dtype"],
+        "model": m.model.to_json(),
+        "max_len": m.max_len,
+        "dtype": m.dtype,
         "bytes": total,
         "weight_bytes": weight_bytes,
         "size_ratio": round(total / weight_bytes, 4) if weight_bytes else None,
-        "backends": {name: sorted(entry["graphs"]) for name, entry in m["backends"].items()},
-        "graphs": {
-            name: {
-                "kind": g["kind"],
-                "layers": len(g["layers"]),
-                "config": g.get("config"),
-                "exit_layer": g.get("exit_layer"),
-                "precision": g.get("precision"),
-                "prompt_tokens": g.get("prompt_tokens", 0),
-                "draft_vocab": g.get("draft_vocab", 0),
-            }
-            for name, g in m["graphs"].items()
-        },
+        "backends": {name: sorted(entry.graphs) for name, entry in m.backends.items()},
+        "graphs": {name: _graph_summary(g) for name, g in m.graphs.items()},
         "configs": [
             {
-                "id": c["id"],
-                "kept": c["kept"],
-                "skipped": m["model"]["num_layers"] - len(c["kept"]),
-                "engines": c["engines"],
-                "calibration_share": shares.get(c["id"]),
+                "id": c.id,
+                "kept": list(c.kept),
+                "skipped": m.model.num_layers - len(c.kept),
+                "engines": dict(c.engines),
+                "calibration_share": shares.get(c.id),
             }
-            for c in m["configs"]
+            for c in m.configs
         ],
-        "routers": bool(m["graphs"]["prefill"].get("router_scores")),
-        "router_threshold": m["router_threshold"],
-        "speculation": m.get("speculation"),
-        "chat_template": bool(m["tokenizer"].get("chat")),
+        "routers": m.graph("prefill").router_scores,
+        "router_threshold": m.router_threshold,
+        "speculation": m.speculation.to_json() if m.speculation else None,
+        "chat_template": m.tokenizer.chat is not None,
     }
 
 
-def render(info: dict[str, Any]) -> str:
+def _graph_summary(graph: GraphEntry) -> JsonObject:
+    return {
+        "kind": graph.kind,
+        "layers": len(graph.layers),
+        "config": graph.config,
+        "exit_layer": graph.exit_layer,
+        "precision": graph.precision,
+        "prompt_tokens": graph.prompt_tokens,
+        "draft_vocab": graph.draft_vocab,
+    }
+
+
+def render(info: JsonObject) -> str:
     model = info["model"]
     lines = [
         f"bundle     {info['bundle']}",
-        f"model      {model.get('source')} ({model.get('model_type', '?')}, {model['num_layers']} layers, hidden {model['hidden_size']}, "
-        f"heads {model['num_heads']}/{model['num_kv_heads']} kv, vocab {model['vocab_size']})",
-        f"size       {info['bytes'] / 1e6:.1f} MB total, weights {info['weight_bytes'] / 1e6:.1f} MB stored once (x{info['size_ratio']})",
-        f"max_len    {info['max_len']} tokens, dtype {info['dtype']}, chat template {'yes' if info['chat_template'] else 'no'}",
-        f"routers    {'yes, threshold ' + str(info['router_threshold']) if info['routers'] else 'no (always the full model)'}",
+        f"model      {model.get('source')} ({model.get('model_type', '?')}, {model['num_layers']} layers, "
+        f"hidden {model['hidden_size']}, heads {model['num_heads']}/{model['num_kv_heads']} kv, "
+        f"vocab {model['vocab_size']})",
+        f"size       {info['bytes'] / 1e6:.1f} MB total, "
+        f"weights {info['weight_bytes'] / 1e6:.1f} MB stored once (x{info['size_ratio']})",
+        f"max_len    {info['max_len']} tokens, dtype {info['dtype']}, "
+        f"chat template {'yes' if info['chat_template'] else 'no'}",
+        "routers    "
+        + ("yes, threshold " + str(info["router_threshold"]) if info["routers"] else "no (always the full model)"),
         f"backends   {', '.join(f'{b} ({len(g)} engines)' for b, g in info['backends'].items())}",
         "configurations:",
     ]
@@ -101,9 +109,8 @@ def render(info: dict[str, Any]) -> str:
         share = (
             "" if c["calibration_share"] is None else f", served {c['calibration_share']:.0%} of calibration prompts"
         )
-        lines.append(
-            f"  {c['id']:10} keeps {len(c['kept'])} layers, skips {c['skipped']}{share}; engines: {', '.join(f'{role} {name}' for role, name in c['engines'].items())}"
-        )
+        engines = ", ".join(f"{role} {name}" for role, name in c["engines"].items())
+        lines.append(f"  {c['id']:10} keeps {len(c['kept'])} layers, skips {c['skipped']}{share}; engines: {engines}")
         if c["skipped"]:  # the shorter list says which layers the engine runs
             skipped = sorted(set(range(info["model"]["num_layers"])) - set(c["kept"]))
             lines.append(

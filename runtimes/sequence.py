@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from adaptive_export.runtimes.kv_arena import KVArena
+from adaptive_export.runtimes.manifest import ConfigEntry
 
 
 @dataclass
@@ -16,7 +16,7 @@ class SequenceState:
     next step or verify pass, which takes it as its first input)."""
 
     arena: KVArena
-    config: dict[str, Any]
+    config: ConfigEntry
     prompt_ids: list[int]
     tokens: list[int]
     pending: int

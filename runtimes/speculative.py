@@ -26,7 +26,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from adaptive_export.runtimes.acceptance import Verdict, judge
 from adaptive_export.runtimes.backends import Backend
@@ -34,6 +33,7 @@ from adaptive_export.runtimes.bundle import Bundle
 from adaptive_export.runtimes.drafting import FREE_SOURCE, PLAIN, SOURCES, DraftSource, Proposal, draft_source
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.gate import DraftingGate
+from adaptive_export.runtimes.manifest import ConfigEntry
 from adaptive_export.runtimes.sampling import Sampler
 from adaptive_export.runtimes.sequence import SequenceState
 
@@ -41,15 +41,15 @@ DEFAULT_LOOKUP_K = 4
 DEFAULT_VERIFY_COST = 1.3  # T=k+1 pass / T=1 pass when the bundle carries no measurement
 
 
-def speculation_available(bundle: Bundle, config: dict[str, Any], source: str | None = None) -> bool:
+def speculation_available(bundle: Bundle, config: ConfigEntry, source: str | None = None) -> bool:
     """Whether the configuration has the engines the source needs (prompt lookup needs none)."""
     found = SOURCES.get(source or default_source(bundle, config))
     return found is not None and found.available(config)
 
 
-def default_source(bundle: Bundle, config: dict[str, Any]) -> str:
+def default_source(bundle: Bundle, config: ConfigEntry) -> str:
     """The source calibration chose; without calibration, prompt lookup (free)."""
-    chosen = (bundle.manifest.get("speculation") or {}).get("source")
+    chosen = bundle.manifest.speculation.source if bundle.manifest.speculation else None
     if isinstance(chosen, str) and chosen in SOURCES:
         return chosen
     return FREE_SOURCE
@@ -129,7 +129,7 @@ class SpeculativeRunner:
         self,
         bundle: Bundle,
         backend: Backend,
-        config: dict[str, Any],
+        config: ConfigEntry,
         source: str | None = None,
         draft_len: int | None = None,
         gated: bool = False,
@@ -138,21 +138,21 @@ class SpeculativeRunner:
         source_class = draft_source(self.source)
         if not source_class.available(config):
             raise UsageError(
-                f"configuration {config['id']!r} has no {self.source} draft engines",
+                f"configuration {config.id!r} has no {self.source} draft engines",
                 "use --draft prompt_lookup, --mode ar, or rebuild with --speculate",
             )
-        calibrated = (bundle.manifest.get("speculation") or {}).get(self.source) or {}
-        self.k = int(draft_len or calibrated.get("draft_len", DEFAULT_LOOKUP_K))
+        calibrated = bundle.manifest.calibrated(self.source)
+        self.k = int(draft_len or calibrated.draft_len or DEFAULT_LOOKUP_K)
         if self.k < 1:
             raise UsageError(f"draft length {self.k} is not positive", "use a draft length of 1 or more")
         self.drafter = source_class(backend, config, bundle.model, self.k)
         self.counts = RoundCounts()
         self.gate: DraftingGate | None = None
         if gated and source_class.gateable:
-            prepacked = config["engines"]["decode"] in getattr(backend, "prepack", ())  # ORT: T > 1 passes much cheaper
-            costs = calibrated.get("verify_cost_prepacked" if prepacked else "verify_cost") or {}
+            prepacked = config.decode in getattr(backend, "prepack", ())  # ORT: T > 1 passes much cheaper
+            costs = calibrated.verify_costs(prepacked)
             draft_cost = float(
-                calibrated.get("draft_cost", 0.0)
+                calibrated.draft_cost or 0.0
             )  # a draft engine's T=1 step in T=1 decode passes (lookup: none)
             # a drafting round in T=1 passes by the build's measurement: k draft steps and one T=k+1 pass
             round_passes = self.k * draft_cost + float(costs.get(str(self.k), DEFAULT_VERIFY_COST))

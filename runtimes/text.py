@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from adaptive_export.runtimes.bundle import Bundle, read_listed
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.limits import MAX_TOKENIZER_BYTES
@@ -21,21 +19,21 @@ class TextCodec:
             from tokenizers import Tokenizer
         except ImportError as exc:
             raise UsageError("the runtime needs the tokenizers package", "run `pip install tokenizers`") from exc
-        info: dict[str, Any] = bundle.manifest["tokenizer"]
-        data = read_listed(bundle, info["file"], MAX_TOKENIZER_BYTES)
-        check_tokenizer_json(data, TokenizerRules(bundle.model["vocab_size"]))  # before tokenizers sees it
-        with tokenizers_guard(f"loading the bundle's {info['file']!r}", _REBUILD):  # an error or a Rust panic
+        info = bundle.manifest.tokenizer
+        data = read_listed(bundle, info.file, MAX_TOKENIZER_BYTES)
+        check_tokenizer_json(data, TokenizerRules(bundle.model.vocab_size))  # before tokenizers sees it
+        with tokenizers_guard(f"loading the bundle's {info.file!r}", _REBUILD):  # an error or a Rust panic
             self.tokenizer = Tokenizer.from_str(data.decode("utf-8"))
             vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        if vocab > bundle.model["vocab_size"]:
+        if vocab > bundle.model.vocab_size:
             raise UsageError(
                 f"the bundle's tokenizer has {vocab} tokens, more than the model's vocabulary"
-                f" of {bundle.model['vocab_size']}",
+                f" of {bundle.model.vocab_size}",
                 _REBUILD,
             )
-        self.chat = info.get("chat")
-        self.eos_ids = set(info.get("eos_token_ids") or [])
-        self.prefix_ids = list(info.get("prefix_token_ids") or [])
+        self.chat = info.chat
+        self.eos_ids = set(info.eos_token_ids)
+        self.prefix_ids = list(info.prefix_token_ids)
 
     def encode(self, prompt: str, raw: bool = False) -> list[int]:
         if not isinstance(prompt, str):
@@ -51,7 +49,7 @@ class TextCodec:
             ) from None
         if not prompt.strip():
             raise UsageError("the prompt is empty", "pass a non-empty prompt with -p TEXT or --prompt-file FILE")
-        text = prompt if raw or not self.chat else self.chat["prefix"] + prompt + self.chat["suffix"]
+        text = prompt if raw or not self.chat else self.chat.prefix + prompt + self.chat.suffix
         with tokenizers_guard("encoding the prompt", _REBUILD):
             ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
         return self.prefix_ids + ids

@@ -37,8 +37,8 @@ def test_every_graph_matches_pytorch(variant_bundle: Path) -> None:
     bundle = load_bundle(variant_bundle)
     _, parts = load_parts(bundle, None)
     backend = make_backend(bundle, "onnx")
-    assert set(bundle.manifest["graphs"]) == {"prefill", "decode_full"}
-    for graph in bundle.manifest["graphs"]:
+    assert set(bundle.manifest.graphs) == {"prefill", "decode_full"}
+    for graph in bundle.manifest.graphs:
         result = engine_parity(bundle, backend, parts, graph)
         assert result.passed, result.detail
         assert result.max_abs < 1e-4

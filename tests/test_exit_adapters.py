@@ -72,10 +72,10 @@ def test_fitting_raises_train_agreement(adapter_setup: tuple[Path, Path]) -> Non
 
 def test_bundle_ships_the_chosen_adapter(adapter_setup: tuple[Path, Path]) -> None:
     bundle = load_bundle(adapter_setup[1])
-    spec = bundle.manifest["speculation"]
+    spec = bundle.manifest.speculation.to_json()
     assert spec["adapter"] is True and (bundle.root / ADAPTERS_FILE).is_file()
-    draft = next(g for g in bundle.manifest["graphs"].values() if g["kind"] == "draft")
-    assert draft["exit_adapter"] and draft["exit_layer"] == spec["exit_layer"]
+    draft = next(g for g in bundle.manifest.graphs.values() if g.kind == "draft")
+    assert draft.exit_adapter and draft.exit_layer == spec["exit_layer"]
     calibration = json.loads((bundle.root / "calibration.json").read_text())["speculation"]
     assert calibration["early_exit_through_adapter"] and calibration["exit_adapters"]["shipped"] == spec["exit_layer"]
     assert set(calibration["exit_adapters"]["per_exit"]) == {"3", "4", "5"}
@@ -87,18 +87,18 @@ def test_bundle_ships_the_chosen_adapter(adapter_setup: tuple[Path, Path]) -> No
 def test_draft_engine_matches_pytorch_head_of_adapter(adapter_setup: tuple[Path, Path]) -> None:
     bundle = load_bundle(adapter_setup[1])
     loaded, parts = load_parts(bundle, str(adapter_setup[0]))
-    e = bundle.manifest["speculation"]["exit_layer"]
+    e = bundle.manifest.speculation.extra["exit_layer"]
     adapter = parts.exit_adapters[e]
     assert float(adapter.up.weight.detach().abs().max()) > 0  # fitted, not the identity
     backend = make_backend(bundle, "onnx")
-    for name in bundle.manifest["graphs"]:
+    for name in bundle.manifest.graphs:
         result = engine_parity(bundle, backend, parts, name)
         assert result.passed, (name, result.detail)
     # independent of SpanGraph: HF hidden_states[E] -> adapter -> final norm + LM head
     from adaptive_export.graphs.layers import Head
 
     generator = Generator(bundle)
-    draft_name = bundle.config("full")["engines"]["draft"]
+    draft_name = bundle.config("full").engines["draft"]
     ids = generator.codec.encode("Write a short poem about the sea", raw=True)
     generator.arena.reset()
     generator.backend.run("prefill", np.asarray([ids[:-1]]), generator.arena, 0)

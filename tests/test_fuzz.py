@@ -97,7 +97,7 @@ def test_runtime_arguments_generate_or_raise_usage_error(
     except UsageError:
         return
     assert 1 <= len(result.tokens) <= max_new
-    assert all(0 <= t < generator.bundle.model["vocab_size"] for t in result.tokens)
+    assert all(0 <= t < generator.bundle.model.vocab_size for t in result.tokens)
 
 
 @FUZZ
@@ -106,7 +106,7 @@ def test_token_inputs_generate_or_raise_usage_error(generator: Generator, ids: l
     try:
         result = generator.generate(ids, max_new_tokens=max_new)
     except UsageError:
-        vocab = generator.bundle.model["vocab_size"]
+        vocab = generator.bundle.model.vocab_size
         assert not ids or any(t < 0 or t >= vocab for t in ids) or len(ids) + max_new > generator.bundle.max_len
         return
     assert 1 <= len(result.tokens) <= max_new

@@ -236,14 +236,14 @@ def test_pinned_onnxruntime_refuses_external_data_outside_the_engine_folder(
     model = onnx.load(str(bundle.root / engine_file(bundle.root, "decode_full")), load_external_data=False)
     leak_into_logits(model, location, vocab)
     entry = bundle.backend_entry("onnx")
-    weights = np.fromfile(bundle.root / entry["weights"], dtype=np.uint8)
+    weights = np.fromfile(bundle.root / entry.weights, dtype=np.uint8)
     options, values = ort.SessionOptions(), []
     options.log_severity_level = 4
-    for name in entry["graphs"]["decode_full"]["initializers"]:
-        meta = entry["tensors"][name]
+    for name in entry.graphs["decode_full"].initializers:
+        meta = entry.tensors[name]
         values.append(
             ort.OrtValue.ortvalue_from_numpy(
-                weights[meta["offset"] : meta["offset"] + meta["bytes"]].view(meta["dtype"]).reshape(meta["shape"])
+                weights[meta.offset : meta.offset + meta.bytes].view(meta.dtype).reshape(meta.shape)
             )
         )
         options.add_initializer(name, values[-1])

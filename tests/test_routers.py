@@ -16,6 +16,7 @@ from adaptive_export.exporter.check import engine_parity, greedy_check
 from adaptive_export.loading.artifacts import load_parts
 from adaptive_export.runtimes import Generator, load_bundle
 from adaptive_export.runtimes.backends import make_backend
+from adaptive_export.runtimes.manifest import ConfigEntry
 from adaptive_export.runtimes.selection import choose_config
 from tests.conftest import (
     ROUTER_CALIB as CALIB,
@@ -41,11 +42,11 @@ def test_every_engine_and_router_scores_match_pytorch(router_setup: tuple[Path, 
     bundle = load_bundle(routed)
     _, parts = load_parts(bundle, None)
     backend = make_backend(bundle, "onnx")
-    for graph in bundle.manifest["graphs"]:  # the prefill check compares router_scores too
+    for graph in bundle.manifest.graphs:  # the prefill check compares router_scores too
         result = engine_parity(bundle, backend, parts, graph)
         assert result.passed, result.detail
     generator = Generator(bundle)
-    for config in bundle.manifest["configs"]:
+    for config in bundle.manifest.configs:
         for prompt in CALIB[:3]:
             result = greedy_check(generator, parts, config, prompt, 16)
             assert result.passed, result.detail
@@ -60,16 +61,13 @@ def test_runtime_picks_config_by_superset_rule(router_setup: tuple[Path, Path, P
         ids = generator.codec.encode(prompt)
         generator.arena.reset()
         scores = generator.backend.run("prefill", torch.tensor([ids]).numpy(), generator.arena, 0).router_scores
-        kept = {i for i, s in enumerate(scores) if s >= bundle.manifest["router_threshold"]}
+        kept = {i for i, s in enumerate(scores) if s >= bundle.manifest.router_threshold}
         config = bundle.config(result.stats.config)
-        assert kept <= set(config["kept"])
-        assert (
-            result.stats.skipped_layers == bundle.num_layers - len(config["kept"])
-            and result.stats.kept_layers == config["kept"]
+        assert kept <= set(config.kept)
+        assert result.stats.skipped_layers == bundle.num_layers - len(config.kept) and result.stats.kept_layers == list(
+            config.kept
         )
-        cheaper = [
-            c for c in bundle.manifest["configs"] if kept <= set(c["kept"]) and len(c["kept"]) < len(config["kept"])
-        ]
+        cheaper = [c for c in bundle.manifest.configs if kept <= set(c.kept) and len(c.kept) < len(config.kept)]
         assert not cheaper
 
 
@@ -101,13 +99,13 @@ def test_superset_choice_on_handmade_histograms() -> None:
     )  # one skipped layer kept again
     assert choose_configs(hist, 6, 2, acceptable=lambda kept: False) == []
     configs = [
-        {"id": "full", "kept": list(range(6))},
-        {"id": "a", "kept": [0, 1, 2]},
-        {"id": "b", "kept": [0, 1, 2, 3, 4]},
+        ConfigEntry("full", tuple(range(6)), {"decode": "decode_full"}),
+        ConfigEntry("a", (0, 1, 2), {"decode": "decode_a"}),
+        ConfigEntry("b", (0, 1, 2, 3, 4), {"decode": "decode_b"}),
     ]
-    assert choose_config(configs, [0, 2])["id"] == "a"
-    assert choose_config(configs, [0, 3])["id"] == "b"
-    assert choose_config(configs, [5])["id"] == "full"
+    assert choose_config(configs, [0, 2]).id == "a"
+    assert choose_config(configs, [0, 3]).id == "b"
+    assert choose_config(configs, [5]).id == "full"
 
 
 def test_training_reacts_to_lambda(router_setup: tuple[Path, Path, Path]) -> None:

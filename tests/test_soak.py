@@ -30,7 +30,7 @@ def rss_mb() -> float:
 def test_repeated_generation_to_max_len_is_stable(router_setup: tuple[Path, Path, Path]) -> None:
     _, routed, _ = router_setup
     generator = Generator(routed)
-    configs = [c["id"] for c in generator.bundle.manifest["configs"]]
+    configs = [c.id for c in generator.bundle.manifest.configs]
     assert len(configs) >= 2, "the soak needs a bundle with skip configurations"
     prompt = generator.codec.encode("The quick brown fox", raw=True)
     budget = generator.bundle.max_len - len(prompt)

@@ -3,6 +3,7 @@ staged bundle decide the draft source, k, and whether `--mode auto` speculates."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from adaptive_export.calibration.draft_sources import simulate_rounds
 from adaptive_export.calibration.latency import MIN_SPEEDUP, choose_measured
 from adaptive_export.commands.cli import main
 from adaptive_export.runtimes import Generator
+from adaptive_export.runtimes.bundle import Bundle
+from adaptive_export.runtimes.manifest import Speculation
 from tests.conftest import make_tiny_model
 
 CALIB = [
@@ -20,6 +23,11 @@ CALIB = [
     "Repeat: the sea and the sky and the stars",
     "Write a short poem about the sea",
 ]
+
+
+def with_speculation(bundle: Bundle, speculation: dict) -> None:
+    """Swap the loaded bundle's speculation section (the manifest is immutable: a new one)."""
+    bundle.manifest = dataclasses.replace(bundle.manifest, speculation=Speculation.from_json(speculation))
 
 
 def _measured(lookup_tokens: float, hit_rate: float, early_tokens: float) -> dict:
@@ -94,7 +102,7 @@ def test_auto_build_records_latencies_and_choice(auto_bundle: Path) -> None:
 
 def test_mode_auto_follows_the_calibrated_choice(auto_bundle: Path) -> None:
     generator = Generator(auto_bundle)
-    spec = generator.bundle.manifest["speculation"]
+    spec = generator.bundle.manifest.speculation.to_json()
     assert set(spec["prompt_lookup"]["verify_cost"]) >= {"1", "2", "4"} and set(
         spec["prompt_lookup"]["verify_cost_prepacked"]
     ) >= {"1", "2", "4"}
@@ -125,10 +133,11 @@ def test_gated_drafting_follows_the_round_times_it_measures(auto_bundle: Path, m
     from adaptive_export.runtimes.gate import PLAIN_EVERY, PROBE_EVERY
 
     generator = Generator(auto_bundle)
-    spec = generator.bundle.manifest["speculation"]
+    spec = generator.bundle.manifest.speculation.to_json()
     spec["auto_enabled"] = False
     for key in ("verify_cost", "verify_cost_prepacked"):  # the build's (wrong) claim: drafting always pays
         spec["prompt_lookup"][key] = {str(k): 1.0 for k in range(1, 10)}
+    with_speculation(generator.bundle, spec)
     ids = generator.codec.encode("the sea the sea the sea and the sky the sea", raw=True)
     plain = generator.generate(ids, max_new_tokens=48).tokens
     verify = PromptLookup.verify
@@ -165,13 +174,14 @@ def test_gated_lookup_scores_proposals_on_plain_rounds(auto_bundle: Path, monkey
     from adaptive_export.runtimes.drafting.prompt_lookup import PromptLookup
 
     generator = Generator(auto_bundle)
-    spec = generator.bundle.manifest["speculation"]
+    spec = generator.bundle.manifest.speculation.to_json()
     spec["auto_enabled"] = False  # auto = gated prompt lookup
     for key in ("verify_cost", "verify_cost_prepacked"):  # a drafting round costs more than a plain step, as on any CPU
         spec["prompt_lookup"][key] = {str(k): 1.3 for k in range(1, 10)}
+    with_speculation(generator.bundle, spec)
     ids = generator.codec.encode("the sea the sea the sea and the sky the sea", raw=True)
     plain = generator.generate(ids, max_new_tokens=40).tokens
-    never = next(t for t in range(generator.bundle.model["vocab_size"]) if t not in plain)
+    never = next(t for t in range(generator.bundle.model.vocab_size) if t not in plain)
     monkeypatch.setattr(PromptLookup, "propose", lambda self, pending, context, k, *rest: Proposal([never] * k))
     wrong = generator.generate(ids, max_new_tokens=40, mode="auto")
     assert wrong.tokens == plain and wrong.stats.speculation["drafted"] == 0, wrong.stats.speculation

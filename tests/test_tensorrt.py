@@ -23,14 +23,14 @@ def test_every_portable_graph_is_tensorrt_parsable_and_fused_ones_are_not(
         == 0
     )
     bundle = load_bundle(tmp_path / "p")
-    reports = check_bundle(bundle.root, bundle.manifest["backends"]["onnx"])
-    assert len(reports) == len(bundle.manifest["graphs"])
+    reports = check_bundle(bundle.root, bundle.manifest.backends["onnx"].to_json())
+    assert len(reports) == len(bundle.manifest.graphs)
     for report in reports:
         assert report.ok, (report.graph, report.problems)
         assert "Gemm" in report.ops and "Softmax" in report.ops
     fused = load_bundle(tiny_bundle)
-    assert fused.manifest["backends"]["onnx"]["flavour"] == "ort"
-    assert not any(r.ok for r in check_bundle(fused.root, fused.manifest["backends"]["onnx"]))
+    assert fused.manifest.backends["onnx"].flavour == "ort"
+    assert not any(r.ok for r in check_bundle(fused.root, fused.manifest.backends["onnx"].to_json()))
 
 
 def test_unsupported_operator_and_custom_domain_are_reported() -> None:

@@ -117,7 +117,7 @@ class CheckedBackend(Backend):
             ) from None
         bundle = self.bundle
         info = bundle.graph(graph)
-        rows = 1 if info["logits"] == "last" else first.shape[1]
+        rows = 1 if info.logits == "last" else first.shape[1]
         expected = (1, rows, logits_width(info, bundle.model))
         if getattr(out.logits, "shape", None) != expected:
             raise UsageError(

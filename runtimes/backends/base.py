@@ -44,8 +44,8 @@ class Backend(ABC):
     def run(self, graph: str, first: np.ndarray, arena: KVArena, start: int) -> StepOutputs:
         """Run `graph` on T new positions at [start:start+T], reading KV rows [0:start]."""
         info = self.bundle.graph(graph)
-        layers = info["layers"]
-        first_name = info["inputs"][0]
+        layers = info.layers
+        first_name = info.inputs[0]
         feeds = {first_name: first}
         for layer in layers:
             feeds[f"past_key_{layer}"] = arena.prefix(layer, 0, start)

@@ -24,15 +24,16 @@ class CoreMLBackend(Backend):
 
     def __init__(self, bundle: Bundle, threads: int = 0, compute_units: str = "ALL", **_: Any) -> None:
         super().__init__(bundle)
-        self.package = bundle.path(self.entry["package"])
+        self.package = bundle.path(self.entry.package or "")
         self.executes = platform.system() == "Darwin"
         self.skip_reason = (
             ""
             if self.executes
-            else f"CoreML prediction needs macOS (this is {platform.system()}); the package was converted and checked statically"
+            else f"CoreML prediction needs macOS (this is {platform.system()}); "
+            "the package was converted and checked statically"
         )
         self.compute_units = compute_units
-        self.dtype = np.float16 if self.entry.get("precision") == "float16" else np.float32
+        self.dtype = np.float16 if self.entry.precision == "float16" else np.float32
         self._models: dict[str, Any] = {}
 
     def _model(self, graph: str) -> Any:
@@ -46,7 +47,7 @@ class CoreMLBackend(Backend):
                 raise UsageError(
                     "the coreml backend needs coremltools", "run `pip install adaptive-export[coreml]`"
                 ) from exc
-            function = self.entry["graphs"][graph]["function"]
+            function = self.entry.engine(graph).extra["function"]
             model = ct.models.MLModel(
                 str(self.package), function_name=function, compute_units=getattr(ct.ComputeUnit, self.compute_units)
             )

@@ -41,6 +41,7 @@ from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.graph_policy import checked_engine_bytes
 from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.limits import check_threads
+from adaptive_export.runtimes.manifest import GraphEntry, ModelDims
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
@@ -68,15 +69,15 @@ def _map_weights(path: Any) -> tuple[mmap.mmap | None, np.ndarray]:
 class FusedBinding:
     """The IO binding of one fused graph: KV blocks bound once per arena, inputs in place."""
 
-    def __init__(self, session: Any, info: dict[str, Any], model: dict[str, Any]) -> None:
+    def __init__(self, session: Any, info: GraphEntry, model: ModelDims) -> None:
         self.session = session
         self.binding = session.io_binding()
-        self.layers = list(info["layers"])
-        self.first_name = info["inputs"][0]
-        self.last_only = info["logits"] == "last"
-        self.router_scores = bool(info["router_scores"])
-        self.exit_hidden = bool(info["exit_hidden"])
-        self.vocab, self.hidden = logits_width(info, model), int(model["hidden_size"])
+        self.layers = list(info.layers)
+        self.first_name = info.inputs[0]
+        self.last_only = info.logits == "last"
+        self.router_scores = info.router_scores
+        self.exit_hidden = info.exit_hidden
+        self.vocab, self.hidden = logits_width(info, model), model.hidden_size
         self.seqlens = np.zeros(1, dtype=np.int32)
         self.total = np.zeros((), dtype=np.int32)
         self.binding.bind_cpu_input("seqlens_k", self.seqlens)
@@ -147,17 +148,18 @@ class OnnxRuntimeBackend(Backend):
         if PROVIDERS[provider] not in available:
             raise UsageError(
                 f"ONNX Runtime provider {provider!r} is not available here (have: {', '.join(available)})",
-                "install onnxruntime-gpu (`pip install adaptive-export[gpu]`) on a machine with a GPU, or use --provider cpu",
+                "install onnxruntime-gpu (`pip install adaptive-export[gpu]`) on a machine with a GPU, "
+                "or use --provider cpu",
             )
         self.provider = PROVIDERS[provider]
         self.threads = check_threads(threads)
         # engines that alternate within one sequence: draft and verify of any draft source
-        self.alternating = any(set(c["engines"]) - {"decode"} for c in bundle.manifest["configs"])
+        self.alternating = any(set(c.engines) - {"decode"} for c in bundle.manifest.configs)
         self.profile_prefix = profile_prefix  # ORT's per-node profiler, for benchmarks/profile_decode.py
-        self.flavour = self.entry.get("flavour", "portable")
+        self.flavour = self.entry.flavour
         self.kv_layout = "head" if self.flavour == "ort" else "seq"
         self.prepack = set(prepack) if prepack is not None else self._default_prepack()
-        self._weights_map, self.weights = _map_weights(bundle.path(self.entry["weights"]))
+        self._weights_map, self.weights = _map_weights(bundle.path(self.entry.weights or ""))
         self._values: dict[str, Any] = {}
         self._sessions: dict[str, Any] = {}  # by engine file: graphs that are one file share a session
         self._bindings: dict[str, Any] = {}
@@ -172,24 +174,23 @@ class OnnxRuntimeBackend(Backend):
         bundles have prefill and decode as two sessions: off (two packed copies)."""
         if self.flavour != "ort":
             return set()
-        return {"prefill", self.bundle.config("full")["engines"]["decode"]}
+        return {"prefill", self.bundle.config("full").decode}
 
     def _tensor(self, name: str) -> Any:
         value = self._values.get(name)
         if value is None:
-            meta = self.entry["tensors"][name]
-            start, size = int(meta["offset"]), int(meta["bytes"])
+            meta = self.entry.tensors[name]
+            start, size = meta.offset, meta.bytes
             if start < 0 or start + size > self.weights.size:
                 raise UsageError(f"weight {name!r} lies outside the weights file", "the bundle is corrupt: rebuild it")
-            array = self.weights[start : start + size].view(np.dtype(meta["dtype"])).reshape(meta["shape"])
+            array = self.weights[start : start + size].view(np.dtype(meta.dtype)).reshape(meta.shape)
             value = self._values[name] = self.ort.OrtValue.ortvalue_from_numpy(array)
         return value
 
     def session(self, graph: str) -> Any:
-        engine = self.entry["graphs"].get(graph)
-        if engine is None:
-            raise UsageError(f"the onnx backend has no engine for graph {graph!r}", "rebuild the bundle")
-        session = self._sessions.get(engine["file"])
+        engine = self.entry.engine(graph)
+        file, initializers = engine.file or "", engine.initializers or ()
+        session = self._sessions.get(file)
         if session is None:
             options = self.ort.SessionOptions()
             options.intra_op_num_threads = self.threads
@@ -201,31 +202,29 @@ class OnnxRuntimeBackend(Backend):
             if self.profile_prefix:
                 options.enable_profiling = True
                 options.profile_file_prefix = f"{self.profile_prefix}_{graph}"
-            sharing = {name for name, other in self.entry["graphs"].items() if other.get("file") == engine["file"]}
-            quantized = self.entry.get("quantize", "none") != "none" or bool(
-                self.bundle.manifest["graphs"][graph].get("precision")
-            )
+            sharing = {name for name, other in self.entry.graphs.items() if other.file == file}
+            quantized = self.entry.quantize != "none" or self.bundle.graph(graph).precision is not None
             prepacked = bool(sharing & self.prepack) or quantized  # MatMulNBits dequantizes per call unless prepacked
             if not prepacked:
                 options.add_session_config_entry("session.disable_prepacking", "1")
-            for name in engine["initializers"]:
+            for name in initializers:
                 options.add_initializer(name, self._tensor(name))
             model_bytes = checked_engine_bytes(self.bundle, graph)  # policy-checked; ORT gets bytes, never a path
             # every external initializer is supplied above; ORT still validates their location against this folder
             options.add_session_config_entry(
-                "session.model_external_initializers_file_folder_path", str(self.bundle.path(engine["file"]).parent)
+                "session.model_external_initializers_file_folder_path", str(self.bundle.path(file).parent)
             )
             try:
-                with self._releasing(engine["initializers"] if prepacked else ()):
+                with self._releasing(initializers if prepacked else ()):
                     session = self.ort.InferenceSession(model_bytes, options, providers=[self.provider])
             except Exception as exc:  # ORT raises its own exception types for invalid models
                 raise UsageError(
-                    f"ONNX Runtime cannot load engine {engine['file']!r}: {str(exc).splitlines()[0]}",
+                    f"ONNX Runtime cannot load engine {file!r}: {str(exc).splitlines()[0]}",
                     "rebuild the bundle",
                 ) from exc
-            self._sessions[engine["file"]] = session
+            self._sessions[file] = session
             if prepacked:
-                self._release(engine["initializers"])
+                self._release(initializers)
         return session
 
     @contextlib.contextmanager
@@ -261,9 +260,9 @@ class OnnxRuntimeBackend(Backend):
             return
         page = mmap.PAGESIZE
         for name in names:
-            meta = self.entry["tensors"][name]
-            start = -(-int(meta["offset"]) // page) * page
-            end = (int(meta["offset"]) + int(meta["bytes"])) // page * page
+            meta = self.entry.tensors[name]
+            start = -(-meta.offset // page) * page
+            end = (meta.offset + meta.bytes) // page * page
             if end > start:
                 self._weights_map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
@@ -299,20 +298,20 @@ class OnnxRuntimeBackend(Backend):
         count = first.shape[1]
         binding.clear_binding_inputs()
         binding.clear_binding_outputs()
-        binding.bind_cpu_input(info["inputs"][0], np.ascontiguousarray(first))
-        for layer in info["layers"]:
+        binding.bind_cpu_input(info.inputs[0], np.ascontiguousarray(first))
+        for layer in info.layers:
             for kv, kind in ((0, "key"), (1, "value")):
                 binding.bind_cpu_input(f"past_{kind}_{layer}", arena.prefix(layer, kv, start))
                 rows = arena.rows(layer, kv, start, count)
                 binding.bind_output(f"new_{kind}_{layer}", "cpu", 0, np.float32, rows.shape, rows.ctypes.data)
-        logits = self._buffer(graph, "logits", (1, 1 if info["logits"] == "last" else count, logits_width(info, model)))
+        logits = self._buffer(graph, "logits", (1, 1 if info.logits == "last" else count, logits_width(info, model)))
         binding.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
         scores = hidden = None
-        if info["router_scores"]:
-            scores = self._buffer(graph, "router_scores", (len(info["layers"]),))
+        if info.router_scores:
+            scores = self._buffer(graph, "router_scores", (len(info.layers),))
             binding.bind_output("router_scores", "cpu", 0, np.float32, scores.shape, scores.ctypes.data)
-        if info["exit_hidden"]:
-            hidden = self._buffer(graph, "exit_hidden", (1, count, model["hidden_size"]))
+        if info.exit_hidden:
+            hidden = self._buffer(graph, "exit_hidden", (1, count, model.hidden_size))
             binding.bind_output("exit_hidden", "cpu", 0, np.float32, hidden.shape, hidden.ctypes.data)
         session.run_with_iobinding(binding)
         return StepOutputs(logits, scores, hidden)

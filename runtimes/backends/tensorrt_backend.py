@@ -28,6 +28,7 @@ from adaptive_export.runtimes.bundle import Bundle, logits_width
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.graph_policy import checked_engine_bytes
 from adaptive_export.runtimes.kv_arena import KVArena
+from adaptive_export.runtimes.manifest import Manifest
 
 OPT_DRAFT_TOKENS = 4
 
@@ -68,7 +69,7 @@ def engine_cache_dir() -> Path:
     return root
 
 
-def build_engine(onnx_path: Path, plan_path: Path, manifest: dict[str, Any], precision: str) -> Path:
+def build_engine(onnx_path: Path, plan_path: Path, manifest: Manifest, precision: str) -> Path:
     """Build a weight-stripped engine with a profile over T (1, k, max_len) and P (0..max_len)."""
     trt, _ = _imports()
     logger = trt.Logger(trt.Logger.WARNING)
@@ -85,18 +86,18 @@ def build_engine(onnx_path: Path, plan_path: Path, manifest: dict[str, Any], pre
         config.set_flag(trt.BuilderFlag.INT8)
     config.set_flag(trt.BuilderFlag.STRIP_PLAN)
     config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)
-    max_len = int(manifest["max_len"])
-    model = manifest["model"]
+    max_len = manifest.max_len
+    model = manifest.model
     profile = builder.create_optimization_profile()
     for index in range(network.num_inputs):
         tensor = network.get_input(index)
         if tensor.name == "input_ids":
             profile.set_shape(tensor.name, (1, 1), (1, OPT_DRAFT_TOKENS), (1, max_len))
         elif tensor.name == "exit_hidden":
-            hidden = model["hidden_size"]
+            hidden = model.hidden_size
             profile.set_shape(tensor.name, (1, 1, hidden), (1, OPT_DRAFT_TOKENS, hidden), (1, max_len, hidden))
         else:
-            kv = (model["num_kv_heads"], model["head_dim"])
+            kv = (model.num_kv_heads, model.head_dim)
             profile.set_shape(tensor.name, (0, *kv), (max_len // 2, *kv), (max_len, *kv))
     config.add_optimization_profile(profile)
     plan = builder.build_serialized_network(network, config)
@@ -134,13 +135,13 @@ class TensorRTBackend(Backend):
 
     def _engine(self, graph: str) -> tuple[Any, Any]:
         if graph not in self._engines:
-            onnx_path = self.bundle.path(self.entry["graphs"][graph]["onnx"])
+            onnx_path = self.bundle.path(self.entry.engine(graph).onnx or "")
             checked_engine_bytes(
                 self.bundle, graph
             )  # the same graph policy as ONNX Runtime, before TensorRT parses the file
             plan = self.cache / plan_name(onnx_path, graph)
             if not plan.exists():
-                build_engine(onnx_path, plan, self.bundle.manifest, self.entry.get("precision", "fp16"))
+                build_engine(onnx_path, plan, self.bundle.manifest, self.entry.precision or "fp16")
             engine = self.runtime.deserialize_cuda_engine(plan.read_bytes())
             refitter = self.trt.Refitter(engine, self.logger)
             parser_refitter = self.trt.OnnxParserRefitter(refitter, self.logger)
@@ -188,12 +189,12 @@ class TensorRTBackend(Backend):
         count = first.shape[1]
         base = self._sync_arena(arena, start)
         max_len, row = arena.data.shape[2], arena.data[0, 0, 0].nbytes
-        first = np.ascontiguousarray(first, dtype=np.int64 if info["source"] == "ids" else np.float32)
-        first_ptr = self._device(first.nbytes, (info["inputs"][0], first.nbytes))
+        first = np.ascontiguousarray(first, dtype=np.int64 if info.source == "ids" else np.float32)
+        first_ptr = self._device(first.nbytes, (info.inputs[0], first.nbytes))
         self._copy(first_ptr, first.ctypes.data, first.nbytes, "h2d")
-        context.set_input_shape(info["inputs"][0], first.shape)
-        context.set_tensor_address(info["inputs"][0], first_ptr)
-        for layer in info["layers"]:
+        context.set_input_shape(info.inputs[0], first.shape)
+        context.set_tensor_address(info.inputs[0], first_ptr)
+        for layer in info.layers:
             for kv, kind in ((0, "key"), (1, "value")):
                 offset = base + ((layer * 2 + kv) * max_len) * row
                 context.set_input_shape(f"past_{kind}_{layer}", (start, *arena.data.shape[3:]))
@@ -202,11 +203,11 @@ class TensorRTBackend(Backend):
         host: dict[str, np.ndarray] = {}
         model = self.bundle.model
         shapes = {
-            "logits": (1, 1 if info["logits"] == "last" else count, logits_width(info, model)),
-            "router_scores": (len(info["layers"]),),
-            "exit_hidden": (1, count, model["hidden_size"]),
+            "logits": (1, 1 if info.logits == "last" else count, logits_width(info, model)),
+            "router_scores": (len(info.layers),),
+            "exit_hidden": (1, count, model.hidden_size),
         }
-        for name in info["outputs"]:
+        for name in info.outputs:
             if name in shapes:
                 host[name] = np.empty(shapes[name], dtype=np.float32)
                 context.set_tensor_address(name, self._device(host[name].nbytes, (name, host[name].nbytes)))
@@ -214,7 +215,7 @@ class TensorRTBackend(Backend):
             raise RuntimeError(f"TensorRT execution of {graph!r} failed")
         for name, array in host.items():
             self._copy(array.ctypes.data, self._buffers[(name, array.nbytes)], array.nbytes, "d2h")
-        for layer in info["layers"]:  # mirror the new rows into the host arena
+        for layer in info.layers:  # mirror the new rows into the host arena
             for kv in range(2):
                 offset = base + ((layer * 2 + kv) * max_len + start) * row
                 self._copy(arena.data[layer, kv, start].ctypes.data, offset, count * row, "d2h")

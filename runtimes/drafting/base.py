@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from adaptive_export.runtimes.sampling import Sampler
 
 if TYPE_CHECKING:  # the backends import the bundle, which imports this registry
     from adaptive_export.runtimes.backends import Backend, StepOutputs
+    from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
 
 
 @dataclass(frozen=True)
@@ -62,14 +63,13 @@ class DraftSource(ABC):
     # against the tokens plain decoding emits (runtimes/speculative.py)
     free_proposals: ClassVar[bool] = False
 
-    def __init__(self, backend: Backend, config: dict[str, Any], model: dict[str, Any], k: int) -> None:
+    def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int) -> None:
         self.backend, self.config, self.k = backend, config, k
 
     @classmethod
-    def available(cls, config: dict[str, Any]) -> bool:
+    def available(cls, config: ConfigEntry) -> bool:
         """Whether this configuration has the engines the source needs."""
-        engines = config.get("engines", {})
-        return all(name in engines for name in cls.engines)
+        return all(name in config.engines for name in cls.engines)
 
     def max_drafts(self, budget: int) -> int:
         """Drafts for a round that may emit at most `budget` more tokens."""
@@ -102,7 +102,7 @@ def engine_drafts(
     `on_step(j, outputs)` sees every step's outputs (early exit keeps its exit hidden state)."""
     token = np.empty((1, 1), dtype=np.int64)
     token[0, 0] = pending
-    ids = backend.bundle.draft_vocab_ids if backend.bundle.graph(graph).get("draft_vocab") else None
+    ids = backend.bundle.draft_vocab_ids if backend.bundle.graph(graph).draft_vocab else None
     drafts: list[int] = []
     rows: list[np.ndarray] | None = None if sampler.greedy else []
     for j in range(k):
@@ -115,11 +115,7 @@ def engine_drafts(
             drafts.append(best if ids is None else int(ids[best]))
         else:
             # the backend reuses its output buffer next step, so keep a copy (over the whole vocabulary)
-            row = (
-                logits.copy()
-                if ids is None
-                else full_vocabulary_row(logits, ids, int(backend.bundle.model["vocab_size"]))
-            )
+            row = logits.copy() if ids is None else full_vocabulary_row(logits, ids, backend.bundle.model.vocab_size)
             rows.append(row)
             drafts.append(int(sampler.rng.choice(row.size, p=sampler.probabilities(row))))
         token[0, 0] = drafts[-1]
@@ -137,9 +133,9 @@ def full_vocabulary_row(logits: np.ndarray, ids: np.ndarray, vocab: int) -> np.n
 
 
 def decode_engine_verify(
-    backend: Backend, config: dict[str, Any], pending: int, drafts: list[int], start: int, arena: KVArena
+    backend: Backend, config: ConfigEntry, pending: int, drafts: list[int], start: int, arena: KVArena
 ) -> StepOutputs:
     """The configuration's decode engine over [pending, d1, .., dk] at T=k+1, writing every kept
     layer's rows: its last row scores the position after the last draft (the bonus token)."""
     inputs = np.asarray([[pending, *drafts]], dtype=np.int64)
-    return backend.run(config["engines"]["decode"], inputs, arena, start)
+    return backend.run(config.decode, inputs, arena, start)

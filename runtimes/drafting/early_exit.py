@@ -6,7 +6,7 @@ when all k drafts are accepted (it would cost one more draft call)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,15 +16,16 @@ from adaptive_export.runtimes.sampling import Sampler
 
 if TYPE_CHECKING:  # the backends import the bundle, which imports this registry
     from adaptive_export.runtimes.backends import Backend, StepOutputs
+    from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
 
 
 class EarlyExit(DraftSource):
     name = "early_exit"
     engines = ("draft", "verify")
 
-    def __init__(self, backend: Backend, config: dict[str, Any], model: dict[str, Any], k: int) -> None:
+    def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int) -> None:
         super().__init__(backend, config, model, k)
-        self.hidden = np.zeros((1, k, model["hidden_size"]), dtype=np.float32)
+        self.hidden = np.zeros((1, k, model.hidden_size), dtype=np.float32)
 
     def propose(
         self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
@@ -33,8 +34,8 @@ class EarlyExit(DraftSource):
             self.hidden[0, j] = out.exit_hidden[0, -1]
 
         return engine_drafts(
-            self.backend, self.config["engines"]["draft"], pending, k, start, arena, sampler, keep_exit_hidden
+            self.backend, self.config.engines["draft"], pending, k, start, arena, sampler, keep_exit_hidden
         )
 
     def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
-        return self.backend.run(self.config["engines"]["verify"], self.hidden[:, : len(proposal.tokens)], arena, start)
+        return self.backend.run(self.config.engines["verify"], self.hidden[:, : len(proposal.tokens)], arena, start)

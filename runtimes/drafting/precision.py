@@ -27,7 +27,7 @@ class PrecisionDraft(DraftSource):
     def propose(
         self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
     ) -> Proposal:
-        return engine_drafts(self.backend, self.config["engines"]["precision_draft"], pending, k, start, arena, sampler)
+        return engine_drafts(self.backend, self.config.engines["precision_draft"], pending, k, start, arena, sampler)
 
     def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
         return decode_engine_verify(self.backend, self.config, pending, proposal.tokens, start, arena)

@@ -13,7 +13,7 @@ for q = a point mass, as for prompt lookup."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from adaptive_export.runtimes.sampling import Sampler
 
 if TYPE_CHECKING:  # the backends import the bundle, which imports this registry
     from adaptive_export.runtimes.backends import Backend, StepOutputs
+    from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
 
 
 class PromptDecoding(DraftSource):
@@ -31,10 +32,10 @@ class PromptDecoding(DraftSource):
     bonus = True
     gateable = True
 
-    def __init__(self, backend: Backend, config: dict[str, Any], model: dict[str, Any], k: int) -> None:
+    def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int) -> None:
         super().__init__(backend, config, model, k)
-        self.vocab = int(model["vocab_size"])
-        self.prompt_tokens = int(backend.bundle.graph(config["engines"]["ppd"])["prompt_tokens"])
+        self.vocab = model.vocab_size
+        self.prompt_tokens = backend.bundle.graph(config.engines["ppd"]).prompt_tokens
         self.guesses: list[int] = []
         self.guesses_at = -1  # the arena length at which the guesses are the next drafts
 
@@ -51,7 +52,7 @@ class PromptDecoding(DraftSource):
     def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
         count, prompts = 1 + len(proposal.tokens), proposal.extra_inputs
         inputs = np.asarray([[pending, *proposal.tokens, *range(self.vocab, self.vocab + prompts)]], dtype=np.int64)
-        out = self.backend.run(self.config["engines"]["ppd"], inputs, arena, start)
+        out = self.backend.run(self.config.engines["ppd"], inputs, arena, start)
         logits = out.logits[0]
         self.guesses = [int(np.argmax(logits[count + i])) for i in range(prompts)]
         self.guesses_at = start + count  # valid iff the round emits every draft plus the bonus

@@ -1,0 +1,98 @@
+"""The manifest's `speculation` section, typed: what calibration chose and measured per draft source."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from adaptive_export.runtimes import limits
+from adaptive_export.runtimes.drafting import SOURCE_NAMES
+from adaptive_export.runtimes.manifest_fields import JsonObject, extras, is_int, is_number, need, ordered
+
+_SOURCE_KEYS = ("draft_len", "draft_cost", "verify_cost", "verify_cost_prepacked")
+
+
+def _is_cost(value: Any) -> bool:
+    return is_number(value) and 0 < value < 1e6
+
+
+@dataclass(frozen=True)
+class SourceSpeculation:
+    """What calibration measured for one draft source: its draft length and its costs in T=1
+    decode passes (a drafting step; a verify pass by draft length, as measured without and
+    with ONNX Runtime's prepacked weights)."""
+
+    draft_len: int | None = None
+    draft_cost: float | None = None
+    verify_cost: Mapping[str, float] | None = None
+    verify_cost_prepacked: Mapping[str, float] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    key_order: tuple[str, ...] = ()
+
+    def verify_costs(self, prepacked: bool) -> Mapping[str, float]:
+        return (self.verify_cost_prepacked if prepacked else self.verify_cost) or {}
+
+    @classmethod
+    def from_json(cls, source: str, obj: Any) -> SourceSpeculation:
+        need(isinstance(obj, dict), f"speculation.{source} must be an object")
+        draft_len, draft_cost = obj.get("draft_len"), obj.get("draft_cost")
+        need(
+            draft_len is None or (is_int(draft_len) and 1 <= draft_len <= limits.MAX_DRAFT_LEN),
+            f"speculation.{source}.draft_len must be an integer in 1..{limits.MAX_DRAFT_LEN}",
+        )
+        need(
+            draft_cost is None or (is_number(draft_cost) and 0 < draft_cost < 1e6),
+            f"speculation.{source}.draft_cost must be a positive number",
+        )
+        for key in ("verify_cost", "verify_cost_prepacked"):
+            costs = obj.get(key)
+            need(
+                costs is None
+                or (isinstance(costs, dict) and all(isinstance(k, str) and _is_cost(v) for k, v in costs.items())),
+                f"speculation.{source}.{key} must map draft lengths to positive numbers",
+            )  # fmt: skip
+        return cls(
+            draft_len, draft_cost, obj.get("verify_cost"), obj.get("verify_cost_prepacked"),
+            extras(obj, _SOURCE_KEYS), tuple(obj),
+        )  # fmt: skip
+
+    def to_json(self) -> JsonObject:
+        values = {key: getattr(self, key) for key in _SOURCE_KEYS if getattr(self, key) is not None}
+        return ordered({**values, **self.extra}, self.key_order)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """The calibrated draft source, whether `run --mode auto` uses it, and each source's
+    measurements; other keys (exit layer, expected speedups, adapter) are kept for tools."""
+
+    source: str | None = None
+    auto_enabled: bool = False
+    sources: Mapping[str, SourceSpeculation] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    key_order: tuple[str, ...] = ()
+
+    def of(self, source: str) -> SourceSpeculation:
+        """A source's measurements (empty where calibration recorded none)."""
+        return self.sources.get(source) or SourceSpeculation()
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Speculation | None:
+        if obj is None:
+            return None
+        need(isinstance(obj, dict), "key 'speculation' has the wrong type")
+        need(
+            obj.get("source") is None or obj["source"] in SOURCE_NAMES, "speculation.source is not a known draft source"
+        )
+        need(isinstance(obj.get("auto_enabled", False), bool), "speculation.auto_enabled must be true or false")
+        sources = {
+            name: SourceSpeculation.from_json(name, obj[name]) for name in SOURCE_NAMES if obj.get(name) is not None
+        }
+        known = ("source", "auto_enabled", *sources)
+        return cls(obj.get("source"), obj.get("auto_enabled", False), sources, extras(obj, known), tuple(obj))
+
+    def to_json(self) -> JsonObject:
+        values: JsonObject = {"source": self.source, "auto_enabled": self.auto_enabled}
+        values.update({name: section.to_json() for name, section in self.sources.items()})
+        return ordered({**values, **self.extra}, self.key_order)
