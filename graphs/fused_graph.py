@@ -230,7 +230,7 @@ class FusedSpanGraph(SpanFlow):
             for layer, key, value in zip(self.layers, past_keys, past_values)
         ]
         hidden, keys, values, scores = self.run_layers(x, kv)
-        return self.outputs(hidden, hidden.index_select(1, logit_rows)[0], keys, values, scores)
+        return self.outputs(hidden, hidden.index_select(1, logit_rows), keys, values, scores)
 
     def cos_sin(self, rope: str) -> tuple[Tensor, Tensor]:
         index = self.tables.index(rope)

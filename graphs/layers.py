@@ -189,7 +189,14 @@ class Head(nn.Module):
 
     def forward(self, x: Tensor, rows: Tensor | None = None) -> Tensor:
         """Logits over the vocabulary, or over a draft vocabulary's head `rows` (VocabTrim)."""
-        normed = self.norm_op(x, self.arch.norm_weight(self.norm), self.eps)
+        return self.logits(self.normed(x), rows)
+
+    def normed(self, x: Tensor) -> Tensor:
+        """The final norm."""
+        return self.norm_op(x, self.arch.norm_weight(self.norm), self.eps)
+
+    def logits(self, normed: Tensor, rows: Tensor | None = None) -> Tensor:
+        """The LM head (or the draft vocabulary's `rows`) on normed hidden states."""
         return self.lm_head(normed) if rows is None else nn.functional.linear(normed, rows)
 
 

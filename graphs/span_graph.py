@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
 
 from adaptive_export.graphs.adaptive import ExitAdapter, Routers
 from adaptive_export.graphs.architectures import architecture
+from adaptive_export.graphs.decoder_layer import DecoderLayer
 from adaptive_export.graphs.layers import DecoderStack, Head, PrefixKV
 from adaptive_export.graphs.spec import ModelSpec
 
@@ -148,7 +149,7 @@ class SpanFlow(nn.Module):
         self.register_buffer("draft_head", draft_head(parts, graph), persistent=False)
 
     def tokens(self, x: Tensor) -> Tensor:
-        """x [.., T, H] as [T, H] (the routers score tokens)."""
+        """x [.., T, H] as [T, H] (the routers score tokens, the head reads rows)."""
         raise NotImplementedError
 
     def batched(self, x: Tensor) -> Tensor:
@@ -161,7 +162,7 @@ class SpanFlow(nn.Module):
         keys, values, scores = [], [], []
         delta: Tensor | None = None
         residual = x
-        for layer, inputs in zip(self.layers, kv):
+        for layer, inputs in zip(cast("list[DecoderLayer]", list(self.layers)), kv):
             h, residual = layer.normed_input(delta, residual)
             if self.routers is not None:
                 scores.append(self.routers.score(layer.layer_id, self.tokens(residual)))
@@ -174,10 +175,12 @@ class SpanFlow(nn.Module):
     def outputs(
         self, hidden: Tensor, rows: Tensor, keys: list[Tensor], values: list[Tensor], scores: list[Tensor]
     ) -> tuple[Tensor, ...]:
-        """The graph's outputs in GraphSpec.output_names order; `rows` [R, H] get logits."""
+        """The graph's outputs in GraphSpec.output_names order; `rows` [.., R, H] get logits (the
+        exit adapter and the final norm keep the flavour's axes, the head reads [R, H])."""
         if self.adapter is not None:
             rows = self.adapter(rows)
-        outputs: list[Tensor] = [self.head(rows, self.draft_head)[None]]
+        logits = self.head.logits(self.tokens(self.head.normed(rows)), self.draft_head)
+        outputs: list[Tensor] = [logits[None]]
         if self.routers is not None:
             outputs.append(torch.stack(scores))
         if self.graph.exit_hidden:
