@@ -1,7 +1,8 @@
 """The ONNX Runtime flavour of every graph: fused ops over packed weights, KV cache in place.
 
 Same graphs as graphs/span_graph.py (prefill, decode per configuration, draft, verify;
-one `GraphSpec` each) and the same math, expressed with graphs/ort_ops.py so that the
+one `GraphSpec` each), the same definitions (`SpanFlow`, graphs/decoder_layer.py's
+`DecoderLayer`), whose steps `FusedOps` computes with graphs/ort_ops.py so that the
 exporter emits ONNX Runtime's fused kernels. What differs is the I/O contract:
 - each layer's K and V live in one preallocated [1, n_kv, max_len, head_dim] block that is
   both input (`past_key_i`) and output (`present_key_i`): the runtime binds the arena
@@ -22,9 +23,11 @@ import torch
 from torch import Tensor, nn
 
 from adaptive_export.graphs import ort_ops
-from adaptive_export.graphs.architectures import DEFAULT_ROPE, architecture
-from adaptive_export.graphs.layers import Rotary, embed_tokens
-from adaptive_export.graphs.span_graph import GraphSpec, ModelParts, draft_head, prompt_table, trainable_additions
+from adaptive_export.graphs.architectures import DEFAULT_ROPE, LayerWeights, architecture
+from adaptive_export.graphs.decoder_layer import DecoderLayer, QKNorm
+from adaptive_export.graphs.layers import Head, Rotary, embed_tokens
+from adaptive_export.graphs.span_graph import GraphSpec, ModelParts, SpanFlow, prompt_table
+from adaptive_export.graphs.spec import ModelSpec
 
 GELU_TANH_MODULES = ("GELUTanh", "PytorchGELUTanh")  # transformers 5 / 4 names of gelu_pytorch_tanh
 
@@ -97,167 +100,137 @@ class PackedWeights:
         return out
 
 
-class FusedDecoderLayer(nn.Module):
-    """One decoder layer on the residual stream (delta, residual): the residual add of the
-    previous block is fused into this block's input norm (SkipSimplifiedLayerNormalization).
+@dataclass(frozen=True)
+class ArenaKV:
+    """An ort layer's KV inputs: its arena blocks [1, n_kv, max_len, hd] (past and present, written
+    in place), the arena length GroupQueryAttention reads, and the layer's cos/sin caches."""
 
-    What the family adds (graphs/architectures) costs an op only where the model has it:
-    QK-norm on the query and key heads before GroupQueryAttention's rotary, the sandwich norms
-    on the attention and MLP outputs, the attention scale and the layer's sliding window."""
+    past_key: Tensor
+    past_value: Tensor
+    seqlens_k: Tensor
+    total_length: Tensor
+    cos_cache: Tensor
+    sin_cache: Tensor
 
-    def __init__(self, packed: PackedLayer, parts: ModelParts, layer_id: int) -> None:
+
+class FusedOps(nn.Module):
+    """The ort flavour of a layer's steps on [1, T, H]: ONNX Runtime's fused norms, MatMuls over
+    the packed QKV and gate/up weights, GroupQueryAttention with rotary inside and the layer's
+    sliding window (HF's window, as ORT counts it), writing K and V in place."""
+
+    def __init__(self, packed: PackedLayer, weights: LayerWeights, spec: ModelSpec, scale: float, window: int) -> None:
         super().__init__()
-        spec, config = parts.spec, parts.hf_model.config
-        self.layer_id = layer_id
         self.eps = spec.rms_norm_eps
         self.num_heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.intermediate = spec.intermediate_size
-        self.arch = architecture(spec.model_type)
-        self.scale = self.arch.attention_scale(spec, config)
-        attention = self.arch.layer_attention(config, layer_id)
-        self.rope = attention.rope
-        self.local_window_size = (
-            attention.window if attention.window is not None else -1
-        )  # HF's window, as ORT counts it
-        weights = self.arch.layer(parts.hf_model, layer_id)
+        self.scale = scale
+        self.local_window_size = window
         # HF's GELUTanh (gelu_pytorch_tanh) as one fused node; any other activation as HF computes it
         self.act = ort_ops.gelu_tanh if type(weights.act).__name__ in GELU_TANH_MODULES else weights.act
         for name in ("qkv", "o", "gate_up", "down"):
             self.register_buffer(name, getattr(packed, name), persistent=False)
-        if packed.qkv_bias is not None:
-            self.register_buffer("qkv_bias", packed.qkv_bias, persistent=False)
-        else:
-            self.qkv_bias = None
-        self.input_layernorm, self.post_attention_layernorm = weights.input_norm, weights.pre_mlp_norm
-        self.q_norm, self.k_norm = weights.q_norm, weights.k_norm
-        self.attention_out_norm, self.mlp_out_norm = weights.post_attention_norm, weights.post_mlp_norm
+        self.register_buffer("qkv_bias", packed.qkv_bias, persistent=False)
 
-    def norm(self, x: Tensor, module: nn.Module) -> Tensor:
-        return ort_ops.rms_norm(x, self.arch.norm_weight(module), self.eps)
+    def norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        return ort_ops.rms_norm(x, weight, self.eps)
 
-    def normed_input(self, delta: Tensor | None, residual: Tensor) -> tuple[Tensor, Tensor]:
-        """(norm of this layer's input, the input itself) from the stream."""
+    def add_norm(self, delta: Tensor | None, residual: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
         if delta is None:
-            return self.norm(residual, self.input_layernorm), residual
-        return ort_ops.skip_rms_norm(delta, residual, self.arch.norm_weight(self.input_layernorm), self.eps)
+            return self.norm(residual, weight), residual
+        return ort_ops.skip_rms_norm(delta, residual, weight, self.eps)
 
-    def qk_normed(self, qkv: Tensor) -> Tensor:
+    def kv_inputs(self, *tensors: Tensor) -> ArenaKV:
+        return ArenaKV(*tensors)
+
+    def qk_normed(self, qkv: Tensor, qk_norm: QKNorm) -> Tensor:
         """Packed QKV with the per-head QK-norm applied to the query and key heads."""
         t = qkv.shape[1]
         q, k, v = qkv.split(
             (self.num_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim), dim=-1
         )
-        q = self.norm(q.reshape(1, t, self.num_heads, self.head_dim), self.q_norm).reshape(1, t, -1)
-        k = self.norm(k.reshape(1, t, self.kv_heads, self.head_dim), self.k_norm).reshape(1, t, -1)
+        q = self.norm(q.reshape(1, t, self.num_heads, self.head_dim), qk_norm.query).reshape(1, t, -1)
+        k = self.norm(k.reshape(1, t, self.kv_heads, self.head_dim), qk_norm.key).reshape(1, t, -1)
         return torch.cat((q, k, v), dim=-1)
 
-    def forward(
-        self,
-        h: Tensor,
-        residual: Tensor,
-        past_key: Tensor,
-        past_value: Tensor,
-        seqlens_k: Tensor,
-        total_length: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def attention(self, h: Tensor, kv: ArenaKV, qk_norm: QKNorm | None) -> tuple[Tensor, Tensor, Tensor]:
         qkv = torch.matmul(h, self.qkv)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
-        if self.q_norm is not None:
-            qkv = self.qk_normed(qkv)
+        if qk_norm is not None:
+            qkv = self.qk_normed(qkv, qk_norm)
         attn, present_key, present_value = ort_ops.gqa(
             qkv,
-            past_key,
-            past_value,
-            seqlens_k,
-            total_length,
-            cos,
-            sin,
+            kv.past_key,
+            kv.past_value,
+            kv.seqlens_k,
+            kv.total_length,
+            kv.cos_cache,
+            kv.sin_cache,
             self.num_heads,
             self.kv_heads,
             self.scale,
             self.local_window_size,
         )
-        attn = torch.matmul(attn, self.o)
-        if self.attention_out_norm is not None:
-            attn = self.norm(attn, self.attention_out_norm)
-        h2, residual = ort_ops.skip_rms_norm(
-            attn, residual, self.arch.norm_weight(self.post_attention_layernorm), self.eps
-        )
-        gate, up = torch.matmul(h2, self.gate_up).split(self.intermediate, dim=-1)
-        delta = torch.matmul(self.act(gate) * up, self.down)
-        if self.mlp_out_norm is not None:
-            delta = self.norm(delta, self.mlp_out_norm)
-        return delta, residual, present_key, present_value
+        return torch.matmul(attn, self.o), present_key, present_value
+
+    def mlp(self, h: Tensor) -> Tensor:
+        gate, up = torch.matmul(h, self.gate_up).split(self.intermediate, dim=-1)
+        return torch.matmul(self.act(gate) * up, self.down)
 
 
-class FusedSpanGraph(nn.Module):
+def fused_layer(packed: PackedLayer, parts: ModelParts, index: int) -> DecoderLayer:
+    """Decoder layer `index` of the HF model in the ort flavour, over its packed weights."""
+    spec, config = parts.spec, parts.hf_model.config
+    arch = architecture(spec.model_type)
+    weights, attention = arch.layer(parts.hf_model, index), arch.layer_attention(config, index)
+    window = attention.window if attention.window is not None else -1
+    ops = FusedOps(packed, weights, spec, arch.attention_scale(spec, config), window)
+    return DecoderLayer(ops, arch, weights, index, attention)
+
+
+class FusedSpanGraph(SpanFlow):
     """Static fused graph for one GraphSpec (flavour "ort"); traced with T and R dynamic."""
 
     def __init__(self, parts: ModelParts, graph: GraphSpec, packed: PackedWeights) -> None:
         super().__init__()
         if not graph.layers:
             raise ValueError(f"graph {graph.name!r} has no layers")
-        self.graph = graph
-        hf, self.arch = parts.hf_model, architecture(parts.spec.model_type)
-        self.embed = self.arch.embed(hf) if graph.source == "ids" else None
-        self.embed_scale = self.arch.embed_scale(parts.spec)
-        self.layers = nn.ModuleList(FusedDecoderLayer(packed.layers[i], parts, i) for i in graph.layers)
+        hf, arch = parts.hf_model, architecture(parts.spec.model_type)
+        self.embed = arch.embed(hf) if graph.source == "ids" else None
+        self.embed_scale = arch.embed_scale(parts.spec)
+        self.layers = nn.ModuleList(fused_layer(packed.layers[i], parts, i) for i in graph.layers)
         self.tables = sorted({layer.rope for layer in self.layers})  # the rotary tables these layers use, as buffers
         for index, key in enumerate(self.tables):
             cos, sin = packed.rotary[key]
             self.register_buffer(f"cos_cache_{index}", cos, persistent=False)
             self.register_buffer(f"sin_cache_{index}", sin, persistent=False)
-        self.norm, self.lm_head = self.arch.final_norm(hf), self.arch.lm_head(hf)
-        self.eps = parts.spec.rms_norm_eps
-        self.routers, self.adapter = trainable_additions(parts, graph)
+        self.head = Head(hf, parts.spec, ort_ops.rms_norm)
+        self.add_graph_parts(parts, graph)
         self.vocab = parts.spec.vocab_size
         self.register_buffer("prompts", prompt_table(parts, graph), persistent=False)
-        self.register_buffer("draft_head", draft_head(parts, graph), persistent=False)
+
+    def tokens(self, x: Tensor) -> Tensor:
+        return x[0]
+
+    def batched(self, x: Tensor) -> Tensor:
+        return x
 
     def forward(
         self, first: Tensor, logit_rows: Tensor, seqlens_k: Tensor, total_length: Tensor, *past: Tensor
     ) -> tuple[Tensor, ...]:
         n = len(self.layers)
         past_keys, past_values = past[:n], past[n:]
-        residual = (
+        x = (
             embed_tokens(self.embed, self.embed_scale, first, self.prompts, self.vocab)
             if self.embed is not None
             else first
         )  # [1, T, H]
-        delta: Tensor | None = None
-        keys, values, scores = [], [], []
-        for position, layer in enumerate(self.layers):
-            h, residual = layer.normed_input(delta, residual)
-            if self.routers is not None:
-                scores.append(self.routers.score(layer.layer_id, residual[0]))
-            delta, residual, k, v = layer(
-                h,
-                residual,
-                past_keys[position],
-                past_values[position],
-                seqlens_k,
-                total_length,
-                *self.cos_sin(layer.rope),
-            )
-            keys.append(k)
-            values.append(v)
-        hidden = delta + residual
-        if self.adapter is not None:
-            head_in = ort_ops.rms_norm(
-                self.adapter(hidden.index_select(1, logit_rows)), self.arch.norm_weight(self.norm), self.eps
-            )
-        else:
-            head_in = ort_ops.rms_norm(hidden.index_select(1, logit_rows), self.arch.norm_weight(self.norm), self.eps)
-        head = self.lm_head.weight if self.draft_head is None else self.draft_head
-        outputs: list[Tensor] = [torch.nn.functional.linear(head_in[0], head)[None]]
-        if self.routers is not None:
-            outputs.append(torch.stack(scores))
-        if self.graph.exit_hidden:
-            outputs.append(hidden)
-        return tuple(outputs + keys + values)
+        kv = [
+            ArenaKV(key, value, seqlens_k, total_length, *self.cos_sin(layer.rope))
+            for layer, key, value in zip(self.layers, past_keys, past_values)
+        ]
+        hidden, keys, values, scores = self.run_layers(x, kv)
+        return self.outputs(hidden, hidden.index_select(1, logit_rows), keys, values, scores)
 
     def cos_sin(self, rope: str) -> tuple[Tensor, Tensor]:
         index = self.tables.index(rope)
@@ -266,7 +239,6 @@ class FusedSpanGraph(nn.Module):
 
 def packed_weights(parts: ModelParts, max_len: int) -> PackedWeights:
     """PackedWeights of these parts, built once per max_len (packing copies every weight)."""
-    cache: dict[int, PackedWeights] = parts.__dict__.setdefault("_packed_weights", {})
-    if max_len not in cache:
-        cache[max_len] = PackedWeights(parts, max_len)
-    return cache[max_len]
+    if max_len not in parts.packed_by_max_len:
+        parts.packed_by_max_len[max_len] = PackedWeights(parts, max_len)
+    return parts.packed_by_max_len[max_len]

@@ -1,5 +1,7 @@
 """Static decoder pieces over a Hugging Face decoder's own parameters (the portable flavour
-and every PyTorch reference: `check`, calibration).
+and every PyTorch reference: `check`, calibration): rotary tables, masks, the embedding,
+`PortableOps` (how a graphs/decoder_layer.py `DecoderLayer` computes in standard ops), the
+head and `DecoderStack`.
 
 Every module here holds references to the HF modules (never copies), so every graph that
 uses a layer refers to the same weight, and the exporter names it after the HF parameter.
@@ -14,24 +16,26 @@ section 4).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from adaptive_export.graphs.architectures import (
     DEFAULT_ROPE,
-    DecoderArchitecture,
     LayerAttention,
     LayerWeights,
     architecture,
 )
+from adaptive_export.graphs.decoder_layer import DecoderLayer, QKNorm
 from adaptive_export.graphs.spec import ModelSpec
 
 # Finite stand-in for -inf in the causal mask: safe in fp16 (CoreML) and exact in fp32
 # after softmax, since exp(-30000) underflows to 0.
 MASK_VALUE = -30000.0
+
+NormOp = Callable[[Tensor, Tensor, float], Tensor]  # (x, weight, eps) -> RMSNorm(x) * weight
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -103,77 +107,96 @@ def layer_masks(attention: list[LayerAttention], past_len: int, new_len: int) ->
     return [masks[layer.window] for layer in attention]
 
 
-class StaticDecoderLayer(nn.Module):
-    """One HF decoder layer, re-expressed with an explicit KV prefix in and new rows out.
+@dataclass(frozen=True)
+class PrefixKV:
+    """A portable layer's KV inputs: the prefix rows [P, n_kv, hd] and the frame of the T new
+    positions (rotary tables [T, hd] and the additive mask [T, P+T])."""
 
-    What the family decides (norm style, QK-norm, sandwich norms, activation, attention scale)
-    comes from its adapter (graphs/architectures); a hook a family does not use adds no op."""
+    past_key: Tensor
+    past_value: Tensor
+    cos: Tensor
+    sin: Tensor
+    mask: Tensor
 
-    def __init__(self, arch: DecoderArchitecture, weights: LayerWeights, spec: ModelSpec, config: Any) -> None:
+
+class PortableOps(nn.Module):
+    """The portable flavour of a layer's steps: standard ops on [T, H], the HF projections as
+    they are, attention over the KV prefix plus the T new rows (which it returns)."""
+
+    def __init__(self, weights: LayerWeights, spec: ModelSpec, scale: float) -> None:
         super().__init__()
-        self.arch = arch
         self.spec = spec
-        self.scale = arch.attention_scale(spec, config)
+        self.scale = scale
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = weights.q, weights.k, weights.v, weights.o
         self.gate_proj, self.up_proj, self.down_proj, self.act = weights.gate, weights.up, weights.down, weights.act
-        self.input_norm, self.pre_mlp_norm = weights.input_norm, weights.pre_mlp_norm
-        self.post_attention_norm, self.post_mlp_norm = weights.post_attention_norm, weights.post_mlp_norm
-        self.q_norm, self.k_norm = weights.q_norm, weights.k_norm
 
-    def norm(self, x: Tensor, module: nn.Module) -> Tensor:
-        return rms_norm(x, self.arch.norm_weight(module), self.spec.rms_norm_eps)
+    def norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        return rms_norm(x, weight, self.spec.rms_norm_eps)
 
-    def forward(
-        self, x: Tensor, past_k: Tensor, past_v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def add_norm(self, delta: Tensor | None, residual: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        total = residual if delta is None else residual + delta
+        return self.norm(total, weight), total
+
+    def kv_inputs(self, *tensors: Tensor) -> PrefixKV:
+        return PrefixKV(*tensors)
+
+    def attention(self, h: Tensor, kv: PrefixKV, qk_norm: QKNorm | None) -> tuple[Tensor, Tensor, Tensor]:
         spec = self.spec
-        t = x.shape[0]
-        h = self.norm(x, self.input_norm)
+        t = h.shape[0]
         q = self.q_proj(h).view(t, spec.num_heads, spec.head_dim)
         k = self.k_proj(h).view(t, spec.num_kv_heads, spec.head_dim)
         v = self.v_proj(h).view(t, spec.num_kv_heads, spec.head_dim)
-        if self.q_norm is not None:
-            q = self.norm(q, self.q_norm)
-        if self.k_norm is not None:
-            k = self.norm(k, self.k_norm)
-        q = q * cos[:, None, :] + rotate_half(q) * sin[:, None, :]
-        k = k * cos[:, None, :] + rotate_half(k) * sin[:, None, :]
-        keys = torch.cat((past_k, k), dim=0).permute(1, 2, 0)  # [kv, hd, P+T]
-        values = torch.cat((past_v, v), dim=0).transpose(0, 1)  # [kv, P+T, hd]
+        if qk_norm is not None:
+            q, k = self.norm(q, qk_norm.query), self.norm(k, qk_norm.key)
+        q = q * kv.cos[:, None, :] + rotate_half(q) * kv.sin[:, None, :]
+        k = k * kv.cos[:, None, :] + rotate_half(k) * kv.sin[:, None, :]
+        keys = torch.cat((kv.past_key, k), dim=0).permute(1, 2, 0)  # [kv, hd, P+T]
+        values = torch.cat((kv.past_value, v), dim=0).transpose(0, 1)  # [kv, P+T, hd]
         # Group query heads by their KV head (HF repeat_kv: head h reads kv head h // groups)
         # so GQA needs no repeated K/V.
         qg = q.view(t, spec.num_kv_heads, spec.kv_groups, spec.head_dim).permute(1, 2, 0, 3)
         qg = qg.reshape(spec.num_kv_heads, spec.kv_groups * t, spec.head_dim)
         scores = torch.matmul(qg, keys) * self.scale
-        scores = scores.view(spec.num_kv_heads, spec.kv_groups, t, -1) + mask
+        scores = scores.view(spec.num_kv_heads, spec.kv_groups, t, -1) + kv.mask
         probs = torch.softmax(scores, dim=-1).view(spec.num_kv_heads, spec.kv_groups * t, -1)
         ctx = torch.matmul(probs, values).view(spec.num_kv_heads, spec.kv_groups, t, spec.head_dim)
         ctx = ctx.permute(2, 0, 1, 3).reshape(t, spec.num_heads * spec.head_dim)
-        attn = self.o_proj(ctx)
-        if self.post_attention_norm is not None:
-            attn = self.norm(attn, self.post_attention_norm)
-        x = x + attn
-        h = self.norm(x, self.pre_mlp_norm)
-        mlp = self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h))
-        if self.post_mlp_norm is not None:
-            mlp = self.norm(mlp, self.post_mlp_norm)
-        x = x + mlp
-        return x, k, v
+        return self.o_proj(ctx), k, v
+
+    def mlp(self, h: Tensor) -> Tensor:
+        return self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h))
+
+
+def portable_layer(hf_model: nn.Module, spec: ModelSpec, index: int) -> DecoderLayer:
+    """Decoder layer `index` of the HF model in the portable flavour."""
+    arch, config = architecture(spec.model_type), hf_model.config
+    weights = arch.layer(hf_model, index)
+    ops = PortableOps(weights, spec, arch.attention_scale(spec, config))
+    return DecoderLayer(ops, arch, weights, index, arch.layer_attention(config, index))
 
 
 class Head(nn.Module):
-    """Final norm + LM head, shared by the full model and every early exit."""
+    """Final norm + LM head, shared by the full model and every early exit. `norm_op` is the
+    flavour's RMSNorm (the ort flavour passes its fused op)."""
 
-    def __init__(self, hf_model: nn.Module, spec: ModelSpec) -> None:
+    def __init__(self, hf_model: nn.Module, spec: ModelSpec, norm_op: NormOp = rms_norm) -> None:
         super().__init__()
         self.arch = architecture(spec.model_type)
         self.norm = self.arch.final_norm(hf_model)
         self.lm_head = self.arch.lm_head(hf_model)
         self.eps = spec.rms_norm_eps
+        self.norm_op = norm_op
 
     def forward(self, x: Tensor, rows: Tensor | None = None) -> Tensor:
         """Logits over the vocabulary, or over a draft vocabulary's head `rows` (VocabTrim)."""
-        normed = rms_norm(x, self.arch.norm_weight(self.norm), self.eps)
+        return self.logits(self.normed(x), rows)
+
+    def normed(self, x: Tensor) -> Tensor:
+        """The final norm."""
+        return self.norm_op(x, self.arch.norm_weight(self.norm), self.eps)
+
+    def logits(self, normed: Tensor, rows: Tensor | None = None) -> Tensor:
+        """The LM head (or the draft vocabulary's `rows`) on normed hidden states."""
         return self.lm_head(normed) if rows is None else nn.functional.linear(normed, rows)
 
 
@@ -195,9 +218,7 @@ class DecoderStack(nn.Module):
         self.rotary = Rotary(tables[DEFAULT_ROPE])
         self.rotaries = nn.ModuleDict({key: Rotary(module) for key, module in tables.items() if key != DEFAULT_ROPE})
         self.attention = [arch.layer_attention(hf_model.config, i) for i in layers]
-        self.layers = nn.ModuleList(
-            StaticDecoderLayer(arch, arch.layer(hf_model, i), spec, hf_model.config) for i in layers
-        )
+        self.layers = nn.ModuleList(portable_layer(hf_model, spec, i) for i in layers)
         self.head = Head(hf_model, spec)
         self.register_buffer("prompts", None, persistent=False)
 

@@ -1,24 +1,31 @@
 """One exportable graph: a span of decoder layers between an input and the outputs.
 
-Every graph of a bundle (prefill, decode per configuration, draft, verify) is a
-`SpanGraph` with a different layer list and I/O options. Inputs and outputs follow
-the portable arena contract (docs/architecture.md section 4): per layer i in the span, `past_key_i` and
-`past_value_i` are prefix views [P, n_kv, hd]; `new_key_i` / `new_value_i` are the
-T new rows, which the runtime writes into the arena at [P:P+T].
+Every graph of a bundle (prefill, decode per configuration, draft, verify) is one `GraphSpec`
+with a different layer list and I/O options. `SpanFlow` is what such a graph computes, in
+either flavour (graphs/decoder_layer.py's layers, routers, exit adapter, head, outputs);
+`SpanGraph` is the portable flavour, whose inputs and outputs follow the portable arena
+contract (docs/architecture.md section 4): per layer i in the span, `past_key_i` and
+`past_value_i` are prefix views [P, n_kv, hd]; `new_key_i` / `new_value_i` are the T new rows,
+which the runtime writes into the arena at [P:P+T]. The ort flavour is graphs/fused_graph.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
 
 from adaptive_export.graphs.adaptive import ExitAdapter, Routers
 from adaptive_export.graphs.architectures import architecture
-from adaptive_export.graphs.layers import DecoderStack
+from adaptive_export.graphs.decoder_layer import DecoderLayer
+from adaptive_export.graphs.layers import DecoderStack, Head, PrefixKV
 from adaptive_export.graphs.spec import ModelSpec
+
+if TYPE_CHECKING:  # the ort flavour's module imports this one
+    from adaptive_export.graphs.fused_graph import PackedWeights
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,9 @@ class ModelParts:
     exit_adapters: dict[int, ExitAdapter] = field(default_factory=dict)
     prompt_tokens: torch.Tensor | None = None  # PPD's trained [m, hidden] table, in the scaled embedding space
     draft_vocab: torch.Tensor | None = None  # VocabTrim: the sorted token ids a draft head scores (int64)
+    # Derived once per build and shared by its graphs (graphs/fused_graph.packed_weights, draft_head):
+    packed_by_max_len: dict[int, PackedWeights] = field(default_factory=dict, repr=False, compare=False)
+    draft_heads: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
 
 def prompt_table(parts: ModelParts, graph: GraphSpec) -> torch.Tensor | None:
@@ -104,11 +114,10 @@ def draft_head(parts: ModelParts, graph: GraphSpec) -> torch.Tensor | None:
             f"graph {graph.name!r} drafts over {graph.draft_vocab} token ids, but the model parts hold "
             f"{0 if ids is None else ids.numel()}"
         )
-    cache: dict[int, torch.Tensor] = parts.__dict__.setdefault("_draft_head", {})
-    if graph.draft_vocab not in cache:
+    if graph.draft_vocab not in parts.draft_heads:
         weight = architecture(parts.spec.model_type).lm_head(parts.hf_model).weight.detach()
-        cache[graph.draft_vocab] = weight.index_select(0, ids).contiguous()
-    return cache[graph.draft_vocab]
+        parts.draft_heads[graph.draft_vocab] = weight.index_select(0, ids).contiguous()
+    return parts.draft_heads[graph.draft_vocab]
 
 
 def trainable_additions(parts: ModelParts, graph: GraphSpec) -> tuple[Routers | None, ExitAdapter | None]:
@@ -122,38 +131,89 @@ def trainable_additions(parts: ModelParts, graph: GraphSpec) -> tuple[Routers | 
     return routers, adapter
 
 
-class SpanGraph(DecoderStack):
-    """Static graph for one GraphSpec; traced once with T and P as dynamic axes."""
+class SpanFlow(nn.Module):
+    """What every graph computes over its layers, in either flavour: the layers on the residual
+    stream (each router scoring its layer's input), then the head on the chosen rows (through
+    the exit adapter where the graph has one), then the outputs the GraphSpec asks for.
+
+    A flavour's graph sets the attributes below and says how its tensors carry the batch axis.
+    """
+
+    graph: GraphSpec
+    layers: nn.ModuleList
+    head: Head
+    routers: Routers | None
+    adapter: ExitAdapter | None
+    draft_head: Tensor | None
+
+    def add_graph_parts(self, parts: ModelParts, graph: GraphSpec) -> None:
+        """The GraphSpec's own additions: routers, exit adapter, a VocabTrim draft head."""
+        self.graph = graph
+        self.routers, self.adapter = trainable_additions(parts, graph)
+        self.register_buffer("draft_head", draft_head(parts, graph), persistent=False)
+
+    def tokens(self, x: Tensor) -> Tensor:
+        """x [.., T, H] as [T, H] (the routers score tokens, the head reads rows)."""
+        raise NotImplementedError
+
+    def batched(self, x: Tensor) -> Tensor:
+        """x [.., T, H] as the graph's [1, T, H] output."""
+        raise NotImplementedError
+
+    def run_layers(self, x: Tensor, kv: Sequence[Any]) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
+        """(hidden state after the span, each layer's K, V, each router's score) from input x and
+        each layer's KV inputs."""
+        keys, values, scores = [], [], []
+        delta: Tensor | None = None
+        residual = x
+        for layer, inputs in zip(cast("list[DecoderLayer]", list(self.layers)), kv):
+            h, residual = layer.normed_input(delta, residual)
+            if self.routers is not None:
+                scores.append(self.routers.score(layer.layer_id, self.tokens(residual)))
+            delta, residual, key, value = layer.attend_and_mlp(h, residual, inputs)
+            keys.append(key)
+            values.append(value)
+        assert delta is not None  # a graph has layers (checked when built)
+        return residual + delta, keys, values, scores
+
+    def outputs(
+        self, hidden: Tensor, rows: Tensor, keys: list[Tensor], values: list[Tensor], scores: list[Tensor]
+    ) -> tuple[Tensor, ...]:
+        """The graph's outputs in GraphSpec.output_names order; `rows` [.., R, H] get logits (the
+        exit adapter and the final norm keep the flavour's axes, the head reads [R, H])."""
+        if self.adapter is not None:
+            rows = self.adapter(rows)
+        logits = self.head.logits(self.tokens(self.head.normed(rows)), self.draft_head)
+        outputs: list[Tensor] = [logits[None]]
+        if self.routers is not None:
+            outputs.append(torch.stack(scores))
+        if self.graph.exit_hidden:
+            outputs.append(self.batched(hidden))
+        return tuple(outputs + keys + values)
+
+
+class SpanGraph(DecoderStack, SpanFlow):
+    """Portable static graph for one GraphSpec; traced once with T and P as dynamic axes."""
 
     def __init__(self, parts: ModelParts, graph: GraphSpec) -> None:
         if not graph.layers:
             raise ValueError(f"graph {graph.name!r} has no layers")
         super().__init__(parts.hf_model, parts.spec, graph.layers, embed=graph.source == "ids")
-        self.graph = graph
-        self.routers, self.adapter = trainable_additions(parts, graph)
+        self.add_graph_parts(parts, graph)
         self.set_prompt_tokens(prompt_table(parts, graph))
-        self.register_buffer("draft_head", draft_head(parts, graph), persistent=False)
+
+    def tokens(self, x: Tensor) -> Tensor:
+        return x
+
+    def batched(self, x: Tensor) -> Tensor:
+        return x[None]
 
     def forward(self, first: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
         n = len(self.layers)
         past_keys, past_values = past[:n], past[n:]
         x = self.embed_ids(first[0]) if self.embed is not None else first[0]
-        t = x.shape[0]
-        past_len = past_keys[0].shape[0]
-        frame = self.frame(past_len, t)
-        new_keys, new_values, scores = [], [], []
-        for position, layer in enumerate(self.layers):
-            if self.routers is not None:
-                scores.append(self.routers.score(self.graph.layers[position], x))
-            x, k, v = layer(x, past_keys[position], past_values[position], *frame[position])
-            new_keys.append(k)
-            new_values.append(v)
-        head_in = x[-1:] if self.graph.logits == "last" else x
-        if self.adapter is not None:
-            head_in = self.adapter(head_in)
-        outputs: list[Tensor] = [self.head(head_in, self.draft_head)[None]]
-        if self.routers is not None:
-            outputs.append(torch.stack(scores))
-        if self.graph.exit_hidden:
-            outputs.append(x[None])
-        return tuple(outputs + new_keys + new_values)
+        frame = self.frame(past_keys[0].shape[0], x.shape[0])
+        kv = [PrefixKV(key, value, *at) for key, value, at in zip(past_keys, past_values, frame)]
+        hidden, keys, values, scores = self.run_layers(x, kv)
+        rows = hidden[-1:] if self.graph.logits == "last" else hidden
+        return self.outputs(hidden, rows, keys, values, scores)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,48 @@ def test_every_model_type_has_one_architecture() -> None:
 
     assert set(SUPPORTED_MODEL_TYPES) == {"llama", "qwen2", "mistral", "gemma3_text"}
     assert sum(len(family.model_types) for family in FAMILIES) == len(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("family", ["qwen2_gqa", "gemma3"])
+def test_both_flavours_share_one_layer_and_agree(tmp_path: Path, family: str) -> None:
+    """The portable and ort graphs are one DecoderLayer definition with two sets of ops: in PyTorch
+    they give the same logits, router scores, exit hidden state and new K/V rows (QKV biases,
+    GQA; Gemma 3's QK-norm, sandwich norms and sliding window past the window)."""
+    from adaptive_export.graphs.adaptive import Routers
+    from adaptive_export.graphs.decoder_layer import DecoderLayer
+    from adaptive_export.graphs.fused_graph import FusedSpanGraph, packed_weights
+    from tests.test_gemma3 import WINDOW, make_tiny_gemma3
+
+    model = make_tiny_gemma3(tmp_path / "m") if family == "gemma3" else make_tiny_model(tmp_path / "m", family)
+    loaded = load_model(str(model))
+    spec = loaded.spec
+    routers = Routers(spec.num_layers, spec.hidden_size)
+    torch.nn.init.normal_(routers.weight, 0.0, 0.1, generator=torch.Generator().manual_seed(0))
+    parts = ModelParts(loaded.hf_model, spec, routers=routers.requires_grad_(False))
+    every = tuple(range(spec.num_layers))
+    graph = GraphSpec("decode", "decode", every, router_scores=True, exit_hidden=True)
+    portable = SpanGraph(parts, graph).eval()
+    fused = FusedSpanGraph(parts, replace(graph, flavour="ort"), packed_weights(parts, 32)).eval()
+    assert packed_weights(parts, 32) is packed_weights(parts, 32)  # packed once per build
+    assert {type(layer) for layer in [*portable.layers, *fused.layers]} == {DecoderLayer}
+    past_len, new = WINDOW + 3, 4
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, spec.vocab_size, (1, new), generator=generator)
+    prefix = [
+        torch.randn(past_len, spec.num_kv_heads, spec.head_dim, generator=generator) for _ in range(2 * len(every))
+    ]
+    blocks = [torch.zeros(1, spec.num_kv_heads, 32, spec.head_dim) for _ in prefix]
+    for block, rows in zip(blocks, prefix):
+        block[0, :, :past_len] = rows.transpose(0, 1)
+    control = (
+        torch.arange(new),
+        torch.tensor([past_len + new - 1], dtype=torch.int32),
+        torch.tensor(past_len + new, dtype=torch.int32),
+    )
+    with torch.no_grad():
+        ours = portable(ids, *prefix)
+        theirs = fused(ids, *control, *blocks)
+    for name, a, b in zip(graph.output_names(), ours[:3], theirs[:3]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=name)
+    for rows, block in zip(ours[3:], theirs[3:]):
+        torch.testing.assert_close(rows, block[0, :, past_len : past_len + new].transpose(0, 1), atol=2e-5, rtol=1e-4)
