@@ -180,7 +180,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 ROOT = Path(__file__).parents[1]
 # a real-model build or check on a loaded 2-core machine (a SmolLM2 check took 690 s at load 6);
-# below the real-model tests' own 1800 s, so a hung child fails with its stderr, not a bare timeout
+# below the real-model tests' own 1800 s, so a hung child is reported as the command that timed out
 CLI_TIMEOUT_S = 1500
 
 
