@@ -23,6 +23,7 @@ from adaptive_export.graphs.span_graph import ModelParts
 from adaptive_export.loading.model import load_model, resolve_model_path
 from adaptive_export.loading.packaged import PACKAGED
 from adaptive_export.loading.prompts import read_prompts
+from adaptive_export.loading.warning_filters import third_party_warnings_hidden
 from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest import Manifest
@@ -308,7 +309,8 @@ def run_build(options: BuildOptions) -> Manifest:
 
 
 def cmd_build(options: BuildOptions) -> int:
-    manifest = run_build(options)
+    with third_party_warnings_hidden():  # a build's log shows its progress, not the libraries' deprecations
+        manifest = run_build(options)
     onnx_entry = manifest.backends["onnx"]
     print(
         f"wrote {options.output}: {len(manifest.graphs)} graphs, {len(manifest.configs)} configurations, "

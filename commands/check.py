@@ -9,6 +9,7 @@ from pathlib import Path
 from adaptive_export.commands import EXIT_MISMATCH, EXIT_OK
 from adaptive_export.commands.options import CheckOptions
 from adaptive_export.loading.prompts import read_prompts
+from adaptive_export.loading.warning_filters import third_party_warnings_hidden
 from adaptive_export.runtimes.errors import UsageError
 
 MAX_TOLERANCE = 100.0  # `check --tolerance`: a larger factor would no longer gate anything
@@ -30,10 +31,12 @@ def cmd_check(options: CheckOptions) -> int:
             parent = Path(value).parent
             if not parent.is_dir() or not os.access(parent, os.W_OK) or Path(value).is_dir():
                 raise UsageError(
-                    f"{option} {value!r} cannot be written (its directory does not exist or is not writable, or it is a directory)",
+                    f"{option} {value!r} cannot be written "
+                    "(its directory does not exist or is not writable, or it is a directory)",
                     f"pass {option} a file path in a writable directory",
                 )
-    report = run_check(options.bundle, options.model, prompts, options.new_tokens, options.tolerance)
+    with third_party_warnings_hidden():  # a CI log shows check's rows, not the libraries' deprecations
+        report = run_check(options.bundle, options.model, prompts, options.new_tokens, options.tolerance)
     try:
         write_report(report, options.report, options.junit)
     except OSError as exc:

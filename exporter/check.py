@@ -6,7 +6,9 @@ Two kinds of checks, each a JUnit test case:
   graph run in PyTorch; decode graphs of the full model also against HF transformers.
 - greedy tokens: the runtime's greedy output against HF `generate` on prompts, per
   configuration; a divergence passes only where the reference shows a float tie
-  (top-1/top-2 margin < TIE_MARGIN at the first divergent position).
+  (top-1/top-2 margin < TIE_MARGIN at the first divergent position). Each reference is
+  decoded once per (kept layers, prompt, new tokens) and shared by plain decoding, every
+  draft source and every backend (ReferenceDecodes).
 
 Tolerances (fp32 graphs): logits |diff| <= LOGIT_ATOL + LOGIT_RTOL * max|ref|. ORT fuses
 and reorders fp32 sums, so errors of 1e-5..1e-4 are expected over 30 layers; 1e-3 is an
@@ -18,12 +20,13 @@ from __future__ import annotations
 import json
 import time
 import xml.etree.ElementTree as ET
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from adaptive_export.loading.warning_filters import library_call_warnings_hidden
 from adaptive_export.runtimes.bundle import Bundle
 from adaptive_export.runtimes.drafting.base import full_vocabulary_row
 from adaptive_export.runtimes.kv_arena import KVArena
@@ -41,7 +44,7 @@ BUILTIN_PROMPTS = [
 ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckResult:
     backend: str
     engine: str
@@ -120,16 +123,12 @@ def compare(
     return max_abs <= bound and bool(np.isfinite(actual).all()), max_abs, max_rel, bound
 
 
-def engine_parity(
-    bundle: Bundle, backend: Any, parts: Any, graph_name: str, seed: int = 0, scale_tol: float = 1.0
-) -> CheckResult:
-    """Run one graph in the backend and in PyTorch on the same inputs; compare every output."""
-    import torch
-
-    from adaptive_export.graphs.span_graph import GraphSpec, SpanGraph
+def graph_spec(bundle: Bundle, graph_name: str) -> Any:
+    """The bundle's graph entry as the GraphSpec the PyTorch reference builds."""
+    from adaptive_export.graphs.span_graph import GraphSpec
 
     info = bundle.graph(graph_name)
-    spec = GraphSpec(
+    return GraphSpec(
         name=graph_name,
         kind=info.kind,
         layers=info.layers,
@@ -142,43 +141,60 @@ def engine_parity(
         exit_layer=info.exit_layer,
         prompt_tokens=info.prompt_tokens,
         draft_vocab=info.draft_vocab,
+        flavour="ort" if info.flavour == "ort" else "portable",
     )
+
+
+@dataclass(frozen=True)
+class ParityInputs:
+    """One graph's fixed inputs: `first` (ids or hidden states) over a random past of
+    `past_len` rows, and the arena as it was before the engine wrote its `count` new rows."""
+
+    first: np.ndarray
+    past_len: int
+    count: int
+    before: np.ndarray
+
+
+def parity_inputs(bundle: Bundle, backend: Any, spec: Any, seed: int) -> tuple[ParityInputs, KVArena]:
+    """Random inputs and a random past in an arena of the backend's layout (the engine writes into it)."""
     rng = np.random.default_rng(seed)
     model = bundle.model
-    past_len, count = 7, (9 if info.kind == "prefill" else 1 if info.kind == "draft" else 4)
-    if info.kind == "prefill":
+    past_len, count = 7, (9 if spec.kind == "prefill" else 1 if spec.kind == "draft" else 4)
+    if spec.kind == "prefill":
         past_len = 0
     first = (
         rng.integers(0, model.vocab_size, (1, count))
         if spec.source == "ids"
         else rng.standard_normal((1, count, model.hidden_size)).astype(np.float32)
     )
-    if (
-        spec.prompt_tokens and spec.source == "ids"
-    ):  # the last rows are PPD prompt tokens: their embedding is checked too
+    if spec.prompt_tokens and spec.source == "ids":
+        # the last rows are PPD prompt tokens: their embedding is checked too
         prompts = min(spec.prompt_tokens, count - 1)
         first[0, count - prompts :] = model.vocab_size + np.arange(prompts)
-    fused = info.flavour == "ort"
     # fused engines bind the whole [1, n_kv, max_len, hd] block, so their arena is max_len long
-    arena = KVArena(
-        bundle.num_layers,
-        bundle.max_len if fused else past_len + count,
-        model.num_kv_heads,
-        model.head_dim,
-        layout=backend.kv_layout,
-    )
+    arena_len = bundle.max_len if spec.flavour == "ort" else past_len + count
+    arena = KVArena(bundle.num_layers, arena_len, model.num_kv_heads, model.head_dim, layout=backend.kv_layout)
     for layer in range(bundle.num_layers):
         for kv in (0, 1):
             arena.seq_view(layer, kv)[:past_len] = rng.standard_normal(arena.seq_view(layer, kv)[:past_len].shape) * 0.5
     arena.length = past_len
-    before = arena.data.copy()  # the engine writes into the arena; the reference reads the same past
-    started = time.perf_counter()
-    out = backend.run(graph_name, first, arena, past_len)
+    # the engine writes into the arena; the reference reads the same past
+    return ParityInputs(first, past_len, count, arena.data.copy()), arena
+
+
+def torch_outputs(bundle: Bundle, parts: Any, spec: Any, inputs: ParityInputs) -> Any:
+    """The same graph in PyTorch on the same inputs: the fused modules for `ort` engines (whole
+    KV blocks), the portable SpanGraph otherwise (KV prefixes)."""
+    import torch
+
+    from adaptive_export.graphs.span_graph import SpanGraph
+
+    first, past_len, count, before = inputs.first, inputs.past_len, inputs.count, inputs.before
     with torch.no_grad():
-        if fused:
+        if spec.flavour == "ort":
             from adaptive_export.graphs.fused_graph import FusedSpanGraph, packed_weights
 
-            spec = replace(spec, flavour="ort")
             module = FusedSpanGraph(parts, spec, packed_weights(parts, bundle.max_len)).eval()
             rows = np.arange(count - 1 if spec.logits == "last" else 0, count)
             control = (
@@ -187,41 +203,70 @@ def engine_parity(
                 torch.tensor(past_len + count, dtype=torch.int32),
             )
             past = [torch.from_numpy(before[i, kv]) for kv in (0, 1) for i in spec.layers]
-            ref = module(torch.from_numpy(first), *control, *past)
-        else:
-            module = SpanGraph(parts, spec).eval()
-            past = [
-                torch.from_numpy(np.ascontiguousarray(before[i, kv, :past_len])) for kv in (0, 1) for i in spec.layers
-            ]
-            ref = module(torch.from_numpy(first), *past)
-    names = spec.output_names()
-    quantized = gated_on_quality(bundle)
-    worst = (True, 0.0, 0.0, 0.0)
+            return module(torch.from_numpy(first), *control, *past)
+        module = SpanGraph(parts, spec).eval()
+        past = [torch.from_numpy(np.ascontiguousarray(before[i, kv, :past_len])) for kv in (0, 1) for i in spec.layers]
+        return module(torch.from_numpy(first), *past)
+
+
+def engine_output(name: str, out: Any, arena: KVArena, inputs: ParityInputs, expected: np.ndarray) -> tuple[Any, Any]:
+    """(actual, expected) for one named output: KV outputs are read back from the arena."""
+    past_len, count = inputs.past_len, inputs.count
+    if name.startswith("new_"):
+        kind, layer = name[4:].rsplit("_", 1)
+        return arena.seq_view(int(layer), 0 if kind == "key" else 1)[past_len : past_len + count], expected
+    if name.startswith("present_"):  # the whole valid block: the past must be left as it was
+        kind, layer = name[8:].rsplit("_", 1)
+        actual = arena.block(int(layer), 0 if kind == "key" else 1)[:, :, : past_len + count]
+        return actual, expected[:, :, : past_len + count]
+    return {"logits": out.logits, "router_scores": out.router_scores, "exit_hidden": out.exit_hidden}[name], expected
+
+
+@dataclass(frozen=True)
+class ParityOutcome:
+    """Every output compared: the failures, and the worst difference with its bound."""
+
+    failures: tuple[str, ...]
+    max_abs: float
+    max_rel: float
+    bound: float
+
+
+def compare_outputs(
+    names: list[str], actual_expected: list[tuple[Any, Any]], informational: bool, scale_tol: float
+) -> ParityOutcome:
+    """Compare each output; `informational` (quantized weights) fails only on non-finite values."""
+    worst = (0.0, 0.0, 0.0)
     failures = []
-    actual_by_name = {"logits": out.logits, "router_scores": out.router_scores, "exit_hidden": out.exit_hidden}
-    for index, name in enumerate(names):
-        expected = ref[index].numpy()
-        if name.startswith("new_"):
-            kind, layer = name[4:].rsplit("_", 1)
-            actual = arena.seq_view(int(layer), 0 if kind == "key" else 1)[past_len : past_len + count]
-        elif name.startswith("present_"):  # the whole valid block: the past must be left as it was
-            kind, layer = name[8:].rsplit("_", 1)
-            actual = arena.block(int(layer), 0 if kind == "key" else 1)[:, :, : past_len + count]
-            expected = expected[:, :, : past_len + count]
-        else:
-            actual = actual_by_name[name]
-        if quantized or info.precision:  # informational: the quality checks gate quantized engines
+    for name, (actual, expected) in zip(names, actual_expected):
+        if informational:  # the quality checks gate quantized engines
             _, max_abs, max_rel, bound = compare(np.asarray(actual), expected, "float32", scale_tol)
             ok = bool(np.isfinite(actual).all())
         else:
             ok, max_abs, max_rel, bound = compare(np.asarray(actual), expected, "float32", scale_tol)
         if not ok:
             failures.append(f"{name}: max |diff| {max_abs:.3g} > {bound:.3g}")
-        if max_abs > worst[1] or not ok:
-            worst = (ok and worst[0], max_abs, max_rel, bound)
-    quantized = quantized or bool(info.precision)
+        if max_abs > worst[0] or not ok:
+            worst = (max_abs, max_rel, bound)
+    return ParityOutcome(tuple(failures), *worst)
+
+
+def engine_parity(
+    bundle: Bundle, backend: Any, parts: Any, graph_name: str, seed: int = 0, scale_tol: float = 1.0
+) -> CheckResult:
+    """Run one graph in the backend and in PyTorch on the same inputs; compare every output."""
+    info = bundle.graph(graph_name)
+    spec = graph_spec(bundle, graph_name)
+    inputs, arena = parity_inputs(bundle, backend, spec, seed)
+    started = time.perf_counter()
+    out = backend.run(graph_name, inputs.first, arena, inputs.past_len)
+    ref = torch_outputs(bundle, parts, spec, inputs)
+    names = spec.output_names()
+    pairs = [engine_output(name, out, arena, inputs, ref[index].numpy()) for index, name in enumerate(names)]
+    quantized = gated_on_quality(bundle) or bool(info.precision)
+    outcome = compare_outputs(names, pairs, quantized, scale_tol)
     dtype = info.precision or bundle.manifest.dtype
-    detail = "; ".join(failures) or (
+    detail = "; ".join(outcome.failures) or (
         f"{dtype} weights: difference to fp32 is informational, the quality checks gate"
         if quantized
         else f"{len(names)} outputs within tolerance"
@@ -230,10 +275,10 @@ def engine_parity(
         backend.name,
         graph_name,
         "parity",
-        not failures,
-        max_abs=worst[1],
-        max_rel=worst[2],
-        tolerance=None if quantized else worst[3],
+        not outcome.failures,
+        max_abs=outcome.max_abs,
+        max_rel=outcome.max_rel,
+        tolerance=None if quantized else outcome.bound,
         seconds=time.perf_counter() - started,
         detail=detail,
     )
@@ -292,54 +337,114 @@ def reference_greedy(
     layers with the static PyTorch graphs (validated against HF in the tests)."""
     import torch
 
+    every = tuple(range(parts.spec.num_layers))
+    with torch.no_grad(), library_call_warnings_hidden():  # HF's deprecation notices are not check's output
+        if tuple(kept) == every:
+            return hf_greedy(parts, prompt_ids, new_tokens, eos_ids)
+        return span_greedy(parts, prompt_ids, new_tokens, eos_ids, kept)
+
+
+def hf_greedy(
+    parts: Any, prompt_ids: list[int], new_tokens: int, eos_ids: set[int]
+) -> tuple[list[int], list[np.ndarray]]:
+    """The full model's greedy decode by HF transformers, with its own KV cache."""
+    import torch
+
+    tokens: list[int] = []
+    steps: list[np.ndarray] = []
+    out = parts.hf_model(torch.tensor([prompt_ids]), use_cache=True)
+    for _ in range(new_tokens):
+        logits = out.logits[0, -1]
+        steps.append(logits.float().numpy())
+        tokens.append(int(logits.argmax()))
+        if tokens[-1] in eos_ids or len(tokens) == new_tokens:
+            break
+        out = parts.hf_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, steps
+
+
+def span_greedy(
+    parts: Any, prompt_ids: list[int], new_tokens: int, eos_ids: set[int], kept: list[int]
+) -> tuple[list[int], list[np.ndarray]]:
+    """A skip configuration's greedy decode: prefill over every layer, then decode over the
+    kept layers with the static PyTorch graphs."""
+    import torch
+
     from adaptive_export.graphs.span_graph import GraphSpec, SpanGraph
 
     every = tuple(range(parts.spec.num_layers))
     tokens: list[int] = []
     steps: list[np.ndarray] = []
-    with torch.no_grad():
-        if tuple(kept) == every:
-            out = parts.hf_model(torch.tensor([prompt_ids]), use_cache=True)
-            for _ in range(new_tokens):
-                logits = out.logits[0, -1]
-                steps.append(logits.float().numpy())
-                tokens.append(int(logits.argmax()))
-                if tokens[-1] in eos_ids or len(tokens) == new_tokens:
-                    break
-                out = parts.hf_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
-            return tokens, steps
-        n = len(every)
-        prefill = SpanGraph(parts, GraphSpec("prefill", "prefill", every, logits="last")).eval()
-        decode = SpanGraph(parts, GraphSpec("decode", "decode", tuple(kept))).eval()
-        empty = [torch.zeros(0, parts.spec.num_kv_heads, parts.spec.head_dim)] * (2 * n)
-        out = prefill(torch.tensor([prompt_ids]), *empty)
-        keys, values = list(out[1 : 1 + n]), list(out[1 + n :])
+    n = len(every)
+    prefill = SpanGraph(parts, GraphSpec("prefill", "prefill", every, logits="last")).eval()
+    decode = SpanGraph(parts, GraphSpec("decode", "decode", tuple(kept))).eval()
+    empty = [torch.zeros(0, parts.spec.num_kv_heads, parts.spec.head_dim)] * (2 * n)
+    out = prefill(torch.tensor([prompt_ids]), *empty)
+    keys, values = list(out[1 : 1 + n]), list(out[1 + n :])
+    logits = out[0][0, -1]
+    for _ in range(new_tokens):
+        steps.append(logits.numpy())
+        tokens.append(int(logits.argmax()))
+        if tokens[-1] in eos_ids or len(tokens) == new_tokens:
+            break
+        out = decode(torch.tensor([[tokens[-1]]]), *[keys[i] for i in kept], *[values[i] for i in kept])
+        for j, layer in enumerate(kept):
+            keys[layer] = torch.cat((keys[layer], out[1 + j]))
+            values[layer] = torch.cat((values[layer], out[1 + len(kept) + j]))
         logits = out[0][0, -1]
-        for _ in range(new_tokens):
-            steps.append(logits.numpy())
-            tokens.append(int(logits.argmax()))
-            if tokens[-1] in eos_ids or len(tokens) == new_tokens:
-                break
-            out = decode(torch.tensor([[tokens[-1]]]), *[keys[i] for i in kept], *[values[i] for i in kept])
-            for j, layer in enumerate(kept):
-                keys[layer] = torch.cat((keys[layer], out[1 + j]))
-                values[layer] = torch.cat((values[layer], out[1 + len(kept) + j]))
-            logits = out[0][0, -1]
     return tokens, steps
 
 
+@dataclass(frozen=True)
+class ReferenceKey:
+    """What a reference decode depends on; the backend, engine and draft source do not enter."""
+
+    kept: tuple[int, ...]
+    prompt_ids: tuple[int, ...]
+    new_tokens: int
+    eos_ids: frozenset[int]
+
+
+class ReferenceDecodes:
+    """The PyTorch greedy references of one `check` run, each decoded once: every draft source,
+    engine and backend on the same prompt and configuration compares against the same tokens."""
+
+    def __init__(self, parts: Any) -> None:
+        self.parts = parts
+        self.decodes: dict[ReferenceKey, tuple[tuple[int, ...], tuple[np.ndarray, ...]]] = {}
+
+    def greedy(
+        self, prompt_ids: list[int], new_tokens: int, eos_ids: set[int], kept: list[int]
+    ) -> tuple[list[int], list[np.ndarray]]:
+        """reference_greedy's tokens and per-step logits, decoded on the first request only."""
+        key = ReferenceKey(tuple(kept), tuple(prompt_ids), new_tokens, frozenset(eos_ids))
+        if key not in self.decodes:
+            tokens, steps = reference_greedy(self.parts, list(prompt_ids), new_tokens, set(eos_ids), list(kept))
+            self.decodes[key] = (tuple(tokens), tuple(steps))
+        stored_tokens, stored_steps = self.decodes[key]
+        return list(stored_tokens), list(stored_steps)
+
+
 def greedy_check(
-    generator: Any, parts: Any, config: dict[str, Any], prompt: str, new_tokens: int, draft: str | None = None
+    generator: Any,
+    parts: Any,
+    config: dict[str, Any],
+    prompt: str,
+    new_tokens: int,
+    draft: str | None = None,
+    references: ReferenceDecodes | None = None,
 ) -> CheckResult:
     """Greedy tokens of the runtime (plain decoding, or speculation with `draft`) against PyTorch."""
+    references = references or ReferenceDecodes(parts)
     started = time.perf_counter()
     mode = "ar" if draft is None else "spec"
     result = generator.generate(prompt, max_new_tokens=new_tokens, config=config.id, mode=mode, draft=draft)
-    expected, steps = reference_greedy(parts, result.prompt_ids, new_tokens, generator.codec.eos_ids, config.kept)
+    expected, steps = references.greedy(result.prompt_ids, new_tokens, generator.codec.eos_ids, config.kept)
     at, margin, passed = greedy_verdict(result.tokens, expected, [top2_margin(s) for s in steps])
     detail = f"{len(result.tokens)} tokens identical"
     if at is not None:
-        detail = f"first divergence at token {at} (reference top-1/top-2 margin {margin:.2e}: {'a float tie' if passed else 'a real mismatch'})"
+        verdict = "a float tie" if passed else "a real mismatch"
+        detail = f"first divergence at token {at} (reference top-1/top-2 margin {margin:.2e}: {verdict})"
     engine = config.decode if draft is None else f"spec:{config.id}:{draft}"
     return CheckResult(
         generator.backend.name,
@@ -351,50 +456,66 @@ def greedy_check(
     )
 
 
-def quality_check(generator: Any, parts: Any, prompt: str, new_tokens: int, engine: str | None = None) -> CheckResult:
+def draft_quality(
+    generator: Any, engine: str, prompt: str, predicted: np.ndarray, expected: np.ndarray, started: float
+) -> CheckResult:
+    """A precision draft's teacher-forced agreement: informational per prompt (the mean gates);
+    a reduced head is judged on the tokens it can name, its coverage reported beside."""
+    agreement = float(np.mean(predicted == expected))
+    detail = f"top-1 agreement {agreement:.3f} of the draft's forced rows with the fp32 greedy tokens"
+    if generator.bundle.graph(engine).draft_vocab:
+        named = np.isin(expected, generator.bundle.draft_vocab_ids)
+        agreement = float(np.mean(predicted[named] == expected[named])) if named.any() else 1.0
+        detail = (
+            f"top-1 agreement {agreement:.3f} with the fp32 greedy tokens on the {named.mean():.0%} of rows whose "
+            f"token the reduced head can name"
+        )
+    return CheckResult(
+        generator.backend.name,
+        engine,
+        f"quality[{prompt[:32]}]",
+        True,
+        max_abs=1.0 - agreement,
+        seconds=time.perf_counter() - started,
+        detail=detail,
+    )
+
+
+def mean_nll(logits: np.ndarray, tokens: list[int]) -> float:
+    """Mean negative log-likelihood of `tokens` under the rows of `logits`."""
+    shifted = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    return float(-logp[np.arange(len(tokens)), tokens].mean())
+
+
+def quality_check(
+    generator: Any,
+    parts: Any,
+    prompt: str,
+    new_tokens: int,
+    engine: str | None = None,
+    references: ReferenceDecodes | None = None,
+) -> CheckResult:
     """Teacher-forced top-1 agreement and perplexity of the bundle (or of a precision-draft
     `engine`) on the fp32 reference's own greedy continuation, plus where free-running greedy
     decoding first diverges."""
+    references = references or ReferenceDecodes(parts)
     started = time.perf_counter()
     prompt_ids = generator.codec.encode(prompt)
     full = generator.bundle.config("full")
-    reference, steps = reference_greedy(parts, prompt_ids, new_tokens, set(), full.kept)
+    reference, steps = references.greedy(prompt_ids, new_tokens, set(), full.kept)
     logits = teacher_forced_logits(generator, prompt_ids, reference, engine=engine)
     # a draft engine never predicts the first token (prefill does): its rows start at 1
     first = 1 if engine is not None else 0
     predicted, expected = logits[first:].argmax(-1), np.asarray(reference[first:])
-    agreement = float(np.mean(predicted == expected))
     if engine is not None:
-        detail = f"top-1 agreement {agreement:.3f} of the draft's forced rows with the fp32 greedy tokens"
-        if generator.bundle.graph(engine).draft_vocab:
-            # a reduced head cannot name tokens outside its vocabulary: the gate judges the draft's
-            # weights on the tokens it can name, and the coverage is reported beside it
-            named = np.isin(expected, generator.bundle.draft_vocab_ids)
-            agreement = float(np.mean(predicted[named] == expected[named])) if named.any() else 1.0
-            detail = (
-                f"top-1 agreement {agreement:.3f} with the fp32 greedy tokens on the {named.mean():.0%} of rows whose "
-                f"token the reduced head can name"
-            )
-        return CheckResult(
-            generator.backend.name,
-            engine,
-            f"quality[{prompt[:32]}]",
-            True,
-            max_abs=1.0 - agreement,
-            seconds=time.perf_counter() - started,
-            detail=detail,
-        )
-
-    def nll(matrix: np.ndarray) -> float:
-        shifted = matrix.astype(np.float64) - matrix.max(-1, keepdims=True)
-        logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-        return float(-logp[np.arange(len(reference)), reference].mean())
-
+        return draft_quality(generator, engine, prompt, predicted, expected, started)
+    agreement = float(np.mean(predicted == expected))
     free = generator.generate(prompt_ids, max_new_tokens=new_tokens, config="full").tokens
     at = first_divergence(free, reference)
     detail = (
-        f"top-1 agreement {agreement:.3f}, perplexity {np.exp(nll(logits)):.3f} vs fp32 "
-        f"{np.exp(nll(np.stack(steps))):.3f}, greedy diverges at {'never' if at is None else at}"
+        f"top-1 agreement {agreement:.3f}, perplexity {np.exp(mean_nll(logits, reference)):.3f} vs fp32 "
+        f"{np.exp(mean_nll(np.stack(steps), reference)):.3f}, greedy diverges at {'never' if at is None else at}"
     )
     # Per prompt (32 tokens) agreement is noisy, so each prompt is informational and the mean
     # over all prompts gates (see quality_gate).
@@ -429,6 +550,85 @@ def precision_bits(precision: str) -> str:
     return "int8" if precision == "int8" else "int4"
 
 
+@dataclass(frozen=True)
+class CheckSettings:
+    """What one `check` run does on every backend."""
+
+    prompts: tuple[str, ...]
+    new_tokens: int = 16
+    scale_tol: float = 1.0
+    progress: bool = True
+
+
+def greedy_cases(bundle: Bundle, prompts: tuple[str, ...]) -> list[tuple[dict[str, Any], str, str | None]]:
+    """(configuration, prompt, draft source or None): plain decoding for every configuration;
+    speculation (lossless) for every draft source, on every configuration with its engines,
+    or on the full model for a source without any."""
+    from adaptive_export.runtimes.drafting import SOURCES
+
+    cases: list[tuple[dict[str, Any], str, str | None]] = [
+        (c, p, None) for c in bundle.manifest.configs for p in prompts
+    ]
+    for name, source in SOURCES.items():
+        configs = (
+            [c for c in bundle.manifest.configs if source.available(c)] if source.engines else [bundle.config("full")]
+        )
+        cases += [(c, p, name) for c in configs for p in prompts]
+    return cases
+
+
+def quality_rows(
+    generator: Any, references: ReferenceDecodes, settings: CheckSettings, engine: str | None, label: str
+) -> list[CheckResult]:
+    """quality_check on every prompt (of the bundle, or of a precision-draft `engine`)."""
+    from tqdm import tqdm
+
+    backend_name = generator.backend.name
+    prompts = tqdm(settings.prompts, desc=f"check {backend_name} {label}", unit="prompt", disable=not settings.progress)
+    return [
+        quality_check(generator, references.parts, prompt, settings.new_tokens, engine=engine, references=references)
+        for prompt in prompts
+    ]
+
+
+def check_backend(
+    bundle: Bundle, backend_name: str, references: ReferenceDecodes, settings: CheckSettings
+) -> list[CheckResult]:
+    """One backend's rows: every engine's parity, the precision draft's quality, then the
+    bundle's quality gate (quantized weights) or greedy identity (every configuration and source)."""
+    from tqdm import tqdm
+
+    from adaptive_export.runtimes.backends import make_backend
+    from adaptive_export.runtimes.generate import Generator
+
+    backend = make_backend(bundle, backend_name)
+    graphs = list(bundle.backend_entry(backend_name).graphs)
+    if not backend.executes:
+        return [
+            CheckResult(backend_name, g, "parity", True, executed=False, detail=backend.skip_reason) for g in graphs
+        ]
+    parts = references.parts
+    results = [
+        engine_parity(bundle, backend, parts, graph, scale_tol=settings.scale_tol)
+        for graph in tqdm(graphs, desc=f"check {backend_name} engines", unit="engine", disable=not settings.progress)
+    ]
+    generator = Generator(bundle, backend=backend_name)
+    draft_engine = bundle.config("full").engines.get("precision_draft")
+    if draft_engine is not None:  # the draft's own quality: drafts that rarely agree cost time, not correctness
+        rows = quality_rows(generator, references, settings, draft_engine, "precision draft")
+        bits = precision_bits(bundle.graph(draft_engine).precision)
+        results += rows + [quality_gate(backend_name, bits, rows, engine=draft_engine)]
+    if gated_on_quality(bundle):
+        rows = quality_rows(generator, references, settings, None, "quality")
+        return results + rows + [quality_gate(backend_name, bundle.manifest.dtype, rows)]
+    cases = greedy_cases(bundle, settings.prompts)
+    for config, prompt, draft in tqdm(
+        cases, desc=f"check {backend_name} greedy", unit="prompt", disable=not settings.progress
+    ):
+        results.append(greedy_check(generator, parts, config, prompt, settings.new_tokens, draft, references))
+    return results
+
+
 def run_check(
     bundle_dir: str,
     model: str | None,
@@ -437,61 +637,17 @@ def run_check(
     scale_tol: float = 1.0,
     progress: bool = True,
 ) -> CheckReport:
-    from tqdm import tqdm
-
+    """Load the bundle and its PyTorch reference once, then check every backend against it."""
     from adaptive_export.loading.artifacts import load_parts
-    from adaptive_export.runtimes.backends import make_backend
     from adaptive_export.runtimes.bundle import load_bundle
-    from adaptive_export.runtimes.drafting import SOURCES
-    from adaptive_export.runtimes.generate import Generator
 
     bundle = load_bundle(bundle_dir)
     loaded, parts = load_parts(bundle, model)
     report = CheckReport(bundle=str(bundle_dir), model=loaded.source)
-    prompts = prompts or BUILTIN_PROMPTS
+    settings = CheckSettings(tuple(prompts or BUILTIN_PROMPTS), new_tokens, scale_tol, progress)
+    references = ReferenceDecodes(parts)
     for backend_name in bundle.manifest.backends:
-        backend = make_backend(bundle, backend_name)
-        if not backend.executes:
-            for graph in bundle.backend_entry(backend_name).graphs:
-                report.results.append(
-                    CheckResult(backend_name, graph, "parity", True, executed=False, detail=backend.skip_reason)
-                )
-            continue
-        graphs = list(bundle.backend_entry(backend_name).graphs)
-        for graph in tqdm(graphs, desc=f"check {backend_name} engines", unit="engine", disable=not progress):
-            report.results.append(engine_parity(bundle, backend, parts, graph, scale_tol=scale_tol))
-        generator = Generator(bundle, backend=backend_name)
-        draft_engine = bundle.config("full").engines.get("precision_draft")
-        if draft_engine is not None:  # the draft's own quality: drafts that rarely agree cost time, not correctness
-            rows = [
-                quality_check(generator, parts, prompt, new_tokens, engine=draft_engine)
-                for prompt in tqdm(
-                    prompts, desc=f"check {backend_name} precision draft", unit="prompt", disable=not progress
-                )
-            ]
-            bits = precision_bits(bundle.graph(draft_engine).precision)
-            report.results += rows + [quality_gate(backend_name, bits, rows, engine=draft_engine)]
-        if gated_on_quality(bundle):
-            rows = [
-                quality_check(generator, parts, prompt, new_tokens)
-                for prompt in tqdm(prompts, desc=f"check {backend_name} quality", unit="prompt", disable=not progress)
-            ]
-            report.results += rows + [quality_gate(backend_name, bundle.manifest.dtype, rows)]
-            continue
-        # plain decoding for every configuration; speculation (lossless) for every draft source:
-        # on every configuration with its engines, or on the full model for a source without any
-        cases = [(c, p, None) for c in bundle.manifest.configs for p in prompts]
-        for name, source in SOURCES.items():
-            configs = (
-                [c for c in bundle.manifest.configs if source.available(c)]
-                if source.engines
-                else [bundle.config("full")]
-            )
-            cases += [(c, p, name) for c in configs for p in prompts]
-        for config, prompt, draft in tqdm(
-            cases, desc=f"check {backend_name} greedy", unit="prompt", disable=not progress
-        ):
-            report.results.append(greedy_check(generator, parts, config, prompt, new_tokens, draft))
+        report.results += check_backend(bundle, backend_name, references, settings)
     return report
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from adaptive_export.graphs.adaptive import ExitAdapter, Routers
 from adaptive_export.graphs.span_graph import ModelParts
+from adaptive_export.loading.warning_filters import library_call_warnings_hidden
 from adaptive_export.runtimes.bundle import Bundle
 from adaptive_export.runtimes.errors import UsageError
 
@@ -83,7 +84,8 @@ def load_adapters(path: str | Path, hidden_size: int, eps: float, num_layers: in
     for layer in layers:
         if not 0 < layer < num_layers:
             raise UsageError(
-                f"exit adapter file {str(path)!r} has an adapter for layer {layer}, this model has exits 1..{num_layers - 1}",
+                f"exit adapter file {str(path)!r} has an adapter for layer {layer}, "
+                f"this model has exits 1..{num_layers - 1}",
                 fix,
             )
         own = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"{layer}.")}
@@ -153,7 +155,8 @@ def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
         raise UsageError(
             f"the bundle records its model as {recorded!r}, a relative path", "pass the reference model with --model"
         )
-    loaded = load_model(model or recorded)
+    with library_call_warnings_hidden():  # transformers' deprecation notices while loading are not our output
+        loaded = load_model(model or recorded)
     recorded_dims = bundle.model.to_json()
     if loaded.spec.to_json() != {k: recorded_dims.get(k) for k in loaded.spec.to_json()}:
         raise UsageError(

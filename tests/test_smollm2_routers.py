@@ -11,9 +11,10 @@ import pytest
 
 from adaptive_export.commands.cli import main
 from adaptive_export.runtimes import Generator
-from tests.conftest import build_smollm2, needs_smollm2
+from tests.conftest import build_smollm2, cli, needs_smollm2
 
-pytestmark = [needs_smollm2, pytest.mark.slow]
+# routers trained on the real model, then every configuration's check: minutes on 2 cores
+pytestmark = [needs_smollm2, pytest.mark.slow, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).parents[1]
 
 
@@ -35,20 +36,11 @@ def test_routed_build_has_skip_configurations_and_passes_check(routed: Path, tmp
     total = sum(f["bytes"] for f in manifest["files"].values())
     assert total <= 1.05 * manifest["backends"]["onnx"]["weight_bytes"]
     report = tmp_path / "r.json"
-    rc = main(
-        [
-            "check",
-            str(routed),
-            "--report",
-            str(report),
-            "--prompts",
-            str(ROOT / "samples" / "eval_prompts.jsonl"),
-            "--new-tokens",
-            "16",
-        ]
-    )
+    prompt_file = str(ROOT / "samples" / "eval_prompts.jsonl")
+    proc = cli("check", str(routed), "--report", str(report), "--prompts", prompt_file, "--new-tokens", "16")
+    assert report.is_file(), proc.stderr[-4000:]
     data = json.loads(report.read_text())
-    assert rc == 0, [r for r in data["results"] if not r["passed"]]
+    assert proc.returncode == 0, [r for r in data["results"] if not r["passed"]]
     checked = {r["engine"] for r in data["results"]}
     assert {f"decode_{c['id']}" for c in manifest["configs"]} <= checked
 
