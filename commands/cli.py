@@ -477,8 +477,8 @@ def _command(name: str) -> tuple[Any, Any]:
 # C extensions each command imports anyway, loaded while signals are only recorded: an interrupt
 # raised inside an extension's own import can abort the interpreter (SIGABRT/SIGSEGV).
 _PRELOAD = {
-    "build": ("onnx", "onnxruntime", "torch", "transformers", "tokenizers", "safetensors"),
-    "check": ("onnx", "onnxruntime", "torch", "transformers", "tokenizers"),
+    "build": ("onnx", "torch", "tokenizers", "safetensors"),
+    "check": ("onnx", "onnxruntime", "torch", "tokenizers", "safetensors"),
     "run": ("onnx", "onnxruntime", "tokenizers"),
     "bench": ("onnx", "onnxruntime", "tokenizers"),
     "inspect": ("onnx",),
