@@ -13,15 +13,8 @@ a C extension's import can abort the interpreter), and main() reports it as exit
 
 from __future__ import annotations
 
-import os
-import signal
+import _signal  # the C module: `signal` imports enum first, which widens the window before the handlers exist
 import sys
-import threading
-
-# exit codes: success; `check` found a mismatch; bad usage or input (one `error: ... Fix: ...` line)
-EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
-EXIT_INTERRUPTED = 130  # SIGINT and SIGTERM alike (128 + SIGINT), after one `error: interrupted` line
-COMMAND_NAME = "adaptive-export"
 
 
 class Signals:
@@ -35,18 +28,26 @@ def record_signal(signum: int, frame: object) -> None:
     Signals.requested = True
 
 
+def defer_signals() -> None:
+    """Record SIGINT/SIGTERM instead of acting on them (main thread only; elsewhere a no-op)."""
+    try:
+        _signal.signal(_signal.SIGINT, record_signal)
+        _signal.signal(_signal.SIGTERM, record_signal)
+    except ValueError:  # not the main thread
+        pass
+
+
 def is_command_process() -> bool:
     """True when this interpreter runs the command: the console script, or `python -m` locating
     one of this package's modules (Python sets argv[0] to '-m' while it does)."""
     argv0 = (getattr(sys, "argv", None) or [""])[0]
-    named = os.path.basename(argv0).removesuffix(".exe") == COMMAND_NAME or argv0 == "-m"
-    return named and threading.current_thread() is threading.main_thread()
+    return argv0 == "-m" or argv0.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".exe") == COMMAND_NAME
 
 
-def defer_signals() -> None:
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, record_signal)
-
-
+COMMAND_NAME = "adaptive-export"
 if is_command_process():
     defer_signals()
+
+# exit codes: success; `check` found a mismatch; bad usage or input (one `error: ... Fix: ...` line)
+EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # SIGINT and SIGTERM alike (128 + SIGINT), after one `error: interrupted` line

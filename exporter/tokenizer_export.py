@@ -127,7 +127,8 @@ def _cap_memory() -> None:
 
 def _read_until(fd: int, deadline: float, max_bytes: int) -> bytes | None:
     """Everything the child writes before it closes the pipe; None past the deadline or max_bytes."""
-    chunks, total = [], 0
+    chunks: list[bytes] = []
+    total = 0
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:

@@ -80,7 +80,7 @@ def _check_fields(fields: Mapping[str, Any], source: str) -> None:
         value = fields.get(rule.key)
         if rule.key not in fields or (value is None and not rule.required):
             continue
-        if not _is_int(value) or not 1 <= value <= rule.high:
+        if not (isinstance(value, int) and _is_int(value) and 1 <= value <= rule.high):
             raise _bad(source, f"{rule.key} = {value!r} is not an integer in 1..{rule.high}")
     for frule in FLOAT_RULES:
         value = fields.get(frule.key)
