@@ -133,11 +133,12 @@ def _entry_kind(target: Path, path: Path, relative: str, device: int, mounts: fr
 def remove_planned(root: Path, plan: RemovalPlan) -> None:
     """Delete the planned files under `root` (the old bundle, renamed aside), re-checking each one
     as it goes; a directory is removed only once empty, so nothing unlisted is ever deleted."""
+    mounts = plan.mounts | mount_points()  # the rename moved any mount inside: read them again
     for relative in plan.files:
         path = root / relative
         try:
             info = os.lstat(path)
-            if stat.S_ISREG(info.st_mode) and not crosses_filesystem(path, plan.device, plan.mounts):
+            if stat.S_ISREG(info.st_mode) and not crosses_filesystem(path, plan.device, mounts):
                 os.unlink(path)
         except OSError:
             pass
@@ -146,7 +147,6 @@ def remove_planned(root: Path, plan: RemovalPlan) -> None:
             os.rmdir(root / relative if relative else root)
         except OSError:  # not empty (something appeared since the plan) or a mount point: left in place
             log.warning("left %s in place: it is not empty or not on the bundle's filesystem", root / relative)
-            return
 
 
 def remove_tree_on_device(root: Path) -> None:
