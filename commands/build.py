@@ -18,9 +18,10 @@ from adaptive_export.commands.options import BuildOptions
 from adaptive_export.exporter.backends import needs_portable_onnx, preflight
 from adaptive_export.exporter.build import ExportOptions, build_bundle
 from adaptive_export.exporter.bundle_writer import check_output_dir
+from adaptive_export.exporter.tokenizer_export import chat_format
 from adaptive_export.graphs.plan import BuildPlan
 from adaptive_export.graphs.span_graph import ModelParts
-from adaptive_export.loading.model import load_model, resolve_model_path
+from adaptive_export.loading.model import check_model_files, load_model
 from adaptive_export.loading.packaged import PACKAGED
 from adaptive_export.loading.prompts import read_prompts
 from adaptive_export.loading.warning_filters import third_party_warnings_hidden
@@ -48,7 +49,7 @@ def check_exit_adapter_option(options: BuildOptions) -> None:
 
 def quantized_gguf(model: str) -> Path | None:
     """The model's .gguf file when it holds quantized tensors (its own grid to keep), else None."""
-    directory, gguf_file = resolve_model_path(model)
+    directory, gguf_file = check_model_files(model)  # header and dimensions checked before gguf parses it
     if gguf_file is None:
         return None
     import gguf
@@ -56,8 +57,8 @@ def quantized_gguf(model: str) -> Path | None:
     path = directory / gguf_file
     try:
         reader = gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot read GGUF file {str(path)!r}: {exc}", "pass a complete .gguf file") from exc
+    except Exception as exc:  # gguf raises many types for a file its header check did not foresee
+        raise UsageError(f"cannot read GGUF file {str(path)!r}: {exc}", "pass a complete .gguf file") from None
     floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
     return path if any(t.tensor_type not in floats for t in reader.tensors) else None
 
@@ -295,6 +296,9 @@ def export_options(options: BuildOptions, checked: CheckedBuild, state: Calibrat
 def run_build(options: BuildOptions) -> Manifest:
     checked = check_build_options(options)
     loaded = load_model(options.model)
+    chat_format(
+        loaded.tokenizer
+    )  # the model's own template, rendered bounded: a hostile one fails here, not after export
     parts = ModelParts(loaded.hf_model, loaded.spec)
     state = Calibrated(BuildPlan(num_layers=loaded.spec.num_layers, precision_draft=checked.draft_precision))
     if options.routers:

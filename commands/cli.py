@@ -13,20 +13,22 @@ import argparse
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from adaptive_export.commands import EXIT_OK, EXIT_USAGE
-from adaptive_export.commands.check import MAX_TOLERANCE
-from adaptive_export.runtimes import limits
-from adaptive_export.runtimes.backends import BACKEND_NAMES
-from adaptive_export.runtimes.drafting import SOURCE_NAMES
-from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.commands import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Signals, defer_signals
+
+# Nothing heavy above this line: the project's modules (numpy, onnx, torch...) are imported by
+# main() while SIGINT/SIGTERM are only recorded (see _prepare), never at module level here.
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # argparse would print usage and exit 2; keep it one line
+        from adaptive_export.runtimes.errors import UsageError
+
         raise UsageError(f"bad arguments: {message}", f"see `{self.prog} --help`")
 
 
@@ -58,6 +60,7 @@ DECODING_MODES = ["ar", "spec", "auto"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole command line; the runtime's bounds and registries are imported here, not at module level."""
     parser = _Parser(
         prog="adaptive-export",
         description="Export adaptive-compute LLMs (router layer skipping, early-exit self-speculation) "
@@ -93,6 +96,9 @@ def _add_build_command(sub: Any) -> None:
 
 def _add_build_output_arguments(build: argparse.ArgumentParser) -> None:
     """What to export, where, for which backends."""
+    from adaptive_export.runtimes import limits
+    from adaptive_export.runtimes.backends import BACKEND_NAMES
+
     build.add_argument(
         "model",
         nargs="?",
@@ -208,6 +214,8 @@ def _add_build_speculation_arguments(build: argparse.ArgumentParser) -> None:
 
 def _add_build_draft_arguments(build: argparse.ArgumentParser) -> None:
     """Draft sources besides the early exit: a cheaper precision, its trimmed head, prompt tokens."""
+    from adaptive_export.runtimes import limits
+
     build.add_argument(
         "--draft-precision",
         choices=["none", "int8", "int4", "native4"],
@@ -310,6 +318,9 @@ def _add_run_command(sub: Any) -> None:
 
 def _add_run_decoding_arguments(run: argparse.ArgumentParser) -> None:
     """Which layers run and how tokens are drafted."""
+    from adaptive_export.runtimes import limits
+    from adaptive_export.runtimes.drafting import SOURCE_NAMES
+
     run.add_argument(
         "--config",
         default="auto",
@@ -340,6 +351,8 @@ def _add_run_decoding_arguments(run: argparse.ArgumentParser) -> None:
 
 def _add_run_engine_arguments(run: argparse.ArgumentParser) -> None:
     """Backend, provider, threads, verification and prepacking of the engines."""
+    from adaptive_export.runtimes.backends import BACKEND_NAMES
+
     run.add_argument("--backend", default="onnx", help=f"engine backend: {', '.join(BACKEND_NAMES)} (default: onnx)")
     run.add_argument(
         "--provider",
@@ -371,6 +384,9 @@ def _add_run_engine_arguments(run: argparse.ArgumentParser) -> None:
 
 
 def _add_check_command(sub: Any) -> None:
+    from adaptive_export.commands.check import MAX_TOLERANCE
+    from adaptive_export.runtimes import limits
+
     check = sub.add_parser(
         "check",
         help="check every engine against the PyTorch reference (CI gate)",
@@ -411,6 +427,8 @@ def _add_inspect_command(sub: Any) -> None:
 
 
 def _add_bench_command(sub: Any) -> None:
+    from adaptive_export.runtimes import limits
+
     bench = sub.add_parser(
         "bench",
         help="time prefill and decoding of a bundle",
@@ -456,22 +474,41 @@ def _command(name: str) -> tuple[Any, Any]:
     return getattr(typed, options), getattr(importlib.import_module(module_name), function)
 
 
+# C extensions each command imports anyway, loaded while signals are only recorded: an interrupt
+# raised inside an extension's own import can abort the interpreter (SIGABRT/SIGSEGV).
+_PRELOAD = {
+    "build": ("onnx", "torch", "tokenizers", "safetensors"),
+    "check": ("onnx", "onnxruntime", "torch", "tokenizers", "safetensors"),
+    "run": ("onnx", "onnxruntime", "tokenizers"),
+    "bench": ("onnx", "onnxruntime", "tokenizers"),
+    "inspect": ("onnx",),
+}
+
+
+def _preload(command: str) -> None:
+    import importlib
+    import importlib.util
+
+    for name in _PRELOAD[command]:
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
+
+
 def _terminate_as_interrupt(signum: int, frame: object) -> None:
     """SIGINT and SIGTERM unwind like Ctrl-C, so a build in progress removes its staging
     directory; the request is recorded first, so a build whose library swallows the
-    KeyboardInterrupt still stops at its commit (exporter/bundle_writer.py)."""
-    from adaptive_export.exporter.bundle_writer import request_interrupt
-
-    request_interrupt()
+    KeyboardInterrupt still stops at its commit (exporter/bundle_writer.py). Imports nothing:
+    a handler may run in the middle of an import."""
+    Signals.requested = True
+    bundle_writer = sys.modules.get("adaptive_export.exporter.bundle_writer")
+    if bundle_writer is not None:
+        bundle_writer.request_interrupt()
     raise KeyboardInterrupt
 
 
 def _interrupted() -> bool:
     bundle_writer = sys.modules.get("adaptive_export.exporter.bundle_writer")
-    return bool(bundle_writer and bundle_writer.Interrupts.requested)
-
-
-EXIT_INTERRUPTED = 130
+    return Signals.requested or bool(bundle_writer and bundle_writer.Interrupts.requested)
 
 
 def _report_interrupt() -> int:
@@ -491,21 +528,39 @@ def _report_unexpected(exc: BaseException) -> int:
     return EXIT_USAGE
 
 
+def _prepare(argv: Sequence[str] | None, owns_signals: bool) -> tuple[Any, Any, Any]:
+    """Parse the arguments and import the chosen command (args, options class, command function).
+    Under the real CLI signals are only recorded meanwhile, then raise from the command on."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    options_class, command = _command(args.command)
+    if owns_signals:
+        _preload(args.command)
+        bundle_writer = sys.modules.get("adaptive_export.exporter.bundle_writer")
+        if bundle_writer is not None:
+            bundle_writer.Interrupts.managed = True
+            bundle_writer.Interrupts.requested = bundle_writer.Interrupts.requested or Signals.requested
+        if not Signals.requested:
+            signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+            signal.signal(signal.SIGINT, _terminate_as_interrupt)
+    return args, options_class, command
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    import signal
-    import threading
+    owns_signals = argv is None and threading.current_thread() is threading.main_thread()  # not in-process callers
+    if owns_signals:
+        defer_signals()  # already done at import when this process is the command; idempotent
+    from adaptive_export.runtimes.errors import UsageError
 
-    if argv is None and threading.current_thread() is threading.main_thread():  # the real CLI, not in-process callers
-        from adaptive_export.exporter.bundle_writer import Interrupts
-
-        Interrupts.managed = True
-        signal.signal(signal.SIGTERM, _terminate_as_interrupt)
-        signal.signal(signal.SIGINT, _terminate_as_interrupt)
     try:
-        args = build_parser().parse_args(argv)
-        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-        options_class, command = _command(args.command)
+        args, options_class, command = _prepare(argv, owns_signals)
+        if owns_signals and Signals.requested:  # arrived during start-up
+            return _report_interrupt()
         return command(options_class.from_args(args))
+    except SystemExit:  # --help, --version
+        if owns_signals and _interrupted():
+            return _report_interrupt()
+        raise
     except UsageError as exc:
         if _interrupted():
             return _report_interrupt()
@@ -521,6 +576,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("ADAPTIVE_EXPORT_TRACEBACK"):
             raise
         return _report_unexpected(exc)
+    finally:
+        if owns_signals:  # the outcome is decided; a late signal must not change it, nor the interpreter's
+            for signum in (signal.SIGINT, signal.SIGTERM):  # shutdown (which resets Python handlers to default)
+                signal.signal(signum, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

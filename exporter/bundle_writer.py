@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import tempfile
 import threading
@@ -17,6 +16,12 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from adaptive_export.exporter.old_bundle import (
+    RemovalPlan,
+    plan_removal,
+    remove_planned,
+    remove_tree_on_device,
+)
 from adaptive_export.runtimes.bundle import sha256_of
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest import FORMAT, FileEntry, Manifest
@@ -79,6 +84,8 @@ def check_output_dir(target: Path, force: bool, protect: tuple[Path, ...] = ()) 
             f"output directory {str(target)!r} is not an adaptive-export bundle, so --force will not replace it",
             "choose another -o, or remove that directory yourself",
         )
+    if target.exists():
+        plan_removal(target)  # refuses links, mounts and unlisted files before any work
     parent = target.parent if str(target.parent) else Path(".")
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +104,7 @@ def remove_stale_partials(target: Path) -> list[Path]:
     for stale in target.parent.glob(f".{target.name}.partial-*"):
         pid_text = stale.name.rsplit("-", 2)[-2] if stale.name.count("-") >= 2 else ""
         if pid_text.isdigit() and not _pid_alive(int(pid_text)):
-            shutil.rmtree(stale, ignore_errors=True)
+            remove_tree_on_device(stale)
             removed.append(stale)
     return removed
 
@@ -154,24 +161,36 @@ def staging_dir(target: Path, force: bool) -> Iterator[Path]:
     try:
         yield staging
     except OSError as exc:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_tree_on_device(staging)
         raise UsageError(
             f"writing the bundle failed: {exc.strerror or exc}",
             "free disk space or choose another -o, then build again",
         ) from exc
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_tree_on_device(staging)
         raise
     try:
         _hold_before_commit()
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_tree_on_device(staging)
         raise
     _commit(staging, target)
 
 
 def _record_only(signum: int, frame: object) -> None:
     request_interrupt()
+
+
+def _replaceable(target: Path) -> RemovalPlan | None:
+    """What --force deletes of the directory now at target (None: nothing there)."""
+    if not (target.exists() or target.is_symlink()):
+        return None
+    if not is_previous_bundle(target):
+        raise UsageError(
+            f"output directory {str(target)!r} changed during the build and is no longer a bundle",
+            "choose another -o, or remove that directory yourself",
+        )
+    return plan_removal(target)
 
 
 def _commit(staging: Path, target: Path) -> None:
@@ -187,11 +206,12 @@ def _commit(staging: Path, target: Path) -> None:
                 signal.signal(signum, _record_only)
         if Interrupts.requested:
             raise KeyboardInterrupt
+        plan = _replaceable(target)  # checked again: it may have changed during the build
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_tree_on_device(staging)
         raise
     old = None
-    if target.exists():
+    if plan is not None:
         old = target.parent / f".{target.name}.old-{os.getpid()}"
         os.rename(target, old)
     umask = os.umask(0)
@@ -203,12 +223,12 @@ def _commit(staging: Path, target: Path) -> None:
             os.rename(target, staging)
             if old is not None:
                 os.rename(old, target)
-            shutil.rmtree(staging, ignore_errors=True)
+            remove_tree_on_device(staging)
             raise KeyboardInterrupt
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_IGN)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if old is not None and plan is not None:
+        remove_planned(old, plan)
 
 
 def write_manifest(root: Path, manifest: Manifest) -> Manifest:

@@ -17,9 +17,11 @@ order of magnitude above what we measure and far below the gap between distinct 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -581,14 +583,23 @@ def quality_rows(
     generator: Any, references: ReferenceDecodes, settings: CheckSettings, engine: str | None, label: str
 ) -> list[CheckResult]:
     """quality_check on every prompt (of the bundle, or of a precision-draft `engine`)."""
+    backend_name = generator.backend.name
+    with progress_bar(settings.prompts, f"check {backend_name} {label}", "prompt", settings.progress) as prompts:
+        return [
+            quality_check(
+                generator, references.parts, prompt, settings.new_tokens, engine=engine, references=references
+            )
+            for prompt in prompts
+        ]
+
+
+@contextlib.contextmanager
+def progress_bar(items: Any, desc: str, unit: str, enabled: bool) -> Iterator[Any]:
+    """A tqdm bar closed also when a check raises, so the one error line starts on its own line."""
     from tqdm import tqdm
 
-    backend_name = generator.backend.name
-    prompts = tqdm(settings.prompts, desc=f"check {backend_name} {label}", unit="prompt", disable=not settings.progress)
-    return [
-        quality_check(generator, references.parts, prompt, settings.new_tokens, engine=engine, references=references)
-        for prompt in prompts
-    ]
+    with tqdm(items, desc=desc, unit=unit, disable=not enabled) as bar:
+        yield bar
 
 
 def check_backend(
@@ -596,8 +607,6 @@ def check_backend(
 ) -> list[CheckResult]:
     """One backend's rows: every engine's parity, the precision draft's quality, then the
     bundle's quality gate (quantized weights) or greedy identity (every configuration and source)."""
-    from tqdm import tqdm
-
     from adaptive_export.runtimes.backends import make_backend
     from adaptive_export.runtimes.generate import Generator
 
@@ -608,10 +617,8 @@ def check_backend(
             CheckResult(backend_name, g, "parity", True, executed=False, detail=backend.skip_reason) for g in graphs
         ]
     parts = references.parts
-    results = [
-        engine_parity(bundle, backend, parts, graph, scale_tol=settings.scale_tol)
-        for graph in tqdm(graphs, desc=f"check {backend_name} engines", unit="engine", disable=not settings.progress)
-    ]
+    with progress_bar(graphs, f"check {backend_name} engines", "engine", settings.progress) as engines:
+        results = [engine_parity(bundle, backend, parts, graph, scale_tol=settings.scale_tol) for graph in engines]
     generator = Generator(bundle, backend=backend_name)
     draft_engine = bundle.config("full").engines.get("precision_draft")
     if draft_engine is not None:  # the draft's own quality: drafts that rarely agree cost time, not correctness
@@ -622,10 +629,9 @@ def check_backend(
         rows = quality_rows(generator, references, settings, None, "quality")
         return results + rows + [quality_gate(backend_name, bundle.manifest.dtype, rows)]
     cases = greedy_cases(bundle, settings.prompts)
-    for config, prompt, draft in tqdm(
-        cases, desc=f"check {backend_name} greedy", unit="prompt", disable=not settings.progress
-    ):
-        results.append(greedy_check(generator, parts, config, prompt, settings.new_tokens, draft, references))
+    with progress_bar(cases, f"check {backend_name} greedy", "prompt", settings.progress) as greedy:
+        for config, prompt, draft in greedy:
+            results.append(greedy_check(generator, parts, config, prompt, settings.new_tokens, draft, references))
     return results
 
 

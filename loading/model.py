@@ -11,6 +11,8 @@ from typing import Any
 
 from adaptive_export.graphs.architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from adaptive_export.graphs.spec import ModelSpec
+from adaptive_export.loading.gguf_header import read_gguf_header
+from adaptive_export.loading.model_checks import check_config_json, check_dimensions, spec_fields
 from adaptive_export.loading.packaged import PACKAGED
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.tokenizer_policy import (
@@ -60,6 +62,29 @@ def resolve_model_path(model: str) -> tuple[Path, str | None]:
     raise UsageError(f"model {model!r} does not exist", f"pass {MODEL_CHOICES}; {DEFAULT_MODEL} is the default")
 
 
+_CHECKED: set[tuple[str, int, int]] = set()  # (path, size, mtime) of model files checked by this process
+
+
+def check_model_files(model: str) -> tuple[Path, str | None]:
+    """Resolve MODEL and check its header or config.json (loading/model_checks.py) before any
+    library parses it: a GGUF's structure and every dimension, once per file and process."""
+    directory, gguf_file = resolve_model_path(model)
+    path = directory / (gguf_file or "config.json")
+    try:
+        info = path.stat()
+    except OSError:
+        info = None
+    key = (str(path), info.st_size, info.st_mtime_ns) if info else None
+    if key is None or key not in _CHECKED:
+        if gguf_file:
+            check_dimensions(read_gguf_header(path).hf_fields(), model)
+        else:
+            check_config_json(directory, model)
+        if key is not None:
+            _CHECKED.add(key)
+    return directory, gguf_file
+
+
 def spec_from_config(config: Any) -> ModelSpec:
     """Check the architecture (graphs/architectures) and read the dimensions the static graphs are built from."""
     model_type = getattr(config, "model_type", None)
@@ -72,7 +97,15 @@ def spec_from_config(config: Any) -> ModelSpec:
     problem = arch.unsupported(config)
     if problem is not None:
         raise UsageError(*problem)
-    return arch.spec_from_config(config)
+    try:
+        spec = arch.spec_from_config(config)
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as exc:
+        raise UsageError(
+            f"the config of model type {model_type!r} has unusable dimensions: {_first_line(exc)}",
+            "pass an intact model (its config.json or GGUF metadata has impossible dimensions)",
+        ) from None
+    check_dimensions(spec_fields(spec), str(getattr(config, "_name_or_path", "") or model_type))
+    return spec
 
 
 def load_model(model: str = DEFAULT_MODEL) -> LoadedModel:
@@ -81,7 +114,7 @@ def load_model(model: str = DEFAULT_MODEL) -> LoadedModel:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    directory, gguf_file = resolve_model_path(model)
+    directory, gguf_file = check_model_files(model)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True, **kwargs)
@@ -98,10 +131,7 @@ def load_model(model: str = DEFAULT_MODEL) -> LoadedModel:
         hf_model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32, **kwargs)
         hf_model.eval().requires_grad_(False)
     except Exception as exc:  # missing or truncated weights
-        raise UsageError(
-            f"cannot load the weights of {model!r}: {_first_line(exc)}",
-            "pass a complete model directory (config.json, weights, tokenizer) or .gguf file",
-        ) from None
+        raise _weights_error(model, directory, gguf_file, exc) from None
     try:
         with rust_stderr_quiet(keep_output=True):
             tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
@@ -117,6 +147,21 @@ def load_model(model: str = DEFAULT_MODEL) -> LoadedModel:
     # recorded in the manifest; absolute, so `check` never resolves it against another directory
     source = model if model in PACKAGED else str(Path(model).resolve())
     return LoadedModel(hf_model=hf_model, tokenizer=tokenizer, spec=spec, source=source)
+
+
+def _weights_error(model: str, directory: Path, gguf_file: str | None, exc: BaseException) -> UsageError:
+    """One line for weights that did not load. A pickle checkpoint's error is not quoted: torch's
+    advice there (weights_only=False) would run the file's code."""
+    pickles = sorted(p.name for p in directory.glob("*.bin")) if gguf_file is None else []
+    if pickles and not any(directory.glob("*.safetensors")):
+        return UsageError(
+            f"cannot load the PyTorch pickle checkpoint {pickles[0]!r} of {model!r} (it is not a plain tensor file)",
+            "convert the checkpoint to safetensors (model.safetensors) with a tool you trust, then build again",
+        )
+    return UsageError(
+        f"cannot load the weights of {model!r}: {_first_line(exc)}",
+        "pass a complete model directory (config.json, weights, tokenizer) or .gguf file",
+    )
 
 
 def _first_line(exc: BaseException) -> str:

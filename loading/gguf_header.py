@@ -1,0 +1,198 @@
+"""Read and check a GGUF file's header before any GGUF library parses it.
+
+gguf's reader and transformers trust the header's counts and lengths: a truncated or garbled
+file ends in whatever exception the first out-of-range read raises, or in a loop over a
+count of 2^60. Here every count, length and offset is checked against the file's own size
+and the runtime's bounds first (little-endian GGUF v2/v3, the versions gguf reads), each
+tensor's data must lie inside the file, and the model's dimensions come out under the HF
+config names that loading/model_checks.py checks. docs/hardening.md, "Hostile model files".
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from adaptive_export.runtimes import limits
+from adaptive_export.runtimes.errors import UsageError
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+MAX_KEYS = 1 << 16
+MAX_KEY_BYTES = 1 << 16
+MAX_STRING_BYTES = 1 << 24  # a chat template or a token; far above any real one
+MAX_ARRAY_ITEMS = 1 << 24  # token lists, merges and scores: a few 100k in real files
+MAX_DIMS = 4
+STRING, ARRAY = 8, 9
+SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+# GGUF metadata key (after "<architecture>.") -> the HF config field loading/model_checks.py checks
+HF_FIELDS = {
+    "block_count": "num_hidden_layers",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "feed_forward_length": "intermediate_size",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "context_length": "max_position_embeddings",
+    "rope.freq_base": "rope_theta",
+    "attention.sliding_window": "sliding_window",
+    "vocab_size": "vocab_size",
+}
+
+
+class _Truncated(Exception):
+    """A read past the end of the file."""
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What the header says: scalar metadata, the length of each array, and the tensors."""
+
+    version: int
+    metadata: dict[str, Any]
+    array_lengths: dict[str, int]
+    tensor_count: int
+
+    def hf_fields(self) -> dict[str, Any]:
+        """The model's dimensions under HF config names (vocab_size from the token list when absent)."""
+        arch = self.metadata.get("general.architecture")
+        fields = {
+            hf: self.metadata[f"{arch}.{key}"] for key, hf in HF_FIELDS.items() if f"{arch}.{key}" in self.metadata
+        }
+        if "vocab_size" not in fields and "tokenizer.ggml.tokens" in self.array_lengths:
+            fields["vocab_size"] = self.array_lengths["tokenizer.ggml.tokens"]
+        return fields
+
+
+class _Cursor:
+    """Bounded little-endian reads over the mapped file."""
+
+    def __init__(self, data: mmap.mmap) -> None:
+        self.data, self.at = data, 0
+
+    def take(self, size: int) -> bytes:
+        if size < 0 or self.at + size > len(self.data):
+            raise _Truncated
+        self.at += size
+        return self.data[self.at - size : self.at]
+
+    def skip(self, size: int) -> None:
+        if size < 0 or self.at + size > len(self.data):
+            raise _Truncated
+        self.at += size
+
+    def number(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self, limit: int, what: str) -> str:
+        size = self.number("<Q")
+        if size > limit:
+            raise ValueError(f"{what} is {size} bytes long (at most {limit})")
+        return self.take(size).decode("utf-8", errors="replace")
+
+
+def _value(cursor: _Cursor, kind: int, key: str, depth: int = 0) -> tuple[Any, int | None]:
+    """(scalar value or None for an array, array length or None)."""
+    if kind in SCALARS:
+        return cursor.number(SCALARS[kind]), None
+    if kind == STRING:
+        return cursor.string(MAX_STRING_BYTES, f"the value of {key!r}"), None
+    if kind != ARRAY or depth > 1:
+        raise ValueError(f"metadata {key!r} has an unknown value type {kind}")
+    item_kind, count = cursor.number("<I"), cursor.number("<Q")
+    if count > MAX_ARRAY_ITEMS:
+        raise ValueError(f"metadata array {key!r} has {count} items (at most {MAX_ARRAY_ITEMS})")
+    if item_kind in SCALARS:
+        cursor.skip(count * struct.calcsize(SCALARS[item_kind]))
+    elif item_kind == STRING:  # token lists: skipped, not decoded
+        for _ in range(count):
+            size = cursor.number("<Q")
+            if size > MAX_STRING_BYTES:
+                raise ValueError(f"an item of {key!r} is {size} bytes long (at most {MAX_STRING_BYTES})")
+            cursor.skip(size)
+    else:
+        for _ in range(count):
+            _value(cursor, item_kind, key, depth + 1)
+    return None, count
+
+
+def _metadata(cursor: _Cursor, count: int) -> tuple[dict[str, Any], dict[str, int]]:
+    values: dict[str, Any] = {}
+    lengths: dict[str, int] = {}
+    for _ in range(count):
+        key = cursor.string(MAX_KEY_BYTES, "a metadata key")
+        if key in values or key in lengths:
+            raise ValueError(f"metadata key {key!r} appears twice")
+        value, length = _value(cursor, cursor.number("<I"), key)
+        if length is None:
+            values[key] = value
+        else:
+            lengths[key] = length
+    return values, lengths
+
+
+def _tensors(cursor: _Cursor, count: int, alignment: int, file_size: int) -> None:
+    """Every tensor's name, shape and type, and its data inside the file."""
+    import gguf
+
+    infos, names = [], set()
+    for _ in range(count):
+        name = cursor.string(MAX_KEY_BYTES, "a tensor name")
+        n_dims = cursor.number("<I")
+        if name in names or not 1 <= n_dims <= MAX_DIMS:
+            raise ValueError(f"tensor {name!r} is repeated or has {n_dims} dimensions")
+        names.add(name)
+        dims = [cursor.number("<Q") for _ in range(n_dims)]
+        kind, offset = cursor.number("<I"), cursor.number("<Q")
+        try:
+            block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+        except (ValueError, KeyError):
+            raise ValueError(f"tensor {name!r} has an unknown type {kind}") from None
+        elements = 1
+        for dim in dims:
+            elements *= dim
+        if not all(dims) or dims[0] % block or offset % alignment:
+            raise ValueError(f"tensor {name!r} has shape {dims} or offset {offset} its type cannot hold")
+        infos.append((name, offset, elements // block * block_bytes))
+    start = -(-cursor.at // alignment) * alignment
+    for name, offset, size in infos:
+        if start + offset + size > file_size:
+            raise ValueError(f"the data of tensor {name!r} lies past the end of the file (truncated?)")
+
+
+def _parse(data: mmap.mmap) -> GGUFHeader:
+    cursor = _Cursor(data)
+    if cursor.take(4) != MAGIC:
+        raise ValueError("it does not start with the GGUF magic bytes")
+    version = cursor.number("<I")
+    if version not in VERSIONS:
+        raise ValueError(f"GGUF version {version} is not one of {VERSIONS} (little-endian)")
+    tensor_count, key_count = cursor.number("<Q"), cursor.number("<Q")
+    if tensor_count > limits.MAX_TENSORS or key_count > MAX_KEYS:
+        raise ValueError(f"it claims {tensor_count} tensors and {key_count} metadata keys")
+    metadata, lengths = _metadata(cursor, key_count)
+    alignment = metadata.get("general.alignment", 32)
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or not 1 <= alignment <= 1 << 16:
+        raise ValueError(f"general.alignment {alignment!r} is not in 1..65536")
+    _tensors(cursor, tensor_count, alignment, len(data))
+    return GGUFHeader(version, metadata, lengths, tensor_count)
+
+
+def read_gguf_header(path: Path) -> GGUFHeader:
+    """The checked header of a .gguf file; a UsageError naming the problem otherwise."""
+    fd = limits.open_regular(path, "GGUF file")
+    try:
+        with open(fd, "rb", closefd=False) as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _parse(data)
+    except _Truncated:
+        problem = "it ends in the middle of its header (truncated?)"
+    except ValueError as exc:  # an empty file cannot be mapped either
+        problem = str(exc) or "it is empty"
+    finally:
+        os.close(fd)
+    raise UsageError(f"cannot read GGUF file {str(path)!r}: {problem}", "pass a complete, unmodified .gguf file")

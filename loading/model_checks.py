@@ -1,0 +1,167 @@
+"""The model a build reads is checked once, right after its config is read and before anything
+is sized by it: every dimension an integer within the runtime's own bounds (runtimes/limits.py,
+the same ones runtimes/manifest.py enforces on a bundle), the norm epsilon and rope bases finite
+and positive, heads consistent with each other and with the hidden size, and the fp32 weights
+within the machine's memory. A model file may come from an untrusted source: a config that
+passes here cannot make the build hang, allocate without bound, or write a bundle the runtime
+refuses. docs/hardening.md, "Hostile model files".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from adaptive_export.graphs.spec import ModelSpec
+from adaptive_export.runtimes import limits
+from adaptive_export.runtimes.errors import UsageError
+
+MAX_CONFIG_BYTES = 4 << 20
+MAX_POSITIONS = 1 << 24  # max_position_embeddings and sliding windows: far above any released model
+FP32_BYTES = 4
+SIZING_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+@dataclass(frozen=True)
+class IntRule:
+    """An HF config field that must be an integer in 1..high (when present; None allowed if optional)."""
+
+    key: str
+    high: int
+    required: bool = True
+
+
+@dataclass(frozen=True)
+class FloatRule:
+    """An HF config field that must be a finite number in (0, high)."""
+
+    key: str
+    high: float
+    required: bool = False
+
+
+INT_RULES = (
+    IntRule("num_hidden_layers", limits.MAX_LAYERS),
+    IntRule("hidden_size", limits.MAX_HIDDEN),
+    IntRule("num_attention_heads", limits.MAX_HEADS),
+    IntRule("num_key_value_heads", limits.MAX_HEADS, required=False),
+    IntRule("head_dim", limits.MAX_HEAD_DIM, required=False),
+    IntRule("intermediate_size", limits.MAX_INTERMEDIATE),
+    IntRule("vocab_size", limits.MAX_VOCAB),
+    IntRule("max_position_embeddings", MAX_POSITIONS, required=False),
+    IntRule("sliding_window", MAX_POSITIONS, required=False),
+)
+FLOAT_RULES = (
+    FloatRule("rms_norm_eps", 1.0, required=True),
+    FloatRule("rope_theta", math.inf),
+    FloatRule("query_pre_attn_scalar", math.inf),
+)
+
+
+def _bad(source: str, problem: str, fix: str = "") -> UsageError:
+    return UsageError(
+        f"the model {source!r} is refused: {problem}",
+        fix or "pass an intact model (its config.json or GGUF metadata has impossible dimensions)",
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_fields(fields: Mapping[str, Any], source: str) -> None:
+    """Each field's type and range, one rule per field; an absent field is left to the config's
+    default (a required one present as null is refused)."""
+    for rule in INT_RULES:
+        value = fields.get(rule.key)
+        if rule.key not in fields or (value is None and not rule.required):
+            continue
+        if not (isinstance(value, int) and _is_int(value) and 1 <= value <= rule.high):
+            raise _bad(source, f"{rule.key} = {value!r} is not an integer in 1..{rule.high}")
+    for frule in FLOAT_RULES:
+        value = fields.get(frule.key)
+        if frule.key not in fields or (value is None and not frule.required):
+            continue
+        number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+        if not (math.isfinite(number) and 0 < number < frule.high):
+            raise _bad(source, f"{frule.key} = {value!r} is not a finite number in (0, {frule.high:g})")
+
+
+def _check_heads(fields: Mapping[str, Any], source: str) -> int:
+    """Heads that fit each other and the hidden size; returns the head size."""
+    heads, hidden = fields["num_attention_heads"], fields["hidden_size"]
+    kv_heads = fields.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise _bad(source, f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    if hidden % heads:  # also with an explicit head_dim: no supported family has such a model
+        raise _bad(source, f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    head_dim = fields.get("head_dim") or hidden // heads
+    if not 1 <= head_dim <= limits.MAX_HEAD_DIM:
+        raise _bad(source, f"the head size {head_dim} is outside 1..{limits.MAX_HEAD_DIM}")
+    return int(head_dim)
+
+
+def fp32_weight_bytes(fields: Mapping[str, Any], head_dim: int) -> int:
+    """The fp32 bytes of the decoder's weights (embeddings, attention, MLP; norms are negligible)."""
+    hidden, layers = fields["hidden_size"], fields["num_hidden_layers"]
+    heads = fields["num_attention_heads"]
+    kv_heads = fields.get("num_key_value_heads") or heads
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    per_layer = attention + 3 * hidden * fields["intermediate_size"]
+    tables = 1 if fields.get("tie_word_embeddings", True) else 2
+    return FP32_BYTES * (layers * per_layer + tables * fields["vocab_size"] * hidden)
+
+
+def check_dimensions(fields: Mapping[str, Any], source: str) -> None:
+    """Refuse a config (HF field names) whose dimensions the graphs or the runtime cannot take,
+    or whose fp32 weights would not fit in this machine's memory, before anything is allocated."""
+    _check_fields(fields, source)
+    if not all(fields.get(key) is not None for key in SIZING_KEYS):
+        return  # a partial config.json: transformers fills in its defaults, checked again as a ModelSpec
+    head_dim = _check_heads(fields, source)
+    needed = fp32_weight_bytes(fields, head_dim)
+    available = limits.available_memory()
+    if available is not None and needed > available:
+        raise _bad(
+            source,
+            f"its weights need {needed / 2**30:.1f} GiB in fp32, more than the {available / 2**30:.1f} GiB available",
+            "build a smaller model, or on a machine with more memory",
+        )
+
+
+def spec_fields(spec: ModelSpec) -> dict[str, Any]:
+    """A ModelSpec under the HF config names check_dimensions reads (the dimensions as the graphs see them)."""
+    return {
+        "num_hidden_layers": spec.num_layers,
+        "hidden_size": spec.hidden_size,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "intermediate_size": spec.intermediate_size,
+        "vocab_size": spec.vocab_size,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+    }
+
+
+def read_config_json(directory: Path, source: str) -> dict[str, Any]:
+    """config.json (bounded size) as a JSON object; NaN and Infinity are read as floats, so the
+    field's own rule names them."""
+    data = limits.read_regular(directory / "config.json", "model config", MAX_CONFIG_BYTES)
+    try:
+        config = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise _bad(source, f"its config.json is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise _bad(source, "its config.json is not a JSON object")
+    return config
+
+
+def check_config_json(directory: Path, source: str) -> None:
+    """The raw config.json, before transformers builds a config class from it (some classes size
+    lists by num_hidden_layers in their constructor)."""
+    check_dimensions(read_config_json(directory, source), source)

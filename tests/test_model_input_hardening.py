@@ -1,0 +1,280 @@
+"""Builds from hostile model files (loading/model_checks.py, loading/gguf_header.py,
+exporter/tokenizer_export.py): impossible dimensions in config.json or GGUF metadata, truncated
+or garbled GGUF headers, a chat template that loops or fails, a pickle checkpoint. Every case
+is a `build` in a child process: exit 2, one `error: ... Fix: ...` line, no traceback, nothing
+written, in under 10 s of CPU time (the child's own and its children's: on a shared, loaded
+machine wall time measures the neighbours; a hang that sleeps still hits the 45 s timeout)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+
+from adaptive_export.loading.gguf_header import read_gguf_header
+from adaptive_export.loading.model_checks import check_dimensions
+from adaptive_export.runtimes.errors import UsageError
+from tests.conftest import make_tiny_model, needs_smollm2
+
+ROOT = Path(__file__).parents[1]
+LIMIT_S = 10.0  # CPU seconds
+WALL_TIMEOUT_S = 45
+
+
+def build_refused(model: Path, tmp_path: Path, *words: str) -> str:
+    """Run `build MODEL` in a child; assert the one-line refusal within LIMIT_S; return the line."""
+    out = tmp_path / "bundle"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run(
+        [sys.executable, "-m", "adaptive_export.commands.cli", "build", str(model), "-o", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=WALL_TIMEOUT_S,
+    )
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    lines = proc.stderr.strip().splitlines()  # a library's progress bars and warnings may come first
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and [line for line in lines if line.startswith("error")] == lines[-1:]
+    lines = lines[-1:]
+    assert lines[0].startswith("error: ") and ". Fix: " in lines[0] and "unexpected" not in lines[0], lines[0]
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert cpu_s < LIMIT_S, f"took {cpu_s:.1f} s of CPU"
+    assert not out.exists() and not list(tmp_path.glob(".bundle.*"))
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def pristine_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("pristine") / "model", layers=2)
+
+
+def model_with(pristine: Path, tmp_path: Path, **config: Any) -> Path:
+    """A copy of the tiny model whose config.json has `config` merged in."""
+    model = tmp_path / "model"
+    shutil.copytree(pristine, model)
+    data = json.loads((model / "config.json").read_text())
+    data.update(config)
+    (model / "config.json").write_text(json.dumps(data))
+    return model
+
+
+CONFIG_CASES = {
+    "zero_layers": ({"num_hidden_layers": 0}, "num_hidden_layers"),
+    "vocab_2^21+1": ({"vocab_size": 2**21 + 1}, "vocab_size"),
+    "hidden_1e9": ({"hidden_size": 10**9}, "hidden_size"),
+    "nan_eps": ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
+    "negative_heads": ({"num_attention_heads": -4}, "num_attention_heads"),
+    "heads_not_dividing_hidden": ({"num_attention_heads": 3, "num_key_value_heads": 3}, "not a multiple"),
+    # not in the attacker's list: the same rules refuse them
+    "string_dim": ({"hidden_size": "64"}, "hidden_size"),
+    "bool_layers": ({"num_hidden_layers": True}, "num_hidden_layers"),
+    "float_dim": ({"intermediate_size": 128.5}, "intermediate_size"),
+    "kv_heads_above_heads": ({"num_key_value_heads": 8}, "not a multiple"),
+    "huge_head_dim": ({"head_dim": 4096}, "head_dim"),
+    "infinite_eps": ({"rms_norm_eps": float("inf")}, "rms_norm_eps"),
+    "zero_eps": ({"rms_norm_eps": 0.0}, "rms_norm_eps"),
+    "negative_rope": ({"rope_theta": -1.0}, "rope_theta"),
+    "null_hidden": ({"hidden_size": None}, "hidden_size"),
+    "positions_1e12": ({"max_position_embeddings": 10**12}, "max_position_embeddings"),
+    "weights_beyond_memory": (
+        {"hidden_size": 65536, "intermediate_size": 262144, "num_hidden_layers": 1024, "num_attention_heads": 64},
+        "GiB",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=list(CONFIG_CASES))
+def test_impossible_config_dimensions_are_refused(pristine_model: Path, tmp_path: Path, case: str) -> None:
+    config, word = CONFIG_CASES[case]
+    build_refused(model_with(pristine_model, tmp_path, **config), tmp_path, word)
+
+
+def test_config_json_that_is_not_an_object(pristine_model: Path, tmp_path: Path) -> None:
+    model = model_with(pristine_model, tmp_path)
+    (model / "config.json").write_text("[1, 2]")
+    build_refused(model, tmp_path, "not a JSON object")
+
+
+TEMPLATES = {
+    "nested_loops": "{% for i in range(99999) %}{% for j in range(99999) %}x{% endfor %}{% endfor %}",
+    "huge_range": "{% for i in range(10**9) %}x{% endfor %}",
+    "raises": "{{ raise_exception('no') }}",
+    "too_long": "{% for i in range(99999) %}xxxxxxxxxx{% endfor %}{{ messages[0]['content'] }}",
+}
+
+
+@pytest.mark.parametrize("case", TEMPLATES, ids=list(TEMPLATES))
+def test_hostile_chat_template_is_refused_within_seconds(pristine_model: Path, tmp_path: Path, case: str) -> None:
+    model = model_with(pristine_model, tmp_path)
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    settings["chat_template"] = TEMPLATES[case]
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    build_refused(model, tmp_path, "chat template")
+
+
+class _Payload:
+    """A pickle that would create a file if it were ever unpickled with code execution."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.marker), "w"))
+
+
+def test_pickle_checkpoint_error_points_to_safetensors(pristine_model: Path, tmp_path: Path) -> None:
+    model = model_with(pristine_model, tmp_path)
+    for weights in model.glob("*.safetensors"):
+        weights.unlink()
+    marker = tmp_path / "executed"
+    (model / "pytorch_model.bin").write_bytes(pickle.dumps({"model.embed_tokens.weight": _Payload(marker)}))
+    line = build_refused(model, tmp_path, "safetensors")
+    assert "weights_only" not in line
+    assert not marker.exists(), "the pickle's code ran"
+
+
+# ---- GGUF ---------------------------------------------------------------------------------------
+def write_tiny_gguf(path: Path, **overrides: Any) -> Path:
+    """A small llama GGUF (metadata and tiny F32 tensors) with gguf's own writer."""
+    values = {"block_count": 1, "embedding_length": 32, "head_count": 4, "head_count_kv": 2, "feed_forward_length": 64}
+    values.update(overrides)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(values["block_count"])
+    writer.add_embedding_length(values["embedding_length"])
+    writer.add_head_count(values["head_count"])
+    writer.add_head_count_kv(values["head_count_kv"])
+    writer.add_feed_forward_length(values["feed_forward_length"])
+    writer.add_layer_norm_rms_eps(values.get("eps", 1e-6))
+    writer.add_context_length(128)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(values.get("vocab", 50))])
+    rng = np.random.default_rng(0)
+    writer.add_tensor("token_embd.weight", rng.standard_normal((50, 32)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def test_intact_gguf_header_is_read(tiny_gguf: Path) -> None:
+    header = read_gguf_header(tiny_gguf)
+    assert header.tensor_count == 2
+    assert header.hf_fields() == {
+        "num_hidden_layers": 1,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "rms_norm_eps": pytest.approx(1e-6),
+        "max_position_embeddings": 128,
+        "vocab_size": 50,
+    }
+    check_dimensions(header.hf_fields(), "tiny")
+
+
+@needs_smollm2
+def test_packaged_smollm2_header_passes() -> None:
+    from adaptive_export.loading.packaged import PACKAGED
+
+    header = read_gguf_header(PACKAGED["smollm2"].gguf_path())
+    check_dimensions(header.hf_fields(), "smollm2")
+    assert header.hf_fields()["num_hidden_layers"] == 30 and header.hf_fields()["vocab_size"] == 49152
+
+
+def header_end(path: Path) -> int:
+    """Where the tensor data starts (gguf's reader says)."""
+    return int(gguf.GGUFReader(str(path)).data_offset)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.1, 0.3, 0.5, 0.8, 0.99, 1.5])
+def test_truncated_gguf_is_refused(tiny_gguf: Path, tmp_path: Path, fraction: float) -> None:
+    """Cut inside the header (fractions of it) or inside the tensor data (1.5: half-way into it)."""
+    data = tiny_gguf.read_bytes()
+    end = header_end(tiny_gguf)
+    cut = int(end * fraction) if fraction < 1 else end + (len(data) - end) // 2
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[:cut])
+    build_refused(path, tmp_path, "cut.gguf")
+
+
+def _garble(data: bytes, offset: int, value: bytes) -> bytes:
+    return data[:offset] + value + data[offset + len(value) :]
+
+
+GARBLES = {
+    "magic": (0, b"GGUX"),
+    "version": (4, (99).to_bytes(4, "little")),
+    "tensor_count": (8, (1 << 60).to_bytes(8, "little")),
+    "key_count": (16, (1 << 60).to_bytes(8, "little")),
+    "first_key_length": (24, (1 << 62).to_bytes(8, "little")),
+    "first_key_length_small_lie": (24, (3).to_bytes(8, "little")),
+}
+
+
+@pytest.mark.parametrize("case", GARBLES, ids=list(GARBLES))
+def test_garbled_gguf_header_is_refused(tiny_gguf: Path, tmp_path: Path, case: str) -> None:
+    offset, value = GARBLES[case]
+    path = tmp_path / "garbled.gguf"
+    path.write_bytes(_garble(tiny_gguf.read_bytes(), offset, value))
+    build_refused(path, tmp_path, "garbled.gguf")
+
+
+def test_random_bytes_after_the_magic_are_refused(tiny_gguf: Path, tmp_path: Path) -> None:
+    rng = np.random.default_rng(7)
+    data = bytearray(tiny_gguf.read_bytes())
+    end = header_end(tiny_gguf)
+    for _ in range(3):
+        position = int(rng.integers(24, end))
+        data[position : position + 8] = rng.integers(0, 256, 8, dtype=np.uint8).tobytes()
+    path = tmp_path / "noise.gguf"
+    path.write_bytes(bytes(data))
+    proc = subprocess.run(
+        [sys.executable, "-m", "adaptive_export.commands.cli", "build", str(path), "-o", str(tmp_path / "o")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=WALL_TIMEOUT_S,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+GGUF_DIMENSIONS = {
+    "zero_layers": ({"block_count": 0}, "num_hidden_layers"),
+    "hidden_1e9": ({"embedding_length": 10**9}, "hidden_size"),
+    "heads_not_dividing": ({"head_count": 3, "head_count_kv": 3}, "not a multiple"),
+    "zero_heads": ({"head_count": 0}, "num_attention_heads"),
+    "nan_eps": ({"eps": float("nan")}, "rms_norm_eps"),
+}
+
+
+@pytest.mark.parametrize("case", GGUF_DIMENSIONS, ids=list(GGUF_DIMENSIONS))
+def test_impossible_gguf_dimensions_are_refused(tmp_path: Path, case: str) -> None:
+    overrides, word = GGUF_DIMENSIONS[case]
+    build_refused(write_tiny_gguf(tmp_path / "dims.gguf", **overrides), tmp_path, word)
+
+
+def test_dimension_rules_need_every_sizing_field_to_check_memory() -> None:
+    """A partial config (transformers fills in defaults) is checked field by field only."""
+    check_dimensions({"hidden_size": 64}, "partial")
+    with pytest.raises(UsageError, match="hidden_size"):
+        check_dimensions({"hidden_size": 0}, "partial")
