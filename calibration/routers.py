@@ -11,7 +11,7 @@ rows are gated by g_i = 1[p_i >= 0.5] + p_i - stopgrad(p_i): in the forward pass
 keep/skip decision the runtime makes, in the backward pass the gradient of the soft gate
 p_i * f_i(x) + (1 - p_i) * x (a straight-through estimator). Soft gating alone trained a
 blend the runtime never runs: on SmolLM2 it skipped layers whose hard removal cost half of
-the top-1 agreement even at lambda = 0 (benchmarks/router_sweep.py, README).
+the top-1 agreement even at lambda = 0 (benchmarks/router_sweep.py, docs/routers.md).
 
 Adam trains w_i * rms_i (rms_i: each input coordinate's root-mean-square at layer i), not
 w_i: on raw inputs every router logit moved by lr x the size of its layer's activations,

@@ -1,4 +1,4 @@
-"""Every resource bound the runtime and the CLI enforce, in one place (README "CI gate and hardening").
+"""Every resource bound the runtime and the CLI enforce, in one place (docs/hardening.md).
 
 A bundle may come from an untrusted source, so nothing it says is allowed to size an
 allocation, a loop or a read before it has been checked against these bounds. Each bound
