@@ -164,8 +164,9 @@ def _add_build_router_arguments(build: argparse.ArgumentParser) -> None:
         "--router-lambda",
         type=_finite_float,
         default=None,
-        help="router sparsity weight lambda for --routers train (default: 0.02, the largest lambda of the docs/routers.md "
-        "sweep keeping held-out top-1 agreement above 0.9; 0.1 skips about 4.6 of 30 SmolLM2 layers at 0.63)",
+        help="router sparsity weight lambda for --routers train (default: 0.02, the largest lambda of the "
+        "docs/routers.md sweep keeping held-out top-1 agreement above 0.9; 0.1 skips about 4.6 of 30 SmolLM2 "
+        "layers at 0.63)",
     )
     build.add_argument(
         "--min-config-agreement",
