@@ -243,8 +243,8 @@ class Manifest:
             paths.append(self.calibration)
         if self.draft_vocab:
             paths.append(self.draft_vocab.file)
-        for entry in self.backends.values():
-            if entry.weights is not None:
+        for name, entry in self.backends.items():
+            if name == "onnx" and entry.weights is not None:  # only onnx's weights is a file; others describe
                 paths.append(entry.weights)
             for engine in entry.graphs.values():
                 paths.extend(engine.files())

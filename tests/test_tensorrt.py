@@ -81,6 +81,8 @@ def test_build_records_tensorrt_profile_and_compat(tiny_model_dir: Path, tmp_pat
     entry = json.loads((tmp_path / "t" / "manifest.json").read_text())["backends"]["tensorrt"]
     assert set(entry["graphs"]) == {"prefill", "decode_full"} and entry["precision"] == "fp16"
     assert entry["built_at_export"] == (importlib.util.find_spec("tensorrt") is not None)
+    bundle = load_bundle(tmp_path / "t")  # the tensorrt entry's "weights" describes the refit; it is no file
+    assert "tensorrt" in bundle.manifest.backends
 
 
 @pytest.mark.skipif(
