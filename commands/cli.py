@@ -474,7 +474,7 @@ def _add_serve_command(sub: Any) -> None:
         help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 exposes the model to the network "
         "without authentication, and prints a warning)",
     )
-    serve.add_argument("--port", type=_bounded_int(0, 65535), default=8000, help="TCP port (default: 8000)")
+    serve.add_argument("--port", type=_bounded_int(1, 65535), default=8000, help="TCP port (default: 8000)")
     serve.add_argument(
         "--queue",
         type=_bounded_int(1, 1024),

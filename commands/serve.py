@@ -45,11 +45,18 @@ def model_name(bundle_dir: str) -> str:
     return os.path.basename(os.path.normpath(os.path.abspath(bundle_dir))) or "bundle"
 
 
+def exposure_warning(host: str) -> str | None:
+    """The one line printed when the server listens beyond this machine (it has no authentication)."""
+    if host in LOOPBACK:
+        return None
+    return f"warning: serving on {host}: anyone who can reach this port can use the model (no authentication)"
+
+
 def check_options(options: ServeOptions) -> None:
     if not 1 <= options.queue <= MAX_QUEUE:
         raise UsageError(f"--queue {options.queue} is outside 1..{MAX_QUEUE}", "pass a queue bound such as 8")
-    if not 0 <= options.port <= 65535:
-        raise UsageError(f"--port {options.port} is not a TCP port", "pass a port in 1..65535, or 0 for any free one")
+    if not 1 <= options.port <= 65535:
+        raise UsageError(f"--port {options.port} is not a TCP port", "pass a port in 1..65535")
     Mode.parse(options.mode)
 
 
@@ -61,11 +68,9 @@ def cmd_serve(options: ServeOptions) -> int:
     from adaptive_export.commands.serve_app import create_app
     from adaptive_export.commands.serve_worker import DecodingSettings, GenerationWorker
 
-    if options.host not in LOOPBACK:
-        print(
-            f"warning: serving on {options.host}: anyone who can reach this port can use the model (no authentication)",
-            file=sys.stderr,
-        )
+    warning = exposure_warning(options.host)
+    if warning:
+        print(warning, file=sys.stderr)
     generator = load_generator(options)
     if options.config != "auto":
         generator.bundle.config(options.config)  # an unknown id fails now, not on every request

@@ -38,7 +38,7 @@ serve_extra("starlette")
 
 from adaptive_export.commands.cli import build_parser  # noqa: E402
 from adaptive_export.commands.options import ServeOptions  # noqa: E402
-from adaptive_export.commands.serve import load_generator, model_name  # noqa: E402
+from adaptive_export.commands.serve import exposure_warning, load_generator, model_name  # noqa: E402
 from adaptive_export.commands.serve_app import create_app  # noqa: E402
 from adaptive_export.commands.serve_worker import DecodingSettings, GenerationWorker  # noqa: E402
 from adaptive_export.runtimes import Generator, SamplingParams  # noqa: E402
@@ -184,12 +184,18 @@ def test_two_concurrent_clients_both_complete(served: Served, reference: Generat
         stream = client.chat.completions.create(model=served.model, messages=messages, max_tokens=20, stream=True)
         answers[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    waiting: list[int] = []  # requests queued, seen at each token: the two must overlap
+    served.worker.pace = lambda: (waiting.append(served.worker.waiting()), time.sleep(0.01))
+    try:
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        served.worker.pace = None
     assert answers == {0: expected[0], 1: expected[1]}
+    assert max(waiting) == 1  # one generated while the other waited
 
 
 def test_disconnect_mid_stream_stops_within_one_token(served: Served, reference: Generator) -> None:
@@ -309,6 +315,12 @@ print('ok')
     proc = run_blocked(code, Path(__file__).parents[1])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("ok")
+
+
+def test_listening_beyond_loopback_warns() -> None:
+    assert exposure_warning("127.0.0.1") is None and exposure_warning("localhost") is None
+    warning = exposure_warning("0.0.0.0")
+    assert warning is not None and warning.startswith("warning:") and "\n" not in warning
 
 
 def test_serve_help_explains_each_option(capsys: pytest.CaptureFixture[str]) -> None:
