@@ -113,7 +113,9 @@ class Endpoints:
         body = api.parse_body(api.CompletionRequest, await read_body(request))
         return await self._answer(request, body, job_spec(body, body.prompt, raw=True), COMPLETION)
 
-    async def _answer(self, request: Request, body: api.ChatRequest | api.CompletionRequest, spec: JobSpec, wire: Wire):
+    async def _answer(
+        self, request: Request, body: api.ChatRequest | api.CompletionRequest, spec: JobSpec, wire: Wire
+    ) -> Response:
         job = self.worker.new_job(spec)
         if not self.worker.submit(job):
             return error(429, "the server's queue is full; retry later")
