@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_check_command(sub)
     _add_inspect_command(sub)
     _add_bench_command(sub)
+    _add_serve_command(sub)
     return parser
 
 
@@ -458,6 +459,38 @@ def _add_bench_command(sub: Any) -> None:
     bench.add_argument("--json", action="store_true", help="print JSON")
 
 
+def _add_serve_command(sub: Any) -> None:
+    """`serve`: the bundle behind an OpenAI-compatible HTTP API; decoding and engine options as `run`'s."""
+    serve = sub.add_parser(
+        "serve",
+        help="serve a bundle over an OpenAI-compatible HTTP API (torch-free; needs the serve extra)",
+        description="Serve one bundle at /v1/chat/completions, /v1/completions and /v1/models (OpenAI's API, "
+        "streaming with server-sent events). One generation at a time; see docs/serve.md.",
+    )
+    serve.add_argument("bundle", help="bundle directory")
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 exposes the model to the network "
+        "without authentication, and prints a warning)",
+    )
+    serve.add_argument("--port", type=_bounded_int(1, 65535), default=8000, help="TCP port (default: 8000)")
+    serve.add_argument(
+        "--queue",
+        type=_bounded_int(1, 1024),
+        default=8,
+        help="requests that may wait while one generates (default: 8); more get HTTP 429",
+    )
+    serve.add_argument(
+        "--max-tokens",
+        type=_bounded_int(1, 1 << 20),
+        default=256,
+        help="tokens to generate when a request names no max_tokens (default: 256, capped by the bundle's context)",
+    )
+    _add_run_decoding_arguments(serve)
+    _add_run_engine_arguments(serve)
+
+
 def _command(name: str) -> tuple[Any, Any]:
     """(options class, command function); each command's module is imported only when chosen,
     so `run` and `inspect` never import torch."""
@@ -469,6 +502,7 @@ def _command(name: str) -> tuple[Any, Any]:
         "check": ("adaptive_export.commands.check", "cmd_check", "CheckOptions"),
         "inspect": ("adaptive_export.commands.run", "cmd_inspect", "InspectOptions"),
         "bench": ("adaptive_export.commands.run", "cmd_bench", "BenchOptions"),
+        "serve": ("adaptive_export.commands.serve", "cmd_serve", "ServeOptions"),
     }[name]
     from adaptive_export.commands import options as typed
 
@@ -483,6 +517,7 @@ _PRELOAD = {
     "run": ("onnx", "onnxruntime", "tokenizers"),
     "bench": ("onnx", "onnxruntime", "tokenizers"),
     "inspect": ("onnx",),
+    "serve": ("onnx", "onnxruntime", "tokenizers"),
 }
 
 

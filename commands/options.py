@@ -110,3 +110,21 @@ class BenchOptions(Options):
     threads: int = 0
     prepack: str = "auto"
     json: bool = False
+
+
+@dataclass(frozen=True)
+class ServeOptions(Options):
+    bundle: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    queue: int = 8
+    max_tokens: int = 256
+    config: str = "auto"
+    mode: str = "ar"
+    draft: str | None = None
+    draft_len: int | None = None
+    backend: str = "onnx"
+    provider: str = "cpu"
+    threads: int = 0
+    verify: str = "full"
+    prepack: str = "auto"

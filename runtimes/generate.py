@@ -72,7 +72,7 @@ class GenerationStats:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     tpot_ms: float = 0.0
-    stop_reason: str = "length"
+    stop_reason: str = "length"  # "length", "eos", "stop" (a stop string) or "cancelled" (should_stop)
     speculation: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -101,6 +101,9 @@ class GenerationRequest:
     mode: Mode
     draft: str | None  # the draft source for Mode.SPEC (None: the calibrated one)
     draft_len: int | None  # None: the source's calibrated draft length
+    # asked once per token, after the token is counted: True ends the generation there (stop_reason
+    # "cancelled"); a server passes "has the client gone?", so a departed client costs at most one token
+    should_stop: Callable[[], bool] | None = None
 
 
 Loop = collections.abc.Generator[str, None, GenerationResult]
@@ -221,6 +224,7 @@ class Generator:
         mode: Mode | str = "ar",
         draft: str | None = None,
         draft_len: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> GenerationRequest:
         """Check the arguments now (before the loop starts) and type them."""
         sampling = SamplingParams() if sampling is None else sampling
@@ -232,10 +236,12 @@ class Generator:
         if not isinstance(config, str):
             raise UsageError(f"config {config!r} is not a configuration id", "pass 'auto' or an id from `inspect`")
         draft_len = check_draft_len(draft_len)
+        if should_stop is not None and not callable(should_stop):
+            raise UsageError(f"should_stop is {type(should_stop).__name__}, not a callable", "pass a function or None")
         prompt_ids = self._prompt_ids(prompt, raw)
         self._check_lengths(prompt_ids, max_new_tokens)
         return GenerationRequest(
-            prompt_ids, max_new_tokens, sampling, stop_strings, config, Mode.parse(mode), draft, draft_len
+            prompt_ids, max_new_tokens, sampling, stop_strings, config, Mode.parse(mode), draft, draft_len, should_stop
         )
 
     def _prompt_ids(self, prompt: str | Sequence[int], raw: bool) -> list[int]:
@@ -291,6 +297,8 @@ class Generator:
                     stats.stop_reason = "eos"
                 elif text.stopped:
                     stats.stop_reason = "stop"
+                elif request.should_stop is not None and request.should_stop():
+                    stats.stop_reason = "cancelled"
                 if stats.stop_reason != "length" or len(seq.tokens) >= request.max_new_tokens:
                     break
         finally:
