@@ -263,7 +263,7 @@ def engine_parity(
     started = time.perf_counter()
     out = backend.run(graph_name, inputs.first, arena, inputs.past_len)
     ref = torch_outputs(bundle, parts, spec, inputs)
-    names = spec.output_names()
+    names = info.output_names()
     pairs = [engine_output(name, out, arena, inputs, ref[index].numpy()) for index, name in enumerate(names)]
     quantized = gated_on_quality(bundle) or bool(info.precision)
     outcome = compare_outputs(names, pairs, quantized, scale_tol)
