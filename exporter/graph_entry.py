@@ -1,7 +1,8 @@
 """A graph's manifest entry: `graphs.span_graph.GraphSpec` (what the graph computes) as the
 runtime's `GraphEntry`, the one place that derives a graph's I/O names (docs/architecture.md
 section 3). graphs/ imports nothing of the project, so the names live with the manifest's
-reader, and the exporter, which sees both, copies the fields across and uses the entry's names.
+reader, and the exporter, which sees both, copies the fields across (`manifest_graph` one way,
+`spec_of_entry` the other) and traces with the entry's names.
 """
 
 from __future__ import annotations
@@ -21,3 +22,9 @@ def manifest_graph(graph: GraphSpec) -> GraphEntry:
     (the names the exporter traces the graph with)."""
     entry = GraphEntry(**{name: getattr(graph, name) for name in _GRAPH_FIELDS})
     return replace(entry, inputs=tuple(entry.input_names()), outputs=tuple(entry.output_names()))
+
+
+def spec_of_entry(entry: GraphEntry) -> GraphSpec:
+    """The other way: a bundle's graph as the GraphSpec the PyTorch reference builds (`check`).
+    The manifest checked every field on reading (a config may be None: the manifest names none)."""
+    return GraphSpec(**{name: getattr(entry, name) for name in _GRAPH_FIELDS})
