@@ -197,7 +197,7 @@ class DraftVocab:
         need(sizes <= {obj["size"]}, f"a graph's draft_vocab differs from the bundle's draft_vocab size {obj['size']}")
         return cls(obj["file"], obj["size"])
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self) -> dict[str, str | int]:
         return {"file": self.file, "size": self.size}
 
 
