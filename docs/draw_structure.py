@@ -72,7 +72,8 @@ def _ends(source: tuple[int, int], target: tuple[int, int]) -> tuple[tuple[float
         return (x1 + side, y1), (x2 - side, y2)
     reach = BOX_W / 2 - 10
     start = x1 + max(-reach, min(reach, (x2 - x1) * 0.5))
-    return (start, y1 + BOX_H / 2), (x2 - (x2 - x1) * 0.25, y2 - BOX_H / 2)
+    end = x2 - max(-reach, min(reach, (x2 - x1) * 0.25))
+    return (start, y1 + BOX_H / 2), (end, y2 - BOX_H / 2)
 
 
 def svg(pairs: Counter[tuple[str, str]]) -> str:
@@ -86,7 +87,8 @@ def svg(pairs: Counter[tuple[str, str]]) -> str:
         (x1, y1), (x2, y2) = _ends(PLACES[source], PLACES[target])
         lines.append(f'<line x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="#445" marker-end="url(#head)"/>')
         lx, ly = x1 + (x2 - x1) * 0.3, y1 + (y2 - y1) * 0.3
-        lines.append(f'<text x="{lx + 4:.0f}" y="{ly - 3:.0f}" fill="#667">{count}</text>')
+        lx += 4 if x2 >= x1 else -16  # beside the line, on the side it leans to
+        lines.append(f'<text x="{lx:.0f}" y="{ly - 3:.0f}" fill="#667">{count}</text>')
     for package, (x, y) in PLACES.items():
         lines.append(
             f'<rect x="{x - BOX_W / 2}" y="{y - BOX_H / 2}" width="{BOX_W}" height="{BOX_H}" rx="6" '
