@@ -284,12 +284,12 @@ def _add_build_precision_arguments(build: argparse.ArgumentParser) -> None:
 
 def _add_run_command(sub: Any) -> None:
     """`run`: the prompt and sampling; the engines' settings follow in `_add_run_engine_arguments`."""
-    run = sub.add_parser(
+    run = _add_bundle_command(
+        sub,
         "run",
-        help="generate text from a bundle (torch-free)",
-        description="Generate from a bundle with the pure-Python runtime. Streams text unless --json.",
+        "generate text from a bundle (torch-free)",
+        "Generate from a bundle with the pure-Python runtime. Streams text unless --json.",
     )
-    run.add_argument("bundle", help="bundle directory")
     source = run.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "-p",
@@ -323,19 +323,7 @@ def _add_run_decoding_arguments(run: argparse.ArgumentParser) -> None:
     from adaptive_export.runtimes import limits
     from adaptive_export.runtimes.drafting import SOURCE_NAMES
 
-    run.add_argument(
-        "--config",
-        default="auto",
-        help="skip configuration: auto (routers pick, default), full, or a config id from `inspect`",
-    )
-    run.add_argument(
-        "--mode",
-        default="ar",
-        choices=DECODING_MODES,
-        help="ar: plain decoding (default); spec: self-speculative with --draft; auto: the draft source calibration "
-        "found to pay on average, else prompt lookup gated to draft only while drafts pay for the wider verify pass "
-        "(plain speed on chat, faster where the answer repeats the context)",
-    )
+    _add_config_and_mode(run)
     run.add_argument(
         "--draft",
         default=None,
@@ -363,18 +351,40 @@ def _add_run_engine_arguments(run: argparse.ArgumentParser) -> None:
         help="ONNX Runtime execution provider (default: cpu)",
     )
     run.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="intra-op threads, at most 4 per core (default: 0 = ONNX Runtime's choice, the physical cores)",
-    )
-    run.add_argument(
         "--verify",
         default="full",
         choices=["full", "size"],
         help="bundle verification: full sha256 (default) or sizes only (fast path)",
     )
-    run.add_argument(
+    _add_threads_and_prepack(run)
+
+
+def _add_config_and_mode(parser: argparse.ArgumentParser) -> None:
+    """Which layers run and whether tokens are drafted: `run` and `bench` alike."""
+    parser.add_argument(
+        "--config",
+        default="auto",
+        help="skip configuration: auto (routers pick, default), full, or a config id from `inspect`",
+    )
+    parser.add_argument(
+        "--mode",
+        default="ar",
+        choices=DECODING_MODES,
+        help="ar: plain decoding (default); spec: self-speculative with --draft; auto: the draft source calibration "
+        "found to pay on average, else prompt lookup gated to draft only while drafts pay for the wider verify pass "
+        "(plain speed on chat, faster where the answer repeats the context)",
+    )
+
+
+def _add_threads_and_prepack(parser: argparse.ArgumentParser) -> None:
+    """ONNX Runtime's threads and weight prepacking: `run` and `bench` alike."""
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="intra-op threads, at most 4 per core (default: 0 = ONNX Runtime's choice, the physical cores)",
+    )
+    parser.add_argument(
         "--prepack",
         default="auto",
         choices=PREPACK_CHOICES,
@@ -385,17 +395,24 @@ def _add_run_engine_arguments(run: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_bundle_command(sub: Any, name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    """A command that reads a bundle: its parser, with the bundle directory as its first argument."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=summary, description=description)
+    parser.add_argument("bundle", help="bundle directory")
+    return parser
+
+
 def _add_check_command(sub: Any) -> None:
     from adaptive_export.commands.check import MAX_TOLERANCE
     from adaptive_export.runtimes import limits
 
-    check = sub.add_parser(
+    check = _add_bundle_command(
+        sub,
         "check",
-        help="check every engine against the PyTorch reference (CI gate)",
-        description="Parity of every engine of every backend against PyTorch, greedy tokens against HF transformers. "
+        "check every engine against the PyTorch reference (CI gate)",
+        "Parity of every engine of every backend against PyTorch, greedy tokens against HF transformers. "
         "Exit 0 pass, 1 mismatch, 2 bad input.",
     )
-    check.add_argument("bundle", help="bundle directory")
     check.add_argument("--model", default=None, help="reference model (default: the one recorded in the bundle)")
     check.add_argument("--report", default=None, help="write the JSON report here")
     check.add_argument("--junit", default=None, help="write JUnit XML here (one test case per engine and check)")
@@ -419,25 +436,25 @@ def _add_check_command(sub: Any) -> None:
 
 
 def _add_inspect_command(sub: Any) -> None:
-    inspect = sub.add_parser(
+    inspect = _add_bundle_command(
+        sub,
         "inspect",
-        help="describe a bundle: graphs, sizes, configurations, backends",
-        description="Print what a bundle holds and can do (torch-free).",
+        "describe a bundle: graphs, sizes, configurations, backends",
+        "Print what a bundle holds and can do (torch-free).",
     )
-    inspect.add_argument("bundle", help="bundle directory")
     inspect.add_argument("--json", action="store_true", help="print the description as JSON")
 
 
 def _add_bench_command(sub: Any) -> None:
     from adaptive_export.runtimes import limits
 
-    bench = sub.add_parser(
+    bench = _add_bundle_command(
+        sub,
         "bench",
-        help="time prefill and decoding of a bundle",
-        description="Median prefill ms and TPOT of the bundle over repetitions (torch-free). "
+        "time prefill and decoding of a bundle",
+        "Median prefill ms and TPOT of the bundle over repetitions (torch-free). "
         "For comparisons with HF transformers use benchmarks/decode.py.",
     )
-    bench.add_argument("bundle", help="bundle directory")
     bench.add_argument(
         "-p", "--prompt", default="Write a short story about a robot who learns to paint.", help="prompt text"
     )
@@ -447,15 +464,8 @@ def _add_bench_command(sub: Any) -> None:
     bench.add_argument(
         "--repeat", type=_bounded_int(1, 1000), default=5, help="timed repetitions after one warm-up (default: 5)"
     )
-    bench.add_argument("--config", default="auto", help="skip configuration (default: auto)")
-    bench.add_argument("--mode", default="ar", choices=DECODING_MODES, help="decoding mode (default: ar)")
-    bench.add_argument("--threads", type=int, default=0, help="intra-op threads (default: ONNX Runtime's choice)")
-    bench.add_argument(
-        "--prepack",
-        default="auto",
-        choices=PREPACK_CHOICES,
-        help="ONNX Runtime weight prepacking (see `run --help`)",
-    )
+    _add_config_and_mode(bench)
+    _add_threads_and_prepack(bench)
     bench.add_argument("--json", action="store_true", help="print JSON")
 
 

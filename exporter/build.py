@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ import onnx
 from tqdm import tqdm
 
 from adaptive_export.exporter.backends import COMPILERS, needs_portable_onnx
+from adaptive_export.exporter.graph_entry import manifest_graph
 from adaptive_export.exporter.onnx_export import OPSET, export_graph
 from adaptive_export.exporter.tokenizer_export import chat_format, save_tokenizer, special_tokens
 from adaptive_export.exporter.weights import WeightStore, canonicalize_names, externalize
@@ -27,7 +28,6 @@ from adaptive_export.runtimes.manifest import (
     ConfigEntry,
     DraftVocab,
     EngineEntry,
-    GraphEntry,
     Manifest,
     ModelDims,
     Speculation,
@@ -67,20 +67,6 @@ class ExportOptions:
     # Runs on the staged bundle (provisional manifest written) before the final manifest:
     # calibration times the real engines here and may update manifest and calibration.json.
     after_export: Callable[[Path, dict[str, Any]], None] | None = None
-
-
-def manifest_graph(graph: GraphSpec) -> GraphEntry:
-    """The manifest's typed entry of a graph: the same fields, I/O names derived by the entry."""
-    entry = GraphEntry(**{name: getattr(graph, name) for name in _GRAPH_FIELDS})
-    entry = replace(entry, inputs=tuple(entry.input_names()), outputs=tuple(entry.output_names()))
-    if list(entry.inputs) != graph.input_names() or list(entry.outputs) != graph.output_names():
-        raise RuntimeError(f"graph {graph.name!r}: the traced I/O names differ from the manifest's")
-    return entry
-
-
-_GRAPH_FIELDS = tuple(f.name for f in fields(GraphSpec))
-if set(_GRAPH_FIELDS) != {f.name for f in fields(GraphEntry)} - {"inputs", "outputs"}:  # pragma: no cover
-    raise RuntimeError("graphs.span_graph.GraphSpec and runtimes.manifest.GraphEntry declare different fields")
 
 
 def flavoured(graphs: list[GraphSpec], flavour: str) -> list[GraphSpec]:

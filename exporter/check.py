@@ -127,24 +127,9 @@ def compare(
 
 def graph_spec(bundle: Bundle, graph_name: str) -> Any:
     """The bundle's graph entry as the GraphSpec the PyTorch reference builds."""
-    from adaptive_export.graphs.span_graph import GraphSpec
+    from adaptive_export.exporter.graph_entry import spec_of_entry
 
-    info = bundle.graph(graph_name)
-    return GraphSpec(
-        name=graph_name,
-        kind=info.kind,
-        layers=info.layers,
-        source=info.source,
-        logits=info.logits,
-        router_scores=info.router_scores,
-        exit_hidden=info.exit_hidden,
-        exit_adapter=info.exit_adapter,
-        config=info.config,  # type: ignore[arg-type]  # None where the manifest names none, as before
-        exit_layer=info.exit_layer,
-        prompt_tokens=info.prompt_tokens,
-        draft_vocab=info.draft_vocab,
-        flavour="ort" if info.flavour == "ort" else "portable",
-    )
+    return spec_of_entry(bundle.graph(graph_name))
 
 
 @dataclass(frozen=True)
@@ -263,7 +248,7 @@ def engine_parity(
     started = time.perf_counter()
     out = backend.run(graph_name, inputs.first, arena, inputs.past_len)
     ref = torch_outputs(bundle, parts, spec, inputs)
-    names = spec.output_names()
+    names = info.output_names()
     pairs = [engine_output(name, out, arena, inputs, ref[index].numpy()) for index, name in enumerate(names)]
     quantized = gated_on_quality(bundle) or bool(info.precision)
     outcome = compare_outputs(names, pairs, quantized, scale_tol)

@@ -32,9 +32,9 @@ if TYPE_CHECKING:  # the ort flavour's module imports this one
 class GraphSpec:
     """What one graph computes; stored in the manifest so the runtime knows its I/O.
 
-    Its manifest form is runtimes.manifest.GraphEntry, with the same field names (graphs/ may
-    not import runtimes/, so exporter/build.py copies the fields by name and checks at import
-    that both declare the same ones, and that both derive the same I/O names)."""
+    Its manifest form is runtimes.manifest.GraphEntry, with the same field names, which alone
+    derives the I/O names (graphs/ may not import runtimes/, so exporter/graph_entry.py copies
+    the fields by name and checks at import that both declare the same ones)."""
 
     name: str
     kind: Literal["prefill", "decode", "draft", "verify"]
@@ -60,20 +60,6 @@ class GraphSpec:
     # (draft_vocab.bin), so logits are [.., draft_vocab] and the runtime maps row j to id ids[j].
     # 0: the full vocabulary.
     draft_vocab: int = 0
-
-    def input_names(self) -> list[str]:
-        first = "input_ids" if self.source == "ids" else "exit_hidden"
-        control = ["logit_rows", "seqlens_k", "total_sequence_length"] if self.flavour == "ort" else []
-        return [first, *control] + [f"past_key_{i}" for i in self.layers] + [f"past_value_{i}" for i in self.layers]
-
-    def output_names(self) -> list[str]:
-        names = ["logits"]
-        if self.router_scores:
-            names.append("router_scores")
-        if self.exit_hidden:
-            names.append("exit_hidden")
-        kv = "present" if self.flavour == "ort" else "new"
-        return names + [f"{kv}_key_{i}" for i in self.layers] + [f"{kv}_value_{i}" for i in self.layers]
 
 
 @dataclass
@@ -179,7 +165,7 @@ class SpanFlow(nn.Module):
     def outputs(
         self, hidden: Tensor, rows: Tensor, keys: list[Tensor], values: list[Tensor], scores: list[Tensor]
     ) -> tuple[Tensor, ...]:
-        """The graph's outputs in GraphSpec.output_names order; `rows` [.., R, H] get logits (the
+        """The graph's outputs in GraphEntry.output_names order; `rows` [.., R, H] get logits (the
         exit adapter and the final norm keep the flavour's axes, the head reads [R, H])."""
         if self.adapter is not None:
             rows = self.adapter(rows)

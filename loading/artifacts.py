@@ -25,22 +25,26 @@ def routers_bytes(routers: Routers) -> bytes:
     return save({"weight": routers.weight.detach().contiguous()})
 
 
-def load_routers(path: str | Path, num_layers: int, hidden_size: int) -> Routers:
+def _read_tensors(path: str | Path, what: str, missing_fix: str, unreadable_fix: str) -> dict[str, Any]:
+    """A user's safetensors file by name: `what` names it in the error when it is missing or unreadable."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if not Path(path).is_file():
-        raise UsageError(
-            f"routers file {str(path)!r} does not exist",
-            "pass --routers train, or a .safetensors file written by a previous build",
-        )
+        raise UsageError(f"{what} {str(path)!r} does not exist", missing_fix)
     try:
-        tensors = load_file(str(path))
+        return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
-        raise UsageError(
-            f"routers file {str(path)!r} is not a readable safetensors file ({exc})",
-            "pass --routers train to train new routers",
-        ) from exc
+        raise UsageError(f"{what} {str(path)!r} is not a readable safetensors file ({exc})", unreadable_fix) from exc
+
+
+def load_routers(path: str | Path, num_layers: int, hidden_size: int) -> Routers:
+    tensors = _read_tensors(
+        path,
+        "routers file",
+        "pass --routers train, or a .safetensors file written by a previous build",
+        "pass --routers train to train new routers",
+    )
     weight = tensors.get("weight")
     if weight is None or tuple(weight.shape) != (num_layers, hidden_size):
         shape = None if weight is None else tuple(weight.shape)
@@ -64,19 +68,9 @@ def adapters_bytes(adapters: dict[int, ExitAdapter]) -> bytes:
 
 def load_adapters(path: str | Path, hidden_size: int, eps: float, num_layers: int) -> dict[int, ExitAdapter]:
     """Exit adapters keyed '<E>.norm_weight', '<E>.down.weight', '<E>.up.weight', checked against the model."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     fix = "fit adapters for this model with --exit-adapter fit"
-    if not Path(path).is_file():
-        raise UsageError(
-            f"exit adapter file {str(path)!r} does not exist",
-            "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build",
-        )
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise UsageError(f"exit adapter file {str(path)!r} is not a readable safetensors file ({exc})", fix) from exc
+    missing = "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build"
+    tensors = _read_tensors(path, "exit adapter file", missing, fix)
     layers = sorted({int(k.split(".", 1)[0]) for k in tensors if k.split(".", 1)[0].isdigit()})
     if not layers:
         raise UsageError(f"exit adapter file {str(path)!r} holds no '<E>.down.weight' tensors", fix)
@@ -113,21 +107,11 @@ def prompt_tokens_bytes(table: Any) -> bytes:
 
 def load_prompt_tokens(path: str | Path, hidden_size: int) -> Any:
     """PPD prompt tokens [m, hidden] (calibration/prompt_tokens.py), checked against the model."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     from adaptive_export.runtimes.limits import MAX_PROMPT_TOKENS
 
     fix = "train prompt tokens for this model with --prompt-tokens N"
-    if not Path(path).is_file():
-        raise UsageError(
-            f"prompt tokens file {str(path)!r} does not exist",
-            f"{fix}, or pass a prompt_tokens.safetensors file written by a previous build",
-        )
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise UsageError(f"prompt tokens file {str(path)!r} is not a readable safetensors file ({exc})", fix) from exc
+    missing = f"{fix}, or pass a prompt_tokens.safetensors file written by a previous build"
+    tensors = _read_tensors(path, "prompt tokens file", missing, fix)
     table = tensors.get("prompt_tokens")
     if (
         table is None

@@ -28,7 +28,6 @@ from adaptive_export.runtimes.manifest import (
     ModelDims,
     path_problem,
 )
-from adaptive_export.runtimes.manifest_fields import JsonObject
 
 _HASH_CHUNK = 1 << 22
 
@@ -135,7 +134,7 @@ def parse_manifest(data: bytes, name: str = "manifest.json") -> Any:
     """Strict JSON from a bundle: UTF-8, no duplicate keys, no NaN/Infinity, bounded nesting."""
     fix = "rebuild the bundle with `adaptive-export build`"
 
-    def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> JsonObject:
+    def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, object]:
         keys = [key for key, _ in pairs]
         if len(set(keys)) != len(keys):
             duplicate = next(k for k in keys if keys.count(k) > 1)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adaptive_export.runtimes import limits
-from adaptive_export.runtimes.manifest_fields import JsonObject, is_int, is_name, is_str_list, need
+from adaptive_export.runtimes.manifest_fields import is_int, is_name, is_str_list, need
 
 PRECISIONS = ("int8", "int4", "native4")  # a precision draft's weights (graphs/plan.py PRECISION_DRAFTS)
 GRAPH_KINDS = ("prefill", "decode", "draft", "verify")
@@ -83,7 +83,7 @@ class GraphEntry:
         _check_graph_io(entry)
         return entry
 
-    def to_json(self) -> JsonObject:
+    def to_json(self) -> dict[str, object]:
         return {
             "kind": self.kind,
             "layers": list(self.layers),
@@ -242,5 +242,5 @@ class ConfigEntry:
                 f"config {self.id!r} has a PPD engine that is not its decode graph with prompt tokens",
             )
 
-    def to_json(self) -> JsonObject:
+    def to_json(self) -> dict[str, object]:
         return {"id": self.id, "kept": list(self.kept), "engines": dict(self.engines)}

@@ -31,7 +31,7 @@ import contextlib
 import mmap
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -42,6 +42,9 @@ from adaptive_export.runtimes.graph_policy import checked_engine_bytes
 from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.limits import check_threads
 from adaptive_export.runtimes.manifest import GraphEntry, ModelDims
+
+if TYPE_CHECKING:  # names the session types only; imported at run time by _import_ort
+    import onnxruntime
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
@@ -160,9 +163,9 @@ class OnnxRuntimeBackend(Backend):
         self.kv_layout = "head" if self.flavour == "ort" else "seq"
         self.prepack = set(prepack) if prepack is not None else self._default_prepack()
         self._weights_map, self.weights = _map_weights(bundle.path(self.entry.weights or ""))
-        self._values: dict[str, Any] = {}
-        self._sessions: dict[str, Any] = {}  # by engine file: graphs that are one file share a session
-        self._bindings: dict[str, Any] = {}
+        self._values: dict[str, onnxruntime.OrtValue] = {}
+        self._sessions: dict[str, onnxruntime.InferenceSession] = {}  # by engine file: one file, one session
+        self._bindings: dict[str, onnxruntime.IOBinding] = {}
         self._fused: dict[str, FusedBinding] = {}
         self._out_buffers: dict[tuple[str, str, tuple[int, ...]], np.ndarray] = {}
 
