@@ -8,8 +8,9 @@ from adaptive_export.graphs.architectures.gemma3 import Gemma3
 from adaptive_export.graphs.architectures.llama import Llama
 from adaptive_export.graphs.architectures.phi3 import Phi3
 from adaptive_export.graphs.architectures.qwen3 import Qwen3
+from adaptive_export.graphs.architectures.smollm3 import SmolLM3
 
-FAMILIES: tuple[DecoderArchitecture, ...] = (Llama(), Gemma3(), Qwen3(), Phi3())
+FAMILIES: tuple[DecoderArchitecture, ...] = (Llama(), Gemma3(), Qwen3(), Phi3(), SmolLM3())
 ARCHITECTURES: dict[str, DecoderArchitecture] = {t: family for family in FAMILIES for t in family.model_types}
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
