@@ -1,4 +1,4 @@
-"""Llama with rope scaling (Llama 3.x's `llama3`, and `linear`): the graphs read HF's own rotary
+"""Llama with rope scaling (Llama 3.x's `llama3`, `linear` and `yarn`): the graphs read HF's own rotary
 module, so the scaled tables must match HF's in both ONNX flavours. `dynamic` (and `longrope`)
 recompute the tables from the sequence length, which one static table cannot express: refused."""
 
@@ -21,23 +21,26 @@ ROPE = {
         "rope_theta": 500000.0,
     },
     "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    # static too, and its attention_scaling (mscale) multiplies cos and sin
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0},
 }
 
 
-@pytest.fixture(scope="module", params=sorted(ROPE))
+@pytest.fixture(scope="module", params=["linear", "llama3"])  # yarn: its table only (below), to keep the module short
 def scaled_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp(f"llama-{request.param}") / "model"
     return make_family_model(directory, "llama", rope_parameters=ROPE[request.param])
 
 
-def test_rotary_tables_are_hf_scaled_ones(scaled_model: Path) -> None:
+@pytest.mark.parametrize("rope_type", sorted(ROPE))
+def test_rotary_tables_are_hf_scaled_ones(rope_type: str, tmp_path: Path) -> None:
     """The static stack's table is HF's scaled table, not the default one (so the test below is not vacuous)."""
     import torch
 
     from adaptive_export.graphs.layers import DecoderStack
     from adaptive_export.loading.model import load_model
 
-    loaded = load_model(str(scaled_model))
+    loaded = load_model(str(make_family_model(tmp_path / "model", "llama", rope_parameters=ROPE[rope_type])))
     stack = DecoderStack(loaded.hf_model, loaded.spec, range(loaded.spec.num_layers))
     hf_rotary = loaded.hf_model.model.rotary_emb
     positions = torch.arange(40)
@@ -47,7 +50,7 @@ def test_rotary_tables_are_hf_scaled_ones(scaled_model: Path) -> None:
     torch.testing.assert_close(ours[0], cos[0])
     torch.testing.assert_close(ours[1], sin[0])
     default = 1.0 / (10000.0 ** (torch.arange(0, loaded.spec.head_dim, 2).float() / loaded.spec.head_dim))
-    assert not torch.allclose(stack.rotary.inv_freq, default)
+    assert not torch.allclose(stack.rotary.inv_freq, default) or stack.rotary.scaling != 1.0
 
 
 @pytest.mark.parametrize("flavour", ["ort", "portable"])
