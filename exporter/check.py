@@ -1,6 +1,6 @@
 """`adaptive-export check`: every engine of a bundle against the PyTorch reference.
 
-Two kinds of checks, each a JUnit test case:
+Three kinds of checks, each a JUnit test case:
 - engine parity: each graph on a fixed token sequence (a past prefix plus new tokens),
   logits, new K/V rows (and router scores / exit hidden states) against the same static
   graph run in PyTorch; decode graphs of the full model also against HF transformers.
@@ -9,6 +9,11 @@ Two kinds of checks, each a JUnit test case:
   (top-1/top-2 margin < TIE_MARGIN at the first divergent position). Each reference is
   decoded once per (kept layers, prompt, new tokens) and shared by plain decoding, every
   draft source and every backend (ReferenceDecodes).
+- the bundle itself (backend "bundle"): what the engines are, read from their ops
+  (exporter/check_precision.py), against the manifest's dtype and `--expect-precision`; the
+  tokenizer against the reference model's (exporter/check_tokenizer.py); and a failing row when
+  no engine could run here. The reference is the model the user names (`--model`), never the
+  bundle's recorded source, and the tolerance follows from the engines, never from the manifest.
 
 Tolerances (fp32 graphs): logits |diff| <= LOGIT_ATOL + LOGIT_RTOL * max|ref|. ORT fuses
 and reorders fp32 sums, so errors of 1e-5..1e-4 are expected over 30 layers; 1e-3 is an
