@@ -416,16 +416,30 @@ def _add_bundle_command(sub: Any, name: str, summary: str, description: str) -> 
 
 def _add_check_command(sub: Any) -> None:
     from adaptive_export.commands.check import MAX_TOLERANCE
+    from adaptive_export.exporter.check_precision import PRECISION_CLASSES
     from adaptive_export.runtimes import limits
 
     check = _add_bundle_command(
         sub,
         "check",
         "check every engine against the PyTorch reference (CI gate)",
-        "Parity of every engine of every backend against PyTorch, greedy tokens against HF transformers. "
-        "Exit 0 pass, 1 mismatch, 2 bad input.",
+        "Parity of every engine of every backend against PyTorch, greedy tokens against HF transformers, "
+        "the tokenizer against the reference's, the engines' precision against the manifest. Nothing is taken from "
+        "the bundle on trust: the reference is --model (docs/hardening.md). Exit 0 pass, 1 mismatch, 2 bad input.",
     )
-    check.add_argument("--model", default=None, help="reference model (default: the one recorded in the bundle)")
+    check.add_argument(
+        "--model",
+        default=None,
+        help="the reference model the bundle was built from (required): a HF model directory, a .gguf file or a "
+        "packaged name as `build` accepts; the bundle's recorded source is never opened",
+    )
+    check.add_argument(
+        "--expect-precision",
+        choices=PRECISION_CLASSES,
+        default=None,
+        help="fail unless the engines are this precision (read from their ops and initializers; default: "
+        "whatever they are, the manifest's dtype having to agree)",
+    )
     check.add_argument("--report", default=None, help="write the JSON report here")
     check.add_argument("--junit", default=None, help="write JUnit XML here (one test case per engine and check)")
     check.add_argument(

@@ -97,6 +97,7 @@ class CheckOptions(Options):
     prompts: str | None = None
     new_tokens: int = 16
     tolerance: float = 1.0
+    expect_precision: str | None = None  # fp32, int8, int4 or gguf: what the engines must be
 
 
 @dataclass(frozen=True)

@@ -128,19 +128,31 @@ def load_prompt_tokens(path: str | Path, hidden_size: int) -> Any:
     return table.float()
 
 
-def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
-    """The HF model the bundle was built from (or `model`), plus the bundle's routers and adapters."""
-    from adaptive_export.loading.model import DEFAULT_MODEL, load_model
+def reference_hint(bundle: Bundle) -> str:
+    """The manifest's model source as a hint for the user: escaped and bounded, never opened."""
     from adaptive_export.loading.packaged import PACKAGED
 
-    recorded = bundle.model.source or DEFAULT_MODEL
-    if model is None and recorded not in PACKAGED and not Path(recorded).is_absolute():
-        # a bundle may come from anywhere: its recorded source is never resolved against the current directory
+    source = bundle.model.source
+    if not source:
+        return "the bundle records no model"
+    shown = ascii(source) if len(source) <= 160 else ascii(source[:157]) + "..."
+    relative = source not in PACKAGED and not Path(source).is_absolute()
+    return f"the bundle records {shown}{', a relative path' if relative else ''}"
+
+
+def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
+    """The reference model the user named (`model`), plus the bundle's routers and adapters.
+
+    The manifest's `model.source` is never opened: a bundle could point it at a tampered
+    reference inside itself, or at any file outside (docs/hardening.md, "check as a CI gate")."""
+    from adaptive_export.loading.model import load_model
+
+    if model is None:
         raise UsageError(
-            f"the bundle records its model as {recorded!r}, a relative path", "pass the reference model with --model"
+            "check needs the reference model", f"pass --model <the model you built from> ({reference_hint(bundle)})"
         )
     with library_call_warnings_hidden():  # transformers' deprecation notices while loading are not our output
-        loaded = load_model(model or recorded)
+        loaded = load_model(model)
     recorded_dims = bundle.model.to_json()
     if loaded.spec.to_json() != {k: recorded_dims.get(k) for k in loaded.spec.to_json()}:
         raise UsageError(

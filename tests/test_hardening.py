@@ -424,10 +424,10 @@ def test_wrong_kv_heads_in_the_manifest_are_refused(
 
 
 def test_check_exits_2_not_1_on_a_refused_engine(
-    tiny_portable_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_portable_bundle: Path, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bad = make_bad(tiny_portable_bundle, tmp_path, GRAPH_CASES["swapped_graphs"][0])
-    expect_usage(["check", str(bad), "--new-tokens", "2"], capsys, "is refused")
+    expect_usage(["check", str(bad), "--model", str(tiny_model_dir), "--new-tokens", "2"], capsys, "is refused")
 
 
 # ---- weights and tensors ----------------------------------------------------------------------

@@ -64,8 +64,8 @@ def refused(argv: list[str], capsys: pytest.CaptureFixture[str], *words: str) ->
 
 
 def test_build_from_a_cached_hub_id_offline(tiny_dir: Path, offline_cache: Path, tmp_path: Path) -> None:
-    """The bundle records the snapshot it was built from; `check` reloads it from there and passes,
-    and greedy decoding equals the local directory's HF model."""
+    """The bundle records the snapshot it was built from; `check --model <the id>` resolves the id
+    through the same offline cache and passes, and greedy decoding equals the local directory's HF model."""
     import torch
 
     from adaptive_export.loading.model import load_model
@@ -76,7 +76,7 @@ def test_build_from_a_cached_hub_id_offline(tiny_dir: Path, offline_cache: Path,
     assert main(["build", REPO, "-o", str(out), "--max-len", "64", "--onnx-flavour", "portable"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["model"]["source"] == str(snapshot.resolve())
-    assert main(["check", str(out), "--new-tokens", "4"]) == 0
+    assert main(["check", str(out), "--model", REPO, "--new-tokens", "4"]) == 0
     hf = load_model(str(tiny_dir))
     ids = hf.tokenizer("The quick brown fox", add_special_tokens=False)["input_ids"]
     ours = Generator(out).generate(ids, max_new_tokens=8, raw=True).tokens

@@ -33,6 +33,8 @@ def test_check_passes_with_reports(smol_bundle: Path, tmp_path: Path) -> None:
     proc = cli(
         "check",
         str(smol_bundle),
+        "--model",
+        "smollm2",
         "--report",
         str(report),
         "--junit",
