@@ -39,6 +39,11 @@ MAX_CHAT_AFFIX_CHARS = 64 << 10  # tokenizer.chat prefix / suffix (the template 
 MAX_ENGINE_BYTES = 1 << 30  # one .onnx engine (weights live in weights.bin; protobuf cannot exceed 2 GB anyway)
 MAX_TOKENIZER_BYTES = 256 << 20
 MAX_CALIBRATION_BYTES = 64 << 20
+# a bundle's file sizes, checked before anything is hashed (runtimes/file_bounds.py)
+WEIGHTS_SIZE_FACTOR = 4  # the weights file: at most this many times the fp32 bytes the dimensions imply ...
+WEIGHTS_SIZE_SLACK = 64 << 20  # ... plus this (routers, exit adapters, prompt tokens, draft heads of a tiny model)
+SPARSE_MIN_BYTES = 1 << 20  # files this large must be allocated on disk ...
+SPARSE_MAX_RATIO = 4  # ... at least to a quarter of their size (compressed filesystems still pass)
 
 # ---- run-time arguments -----------------------------------------------------------------
 MAX_THREADS_PER_CORE = 4
