@@ -28,6 +28,14 @@ MAX_VOCAB = 1 << 21  # 2M tokens; the largest released vocabularies are ~260k
 ARENA_MAX_BYTES = 64 << 30  # the KV arena, whatever the machine
 ARENA_MAX_SHARE_OF_AVAILABLE = 0.8  # ... and at most this share of MemAvailable at load time
 
+# ---- engine runs (runtimes/backends/run_guard.py) -----------------------------------------
+ENGINE_MEMORY_MARGIN = 256 << 20  # ONNX Runtime's arena ceiling: 2x weights + KV arena + activations + this
+ACTIVATION_FACTOR = 4  # ... activations: this many fp32 copies of the widest activation at T = max_len
+RUN_TIME_FLOOR_S = 5.0  # no engine run is stopped sooner (a tiny model's runs take milliseconds)
+RUN_TIME_FACTOR = 50  # a session's later runs: at most this many times its first run (per token, scaled up)
+WORST_CASE_FLOPS = 1e9  # a session's first run: its FLOPs at this rate (2-core EPYC: about 100x faster)
+WATCH_TICK_S = 0.2  # the watchdog checks deadlines this often (and wakes at once on a signal)
+
 # ---- manifest and bundle structure ----------------------------------------------------
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_FILES = 4096  # entries in manifest "files"

@@ -94,14 +94,17 @@ def start_cli(argv: list[str], marker: str = "no-sentinel-marker", rss_file: Pat
     return proc
 
 
-def finish(proc: subprocess.Popen, started: float, timeout_s: float = LIMIT_S) -> Outcome:
-    """Wait for the child until its deadline (then kill it and fail: a hang)."""
+def finish(
+    proc: subprocess.Popen, started: float, timeout_s: float = LIMIT_S, deadline: float | None = None
+) -> Outcome:
+    """Wait for the child until its deadline (default: start + timeout_s + STARTUP_S), then kill it and fail."""
+    deadline = deadline if deadline is not None else started + timeout_s + STARTUP_S
     try:
-        out, err = proc.communicate(timeout=max(0.1, started + timeout_s + STARTUP_S - time.monotonic()))
+        out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGKILL)
         proc.communicate()
-        raise AssertionError(f"the child ran past {timeout_s + STARTUP_S:.0f} s: a hang") from None
+        raise AssertionError(f"the child ran past its deadline ({deadline - started:.1f} s): a hang") from None
     seconds = time.monotonic() - started
     rss_file: Path = proc.rss_file  # type: ignore[attr-defined]
     peak_mb = int(rss_file.read_text()) / 1024 if rss_file.exists() else 0.0
