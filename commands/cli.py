@@ -19,7 +19,14 @@ import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from adaptive_export.commands import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Signals, defer_signals
+from adaptive_export.commands import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    Signals,
+    defer_signals,
+    route_signals_to_engine_runs,
+)
 
 # Nothing heavy above this line: the project's modules (numpy, onnx, torch...) are imported by
 # main() while SIGINT/SIGTERM are only recorded (see _prepare), never at module level here.
@@ -615,6 +622,8 @@ def _prepare(argv: Sequence[str] | None, owns_signals: bool) -> tuple[Any, Any, 
         if not Signals.requested:
             signal.signal(signal.SIGTERM, _terminate_as_interrupt)
             signal.signal(signal.SIGINT, _terminate_as_interrupt)
+        if args.command in ("run", "check", "bench"):
+            route_signals_to_engine_runs()
     return args, options_class, command
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from adaptive_export.runtimes import limits
+from adaptive_export.runtimes import file_bounds, limits
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest import (
     BackendEntry,
@@ -253,6 +253,7 @@ def load_bundle(directory: str | os.PathLike[str], verify: str = "full") -> Bund
         parse_manifest(limits.read_regular(manifest_path, "manifest", limits.MAX_MANIFEST_BYTES))
     )
     bundle = Bundle(root=root, manifest=manifest)
+    file_bounds.check_file_sizes(manifest, bundle.path)  # every size before any hash
     seen: dict[tuple[int, int], str] = {}
     for relative, entry in manifest.files.items():
         _check_file(bundle, relative, entry, verify, seen)
