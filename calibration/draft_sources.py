@@ -290,24 +290,24 @@ class PrecisionMeasure(MeasuredElsewhere):
         return out
 
 
-class PromptDecodingMeasure(MeasuredElsewhere):
-    """PPD drafts (runtimes/drafting/prompt_decoding.py) need the trained prompt tokens, so they are
+class PromptTokensMeasure(MeasuredElsewhere):
+    """Prompt-token drafts (runtimes/drafting/prompt_tokens.py) need the trained prompt tokens, so they are
     simulated where those are trained (calibration/prompt_tokens.py measure_prompt_tokens), into
-    measured["ppd"]: tokens per round and the share of rounds that carry drafts."""
+    measured["prompt_tokens"]: tokens per round and the share of rounds that carry drafts."""
 
-    name = "ppd"
+    name = "prompt_tokens"
 
     @staticmethod
     def cost_candidates(measured: dict[str, Any], layers: int, head: float, adapter: float) -> list[Candidate]:
         """A round is one decode pass (its width ignored by this model), as for prompt lookup."""
         return [
             {
-                "source": "ppd",
+                "source": "prompt_tokens",
                 "draft_len": int(k),
                 "tokens_per_round": row["tokens_per_round"],
                 "expected_speedup": round(row["tokens_per_round"], 3),
             }
-            for k, row in (measured.get("ppd") or {}).get("per_k", {}).items()
+            for k, row in (measured.get("prompt_tokens") or {}).get("per_k", {}).items()
         ]
 
     @staticmethod
@@ -315,9 +315,9 @@ class PromptDecodingMeasure(MeasuredElsewhere):
         measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None
     ) -> list[Candidate]:
         """A round with k drafts is one decode pass at T = 1+k+m, a round without at T = 1+m."""
-        ppd = measured.get("ppd") or {}
-        m, step, out = int(ppd.get("prompt_tokens", 0)), latencies["decode_ms"][1], []
-        for k_text, row in ppd.get("per_k", {}).items():
+        rounds = measured.get("prompt_tokens") or {}
+        m, step, out = int(rounds.get("prompt_tokens", 0)), latencies["decode_ms"][1], []
+        for k_text, row in rounds.get("per_k", {}).items():
             k = int(k_text)
             if 1 + k + m not in latencies["decode_ms"]:
                 continue
@@ -325,7 +325,7 @@ class PromptDecodingMeasure(MeasuredElsewhere):
             round_ms = share * latencies["decode_ms"][1 + k + m] + (1 - share) * latencies["decode_ms"][1 + m]
             out.append(
                 {
-                    "source": "ppd",
+                    "source": "prompt_tokens",
                     "draft_len": k,
                     "tokens_per_round": row["tokens_per_round"],
                     "acceptance": row["acceptance"],
@@ -337,7 +337,7 @@ class PromptDecodingMeasure(MeasuredElsewhere):
 
 
 MEASURES: dict[str, type[DraftMeasure]] = {
-    m.name: m for m in (EarlyExitMeasure, PromptLookupMeasure, PrecisionMeasure, PromptDecodingMeasure)
+    m.name: m for m in (EarlyExitMeasure, PromptLookupMeasure, PrecisionMeasure, PromptTokensMeasure)
 }
 if set(MEASURES) != set(SOURCES):  # pragma: no cover - a registration mistake, caught by any import
     raise RuntimeError(

@@ -38,8 +38,8 @@ class BuildPlan:
     # A draft engine over the same layers and arena at a cheaper weight precision
     # (runtimes/speculative.py, source "precision"); built for the full configuration only.
     precision_draft: str | None = None
-    # PPD: the full model's decode graph also embeds this many trained prompt tokens
-    # (runtimes/drafting/prompt_decoding.py); 0: none.
+    # Prompt tokens (parallel prompt decoding): the full model's decode graph also embeds this
+    # many trained prompt tokens (runtimes/drafting/prompt_tokens.py); 0: none.
     prompt_tokens: int = 0
     # VocabTrim: the precision draft's head scores only this many token ids (0: all).
     draft_vocab: int = 0

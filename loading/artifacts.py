@@ -112,7 +112,7 @@ def prompt_tokens_bytes(table: Any) -> bytes:
 
 
 def load_prompt_tokens(path: str | Path, hidden_size: int) -> Any:
-    """PPD prompt tokens [m, hidden] (calibration/prompt_tokens.py), checked against the model."""
+    """prompt tokens [m, hidden] (calibration/prompt_tokens.py), checked against the model."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

@@ -31,7 +31,7 @@ class Proposal:
 
     `rows`: the draft distribution's logits per draft (for the rejection rule), None when the
     drafts are deterministic (copied from the context, argmax guesses). `extra_inputs`: inputs
-    the verify pass appends after the drafts (PPD's prompt tokens), whose rows guess the next
+    the verify pass appends after the drafts (the prompt-token source's trained tokens), whose rows guess the next
     round's drafts. A proposal with neither drafts nor extra inputs is a plain step: its verify
     pass is one T=1 decode step (`PLAIN`, also what a gated-out round verifies)."""
 
