@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adaptive_export.calibration.draft_sources import MAX_DRAFT, MEASURES
+from adaptive_export.calibration.draft_sources import MAX_DRAFT
+from adaptive_export.calibration.drafts import MEASURES
 from adaptive_export.calibration.exit_adapters import (
     ExitAdapterFit,
     candidate_exits,
@@ -36,7 +37,7 @@ from adaptive_export.calibration.latency import (
     verify_costs,
 )
 from adaptive_export.calibration.measure import calibration_prompts, measure_speculation
-from adaptive_export.graphs.plan import ExitPlan
+from adaptive_export.graphs.drafts.early_exit import ExitPlan
 from adaptive_export.loading.artifacts import ADAPTERS_FILE, adapters_bytes
 from adaptive_export.runtimes.errors import UsageError
 

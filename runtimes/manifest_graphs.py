@@ -13,7 +13,7 @@ from typing import Any
 from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.manifest_fields import JsonObject, is_int, is_name, is_str_list, need
 
-PRECISIONS = ("int8", "int4", "native4")  # a precision draft's weights (graphs/plan.py PRECISION_DRAFTS)
+PRECISIONS = ("int8", "int4", "native4")  # a precision draft's weights (graphs/drafts/precision.py PRECISION_DRAFTS)
 GRAPH_KINDS = ("prefill", "decode", "draft", "verify")
 _KIND_SOURCE = {"prefill": "ids", "decode": "ids", "draft": "ids", "verify": "hidden"}
 _ROLE_KINDS = {

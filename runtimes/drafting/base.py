@@ -5,7 +5,7 @@ that scores them; the speculative loop (runtimes/speculative.py) owns everything
 acceptance (runtimes/acceptance.py), the arena crop, stats and gating. Everything a verify
 pass needs to know about its round is in the proposal it gets, so a source keeps no
 round-to-round flags. Calibration measures the
-same sources under the same names (calibration/draft_sources.py).
+same sources under the same names (calibration/drafts/; the registry: runtimes/drafting/registry.py).
 """
 
 from __future__ import annotations

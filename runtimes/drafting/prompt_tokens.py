@@ -57,3 +57,6 @@ class PromptTokens(DraftSource):
         self.guesses = [int(np.argmax(logits[count + i])) for i in range(prompts)]
         self.guesses_at = start + count  # valid iff the round emits every draft plus the bonus
         return out
+
+
+SOURCE = PromptTokens
