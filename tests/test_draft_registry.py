@@ -39,6 +39,7 @@ def test_the_layers_read_the_one_registration_in_its_order() -> None:
 def test_every_source_has_its_runtime_module_and_measure(name: str) -> None:
     source, measure = SOURCES[name], measure_of(name)
     assert (ROOT / "runtimes" / "drafting" / f"{name}.py").is_file()
+    assert (ROOT / "calibration" / "drafts" / f"{name}.py").is_file()
     assert issubclass(source, DraftSource) and source.name == name
     assert issubclass(measure, DraftMeasure) and measure.name == name
 

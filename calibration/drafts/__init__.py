@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from adaptive_export.calibration.draft_sources import NOT_YET_MOVED, DraftMeasure
+from adaptive_export.calibration.draft_sources import DraftMeasure
 from adaptive_export.runtimes.drafting.registry import DRAFT_SOURCES, calibration_module
 
 
 def measure_of(name: str) -> type[DraftMeasure]:
     """The registered name's measure, which must answer to that name."""
-    measure = NOT_YET_MOVED.get(name) or import_module(calibration_module(name)).MEASURE
+    measure = import_module(calibration_module(name)).MEASURE
     if isinstance(measure, type) and issubclass(measure, DraftMeasure) and measure.name == name:
         return measure
     raise TypeError(f"{calibration_module(name)}.MEASURE is not a DraftMeasure named {name!r}")
