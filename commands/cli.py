@@ -252,8 +252,9 @@ def _add_build_draft_arguments(build: argparse.ArgumentParser) -> None:
         "--prompt-tokens",
         default="0",
         metavar="N|FILE",
-        help=f"PPD drafts (run --draft ppd): train N prompt-token embeddings (1..{limits.MAX_PROMPT_TOKENS}; 3 is a "
-        "good start) on the model's own greedy continuations of the calibration prompts, model frozen, fixed --seed; "
+        help="prompt-token drafts (parallel prompt decoding, run --draft prompt_tokens): train N prompt-token "
+        f"embeddings (1..{limits.MAX_PROMPT_TOKENS}; 3 is a good start) on the model's own greedy continuations of "
+        "the calibration prompts, model frozen, fixed --seed; "
         "the full decode engine embeds them, so every verify pass also guesses the next round's drafts. They ship "
         "as prompt_tokens.safetensors (N x hidden floats, a few KB); FILE reuses such a file. With --speculate "
         "auto, calibration measures them beside the other draft sources. Default: 0 (none)",
@@ -337,6 +338,18 @@ def _add_run_command(sub: Any) -> None:
     _add_run_engine_arguments(run)
 
 
+def _draft_source_name(text: str) -> str:
+    """`--draft`'s value; the prompt-token source's old name gets a pointer to its new one
+    ("PPD" now names nothing here: a later source may take it)."""
+    from adaptive_export.runtimes.drafting import RENAMED_SOURCES
+
+    if text in RENAMED_SOURCES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is now called {RENAMED_SOURCES[text]!r}: use --draft {RENAMED_SOURCES[text]}"
+        )
+    return text
+
+
 def _add_run_decoding_arguments(run: argparse.ArgumentParser) -> None:
     """Which layers run and how tokens are drafted."""
     from adaptive_export.runtimes import limits
@@ -346,6 +359,7 @@ def _add_run_decoding_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--draft",
         default=None,
+        type=_draft_source_name,
         choices=list(SOURCE_NAMES),
         help="draft source for --mode spec (default: the one calibration chose, else prompt_lookup); precision needs "
         "a bundle built with --draft-precision",

@@ -149,7 +149,7 @@ def _name_weights(store: WeightStore, parts: ModelParts, packed: Any, graphs: li
     if parts.routers is not None:
         store.name_parameters([("routers.weight", parts.routers.weight.detach().numpy())])
     if parts.prompt_tokens is not None:
-        store.name_parameters([("ppd.prompt_tokens", parts.prompt_tokens.detach().numpy())])
+        store.name_parameters([("prompt_tokens.table", parts.prompt_tokens.detach().numpy())])
     if parts.draft_vocab is not None:
         rows = next((draft_head(parts, g) for g in graphs if g.draft_vocab), None)
         if rows is not None:
@@ -286,11 +286,11 @@ def draft_vocab_bytes(parts: ModelParts) -> bytes:
 
 def _exit_engines(graphs: list[GraphSpec], config_id: str) -> dict[str, str]:
     """A configuration's draft engines: early exit's draft/verify pair, a precision draft, and
-    its decode graph again as the PPD engine when that graph embeds prompt tokens."""
+    its decode graph again as the prompt_tokens engine when that graph embeds prompt tokens."""
     engines: dict[str, str] = {}
     for graph in graphs:
         if graph.config == config_id and graph.kind == "decode" and graph.prompt_tokens and graph.precision is None:
-            engines["ppd"] = graph.name
+            engines["prompt_tokens"] = graph.name
         if graph.config == config_id and graph.kind in ("draft", "verify"):
             engines[graph.kind] = graph.name
         elif graph.config == config_id and graph.precision is not None:

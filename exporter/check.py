@@ -149,7 +149,7 @@ def parity_inputs(bundle: Bundle, backend: Any, spec: Any, seed: int) -> tuple[P
         else rng.standard_normal((1, count, model.hidden_size)).astype(np.float32)
     )
     if spec.prompt_tokens and spec.source == "ids":
-        # the last rows are PPD prompt tokens: their embedding is checked too
+        # the last rows are prompt tokens: their embedding is checked too
         prompts = min(spec.prompt_tokens, count - 1)
         first[0, count - prompts :] = model.vocab_size + np.arange(prompts)
     # fused engines bind the whole [1, n_kv, max_len, hd] block, so their arena is max_len long

@@ -53,7 +53,7 @@ class GraphSpec:
     # ("int8"/"int4": RTN of the float weights; "native4": the GGUF's blocks at accuracy 4),
     # drafting for the bundle's own precision on the same arena. None: the bundle's precision.
     precision: str | None = None
-    # PPD (kind "decode"): ids vocab..vocab+m-1 embed as the m trained prompt tokens
+    # Prompt tokens (kind "decode"): ids vocab..vocab+m-1 embed as the m trained prompt tokens
     # (calibration/prompt_tokens.py), so the verify pass also guesses the next round's drafts.
     prompt_tokens: int = 0
     # VocabTrim (a precision draft): the head scores only the bundle's `draft_vocab` token ids
@@ -70,7 +70,7 @@ class ModelParts:
     spec: ModelSpec
     routers: Routers | None = None
     exit_adapters: dict[int, ExitAdapter] = field(default_factory=dict)
-    prompt_tokens: torch.Tensor | None = None  # PPD's trained [m, hidden] table, in the scaled embedding space
+    prompt_tokens: torch.Tensor | None = None  # the trained [m, hidden] table, in the scaled embedding space
     draft_vocab: torch.Tensor | None = None  # VocabTrim: the sorted token ids a draft head scores (int64)
     # Derived once per build and shared by its graphs (graphs/fused_graph.packed_weights, draft_head):
     packed_by_max_len: dict[int, PackedWeights] = field(default_factory=dict, repr=False, compare=False)
@@ -78,12 +78,12 @@ class ModelParts:
 
 
 def prompt_table(parts: ModelParts, graph: GraphSpec) -> torch.Tensor | None:
-    """The PPD table a graph embeds (its `prompt_tokens` rows), or a clear error if missing."""
+    """The prompt-token table a graph embeds (its `prompt_tokens` rows), or a clear error if missing."""
     if not graph.prompt_tokens:
         return None
     if parts.prompt_tokens is None or parts.prompt_tokens.shape[0] != graph.prompt_tokens:
         raise ValueError(
-            f"graph {graph.name!r} embeds {graph.prompt_tokens} PPD prompt tokens, but the model parts hold "
+            f"graph {graph.name!r} embeds {graph.prompt_tokens} prompt tokens, but the model parts hold "
             f"{0 if parts.prompt_tokens is None else parts.prompt_tokens.shape[0]}"
         )
     return parts.prompt_tokens.detach()

@@ -106,7 +106,7 @@ def prompt_tokens_bytes(table: Any) -> bytes:
 
 
 def load_prompt_tokens(path: str | Path, hidden_size: int) -> Any:
-    """PPD prompt tokens [m, hidden] (calibration/prompt_tokens.py), checked against the model."""
+    """Prompt tokens [m, hidden] (calibration/prompt_tokens.py), checked against the model."""
     from adaptive_export.runtimes.limits import MAX_PROMPT_TOKENS
 
     fix = "train prompt tokens for this model with --prompt-tokens N"

@@ -159,7 +159,7 @@ def render(info: BundleSummary) -> str:
     for name, g in info["graphs"].items():
         extras = [
             f"{g['precision']} weights" if g.get("precision") else "",
-            f"{g['prompt_tokens']} PPD prompt tokens" if g.get("prompt_tokens") else "",
+            f"{g['prompt_tokens']} prompt tokens" if g.get("prompt_tokens") else "",
             f"head over {g['draft_vocab']} tokens" if g.get("draft_vocab") else "",
         ]
         lines.append(f"  {name:24} {g['kind']:8} {g['layers']:3} layers" + "".join(f", {e}" for e in extras if e))
