@@ -127,13 +127,14 @@ def stdlib_documents(loaded: Any, count: int, max_tokens: int, seed: int) -> lis
 def training_text(
     loaded: Any, *, requests: int, answer_tokens: int, docstrings: int, seed: int, progress: bool = True
 ) -> TrainingText:
-    """Both kinds of documents, every HELD_OUT_EVERY-th of each kind held out."""
+    """Both kinds of documents, each distinct document once, every HELD_OUT_EVERY-th of each kind held out."""
     own = self_written_documents(
         loaded, self_written_requests(loaded, requests, seed, progress), answer_tokens, progress
     )
     shipped = stdlib_documents(loaded, docstrings, answer_tokens * 2, seed)
     train, held = [], []
     for docs in (own, shipped):
-        for index, doc in enumerate(docs):
+        distinct = list({doc.ids: doc for doc in docs}.values())  # a repeated document would sit in both splits
+        for index, doc in enumerate(distinct):
             (held if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else train).append(doc)
     return TrainingText(tuple(train), tuple(held))

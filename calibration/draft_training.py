@@ -34,7 +34,7 @@ from tqdm import tqdm
 from adaptive_export.calibration.draft_data import Document, TrainingText
 from adaptive_export.calibration.draft_length import Costs, choose_length
 from adaptive_export.calibration.draft_vocab import ranked_ids
-from adaptive_export.graphs.adaptive import ExitAdapter, GatedExitAdapter
+from adaptive_export.graphs.adaptive import DraftHead, ExitAdapter, GatedExitAdapter
 from adaptive_export.graphs.layers import Head
 
 TOP_K = 64
@@ -259,19 +259,6 @@ def agreement_at(block: nn.Module, exit_layer: int, context: ExitContext, size: 
     value = trimmed_agreement(TrimmedDraft(block, context.head, ids), context.held.hidden[exit_layer], ids,
                               context.held.top_ids[:, 0])  # fmt: skip
     return round(value, 4)
-
-
-@dataclass(frozen=True)
-class DraftHead:
-    """One trained draft exit: its block, the ascending token ids its head scores, its draft length
-    and the confidence below which a round stops drafting."""
-
-    exit_layer: int
-    form: str
-    block: nn.Module
-    ids: Tensor
-    draft_len: int
-    stop_below: float
 
 
 @dataclass(frozen=True)

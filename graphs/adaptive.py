@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
@@ -61,3 +63,17 @@ class GatedExitAdapter(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
         return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+@dataclass(frozen=True)
+class DraftHead:
+    """A trained draft exit (calibration/draft_training.py, `build --draft-head`): the exit block
+    at `exit_layer`, the ascending token ids its head scores (rows of the LM head, VocabTrim),
+    the round's draft length and the confidence below which a round stops drafting."""
+
+    exit_layer: int
+    form: str  # "lowrank" (ExitAdapter) | "gated" (GatedExitAdapter)
+    block: nn.Module
+    ids: Tensor
+    draft_len: int
+    stop_below: float
