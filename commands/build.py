@@ -47,6 +47,28 @@ def check_exit_adapter_option(options: BuildOptions) -> None:
         )
 
 
+def check_draft_head_option(options: BuildOptions) -> None:
+    """`--draft-head none|train|FILE` needs --speculate, and replaces --exit-adapter and --draft-vocab."""
+    option = options.draft_head or "none"
+    if option == "none":
+        return
+    if not options.speculate:
+        raise UsageError(
+            f"--draft-head {option} needs --speculate (the head belongs to the early-exit draft)",
+            "add --speculate auto, or --speculate E:k",
+        )
+    if (options.exit_adapter or "none") != "none" or options.draft_vocab:
+        raise UsageError(
+            f"--draft-head {option} brings its own exit block and vocabulary",
+            "drop --exit-adapter and --draft-vocab",
+        )
+    if option != "train" and not Path(option).is_file():
+        raise UsageError(
+            f"draft head file {option!r} does not exist",
+            "pass --draft-head train, or a draft head file (samples/smollm2_draft_head.safetensors)",
+        )
+
+
 def quantized_gguf(model: str) -> Path | None:
     """The model's .gguf file when it holds quantized tensors (its own grid to keep), else None."""
     directory, gguf_file = check_model_files(model)  # header and dimensions checked before gguf parses it
@@ -164,12 +186,20 @@ class Calibrated:
 def check_build_options(options: BuildOptions) -> CheckedBuild:
     """Every check that needs no model, so a bad option fails in a second, not after the loading."""
     check_exit_adapter_option(options)
+    check_draft_head_option(options)
     prompt_tokens = check_prompt_tokens_option(options.prompt_tokens)
     preflight(options.backends)  # a backend whose tools are missing fails before any work
     output = Path(options.output)
     protect = tuple(
         Path(p)
-        for p in (options.model, options.calib, options.routers, options.exit_adapter, prompt_tokens)
+        for p in (
+            options.model,
+            options.calib,
+            options.routers,
+            options.exit_adapter,
+            options.draft_head,
+            prompt_tokens,
+        )
         if p and p not in (*PACKAGED, "train", "fit", "none")
     )
     check_output_dir(output, options.force, protect)  # fail fast, before minutes of loading and export
@@ -252,11 +282,29 @@ def calibrate_speculation(options: BuildOptions, loaded: Any, parts: ModelParts,
     state.extra_files = {**state.extra_files, **adapter_files}
 
 
+def calibrate_draft_head(options: BuildOptions, loaded: Any, parts: ModelParts, state: Calibrated) -> None:
+    """`--speculate ... --draft-head train|FILE`: the trained exit block, its trimmed head and stop threshold."""
+    from adaptive_export.calibration.draft_head import plan_draft_head
+
+    assert options.speculate is not None  # checked with the options
+    state.plan.exit, speculation, measured, files = plan_draft_head(
+        options.draft_head, options.speculate, loaded, parts
+    )
+    state.plan.draft_vocab = state.plan.exit.draft_vocab  # the bundle's draft_vocab.bin holds the head's ids
+    if state.ppd is not None:
+        speculation["ppd"] = {"draft_len": state.ppd["prompt_tokens"]}
+        measured["speculation"]["ppd"] = state.ppd
+    state.speculation = speculation
+    state.calibration.update(measured)
+    state.extra_files = {**state.extra_files, **files}
+
+
 def after_export_hook(
     options: BuildOptions, draft_precision: str | None, calibration: dict[str, Any]
 ) -> Callable[[Path, dict[str, Any]], None] | None:
-    """With `--speculate auto`, the final choice times the staged engines (exporter's after_export)."""
-    if options.speculate != "auto":
+    """With `--speculate auto`, the final choice times the staged engines (exporter's after_export);
+    a trained draft head's choice is its own held-out measurement."""
+    if options.speculate != "auto" or (options.draft_head or "none") != "none":
         return None
     from adaptive_export.calibration.measure import calibration_prompts
     from adaptive_export.calibration.speculation import finalize_with_latencies
@@ -307,7 +355,9 @@ def run_build(options: BuildOptions) -> Manifest:
         calibrate_draft_vocab(options, loaded, parts, state)
     if checked.prompt_tokens:
         calibrate_prompt_tokens(options, checked.prompt_tokens, loaded, parts, state)
-    if options.speculate:
+    if options.speculate and (options.draft_head or "none") != "none":
+        calibrate_draft_head(options, loaded, parts, state)
+    elif options.speculate:
         calibrate_speculation(options, loaded, parts, state)
     return build_bundle(loaded, state.plan, export_options(options, checked, state), parts)
 

@@ -260,6 +260,16 @@ def _add_build_draft_arguments(build: argparse.ArgumentParser) -> None:
         "auto, calibration measures them beside the other draft sources. Default: 0 (none)",
     )
     build.add_argument(
+        "--draft-head",
+        default="none",
+        metavar="none|train|FILE",
+        help="with --speculate: 'train' trains the early-exit draft by self-distillation (an exit block of at most "
+        "one layer's parameters, low-rank or gated MLP, and a VocabTrim head of the 2k/4k/8k ids the model writes "
+        "most, on its own requests and answers plus stdlib docstrings; minutes) and calibrates a confidence threshold "
+        "that ends a round's drafting early; FILE reuses a head file (e.g. the shipped samples/"
+        "smollm2_draft_head.safetensors); see docs/speculation.md",
+    )
+    build.add_argument(
         "--draft-vocab",
         type=_bounded_int(0, limits.MAX_VOCAB),
         default=0,

@@ -39,6 +39,7 @@ class BuildOptions(Options):
     router_lr: float | None = None
     speculate: str | None = None
     exit_adapter: str = "none"
+    draft_head: str = "none"
     quantize: str = "auto"
     draft_precision: str = "none"
     prompt_tokens: str = "0"

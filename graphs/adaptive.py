@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
@@ -38,3 +40,40 @@ class ExitAdapter(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
         return x + self.up(torch.nn.functional.silu(self.down(h)))
+
+
+class GatedExitAdapter(nn.Module):
+    """Gated-MLP residual map h_E -> h_E + down(silu(gate(n)) * up(n)), n = norm(h_E): a decoder
+    layer's MLP without its attention, so a trained draft exit costs at most one layer.
+
+    Why: a low-rank adapter only rotates h_E within `rank` directions; the late layers it stands
+    in for are MLP-heavy, and a gated MLP of the same width as the model's is the cheapest block
+    that can mimic them. `down` starts at zero, so an untrained adapter is the identity.
+    """
+
+    def __init__(self, hidden_size: int, width: int, eps: float) -> None:
+        super().__init__()
+        self.norm_weight = nn.Parameter(torch.ones(hidden_size))
+        self.gate = nn.Linear(hidden_size, width, bias=False)
+        self.up = nn.Linear(hidden_size, width, bias=False)
+        self.down = nn.Linear(width, hidden_size, bias=False)
+        nn.init.zeros_(self.down.weight)
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
+        return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+@dataclass(frozen=True)
+class DraftHead:
+    """A trained draft exit (calibration/draft_training.py, `build --draft-head`): the exit block
+    at `exit_layer`, the ascending token ids its head scores (rows of the LM head, VocabTrim),
+    the round's draft length and the confidence below which a round stops drafting."""
+
+    exit_layer: int
+    form: str  # "lowrank" (ExitAdapter) | "gated" (GatedExitAdapter)
+    block: nn.Module
+    ids: Tensor
+    draft_len: int
+    stop_below: float

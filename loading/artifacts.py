@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from adaptive_export.graphs.adaptive import ExitAdapter, Routers
+from adaptive_export.graphs.adaptive import DraftHead, ExitAdapter, GatedExitAdapter, Routers
 from adaptive_export.graphs.span_graph import ModelParts
 from adaptive_export.loading.warning_filters import library_call_warnings_hidden
 from adaptive_export.runtimes.bundle import Bundle
@@ -57,7 +57,7 @@ def load_routers(path: str | Path, num_layers: int, hidden_size: int) -> Routers
     return routers
 
 
-def adapters_bytes(adapters: dict[int, ExitAdapter]) -> bytes:
+def adapters_bytes(adapters: dict[int, ExitAdapter] | dict[int, Any]) -> bytes:
     from safetensors.torch import save
 
     tensors = {
@@ -66,7 +66,9 @@ def adapters_bytes(adapters: dict[int, ExitAdapter]) -> bytes:
     return save(tensors)
 
 
-def load_adapters(path: str | Path, hidden_size: int, eps: float, num_layers: int) -> dict[int, ExitAdapter]:
+def load_adapters(
+    path: str | Path, hidden_size: int, eps: float, num_layers: int
+) -> dict[int, ExitAdapter | GatedExitAdapter]:
     """Exit adapters keyed '<E>.norm_weight', '<E>.down.weight', '<E>.up.weight', checked against the model."""
     fix = "fit adapters for this model with --exit-adapter fit"
     missing = "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build"
@@ -74,7 +76,7 @@ def load_adapters(path: str | Path, hidden_size: int, eps: float, num_layers: in
     layers = sorted({int(k.split(".", 1)[0]) for k in tensors if k.split(".", 1)[0].isdigit()})
     if not layers:
         raise UsageError(f"exit adapter file {str(path)!r} holds no '<E>.down.weight' tensors", fix)
-    adapters: dict[int, ExitAdapter] = {}
+    adapters: dict[int, ExitAdapter | GatedExitAdapter] = {}
     for layer in layers:
         if not 0 < layer < num_layers:
             raise UsageError(
@@ -83,20 +85,88 @@ def load_adapters(path: str | Path, hidden_size: int, eps: float, num_layers: in
                 fix,
             )
         own = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"{layer}.")}
-        down = own.get("down.weight")
-        rank = int(down.shape[0]) if down is not None and down.dim() == 2 else 0
-        expected = {"norm_weight": (hidden_size,), "down.weight": (rank, hidden_size), "up.weight": (hidden_size, rank)}
-        shapes = {k: tuple(v.shape) for k, v in own.items()}
-        if rank == 0 or shapes != expected:
-            raise UsageError(
-                f"exit adapter file {str(path)!r} holds tensors {shapes} for layer {layer}, this model needs "
-                f"norm_weight ({hidden_size},), down.weight (rank, {hidden_size}), up.weight ({hidden_size}, rank)",
-                fix,
-            )
-        adapter = ExitAdapter(hidden_size, rank, eps)
-        adapter.load_state_dict({k: v.float() for k, v in own.items()})
-        adapters[layer] = adapter.eval()
+        adapters[layer] = adapter_from_tensors(own, hidden_size, eps, f"exit adapter file {str(path)!r}", layer)
     return adapters
+
+
+def adapter_from_tensors(
+    own: dict[str, Any], hidden_size: int, eps: float, what: str, layer: int
+) -> ExitAdapter | GatedExitAdapter:
+    """One exit block from its tensors: low-rank (norm_weight, down, up) or gated (norm_weight,
+    gate, up, down; `build --draft-head`), every shape checked against the model."""
+    gated = "gate.weight" in own
+    width_of = own.get("gate.weight" if gated else "down.weight")
+    width = int(width_of.shape[0]) if width_of is not None and width_of.dim() == 2 else 0
+    if gated:
+        expected = {
+            "norm_weight": (hidden_size,),
+            "gate.weight": (width, hidden_size),
+            "up.weight": (width, hidden_size),
+            "down.weight": (hidden_size, width),
+        }
+    else:
+        expected = {
+            "norm_weight": (hidden_size,),
+            "down.weight": (width, hidden_size),
+            "up.weight": (hidden_size, width),
+        }
+    shapes = {k: tuple(v.shape) for k, v in own.items()}
+    if width == 0 or width > 16 * hidden_size or shapes != expected:
+        raise UsageError(
+            f"{what} holds tensors {shapes} for layer {layer}, this model needs norm_weight ({hidden_size},), "
+            f"down.weight (rank, {hidden_size}), up.weight ({hidden_size}, rank) [low-rank] or norm_weight, "
+            f"gate.weight and up.weight (width, {hidden_size}), down.weight ({hidden_size}, width) [gated]",
+            "fit adapters for this model with --exit-adapter fit, or train a draft head with --draft-head train",
+        )
+    block = GatedExitAdapter(hidden_size, width, eps) if gated else ExitAdapter(hidden_size, width, eps)
+    block.load_state_dict({k: v.float() for k, v in own.items()})
+    return block.eval()
+
+
+def draft_head_bytes(head: DraftHead) -> bytes:
+    """A trained draft head as one fp16 safetensors file: '<E>.*' block tensors, 'ids' (int32), and
+    its form, draft length and stop threshold as metadata (the LM head rows are the model's own)."""
+    import torch
+    from safetensors.torch import save
+
+    tensors = {f"{head.exit_layer}.{n}": p.detach().half().contiguous() for n, p in head.block.named_parameters()}
+    tensors["ids"] = head.ids.to(torch.int32).contiguous()
+    metadata = {"form": head.form, "draft_len": str(head.draft_len), "stop_below": repr(float(head.stop_below))}
+    return save(tensors, metadata=metadata)
+
+
+def load_draft_head(path: str | Path, hidden_size: int, eps: float, num_layers: int, vocab_size: int) -> DraftHead:
+    """`build --draft-head FILE`: a file draft_head_bytes wrote, checked against the model."""
+    from safetensors import SafetensorError, safe_open
+
+    fix = "train a draft head for this model with --draft-head train"
+    try:
+        with safe_open(str(path), framework="pt") as reader:
+            metadata = reader.metadata() or {}
+            tensors = {k: reader.get_tensor(k) for k in reader.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise UsageError(f"draft head file {str(path)!r} is not a readable safetensors file ({exc})", fix) from exc
+    ids = tensors.pop("ids", None)
+    layers = {k.split(".", 1)[0] for k in tensors}
+    try:
+        draft_len, stop_below = int(metadata["draft_len"]), float(metadata["stop_below"])
+        (layer_text,) = layers
+        layer = int(layer_text)
+    except (KeyError, ValueError):
+        raise UsageError(f"draft head file {str(path)!r} lacks one exit's tensors, ids or metadata", fix) from None
+    good_ids = ids is not None and ids.dim() == 1 and 0 < ids.numel() < vocab_size
+    if not good_ids or not bool((ids[1:] > ids[:-1]).all()) or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise UsageError(f"draft head file {str(path)!r} holds no ascending token ids below {vocab_size}", fix)
+    if not 0 < layer < num_layers or not 1 <= draft_len <= 16 or not 0.0 <= stop_below < 1.0:
+        raise UsageError(
+            f"draft head file {str(path)!r} has exit {layer}, draft length {draft_len}, threshold {stop_below}: "
+            f"this model needs an exit in 1..{num_layers - 1}, a length in 1..16 and a threshold in [0, 1)",
+            fix,
+        )
+    own = {k.split(".", 1)[1]: v for k, v in tensors.items()}
+    block = adapter_from_tensors(own, hidden_size, eps, f"draft head file {str(path)!r}", layer)
+    form = "gated" if isinstance(block, GatedExitAdapter) else "lowrank"
+    return DraftHead(layer, form, block, ids.long(), draft_len, stop_below)
 
 
 def prompt_tokens_bytes(table: Any) -> bytes:

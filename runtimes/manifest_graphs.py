@@ -149,8 +149,11 @@ def _graph_fields(name: Any, graph: Any, num_layers: int) -> GraphEntry:
         f"(a decode graph may embed 0..{limits.MAX_PROMPT_TOKENS} prompt tokens)",
     )
     need(
-        is_int(draft_vocab) and 0 <= draft_vocab <= limits.MAX_VOCAB and (precision is not None or not draft_vocab),
-        f"graph {name!r} has a bad draft_vocab (a precision draft may score 1..vocab_size-1 token ids, other graphs 0)",
+        is_int(draft_vocab)
+        and 0 <= draft_vocab <= limits.MAX_VOCAB
+        and (precision is not None or kind == "draft" or not draft_vocab),
+        f"graph {name!r} has a bad draft_vocab "
+        "(a precision or early-exit draft may score 1..vocab_size-1 token ids, other graphs 0)",
     )
     need(graph.get("flavour", "portable") in ("portable", "ort"), f"graph {name!r} has an unknown flavour")
     routers, exit_hidden, adapter = (

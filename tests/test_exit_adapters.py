@@ -194,3 +194,21 @@ def test_missing_adapter_file_or_no_speculation_fails_fast(
     assert "does not exist" in capsys.readouterr().err
     assert main(["build", model, "-o", str(tmp_path / "o"), "--exit-adapter", "fit"]) == 2
     assert "needs --speculate" in capsys.readouterr().err
+
+
+def test_gated_exit_block_file_round_trips(tmp_path: Path) -> None:
+    """A trained draft head's gated block (build --draft-head) ships as exit_adapters.safetensors;
+    `check` and `--exit-adapter FILE` read it back as the same block."""
+    from adaptive_export.graphs.adaptive import GatedExitAdapter
+    from adaptive_export.loading.artifacts import adapters_bytes, load_adapters
+
+    torch.manual_seed(0)
+    block = GatedExitAdapter(64, 48, 1e-6)
+    torch.nn.init.normal_(block.down.weight, std=0.05)
+    path = tmp_path / ADAPTERS_FILE
+    path.write_bytes(adapters_bytes({3: block}))
+    loaded = load_adapters(path, 64, 1e-6, 6)
+    assert isinstance(loaded[3], GatedExitAdapter)
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(loaded[3](x), block(x))
+    assert not torch.equal(block(x), x)  # the block is not the identity, so the comparison means something

@@ -20,6 +20,9 @@ class ExitPlan:
     exit_layer: int
     draft_len: int
     adapter: bool = False
+    # A trained draft head (`build --draft-head`): the draft graph's head scores only this many
+    # token ids (the bundle's draft_vocab); 0: the full vocabulary.
+    draft_vocab: int = 0
 
 
 def exit_graphs(config: SkipConfig, plan: ExitPlan) -> list[GraphSpec]:
@@ -37,6 +40,7 @@ def exit_graphs(config: SkipConfig, plan: ExitPlan) -> list[GraphSpec]:
             exit_adapter=plan.adapter,
             config=config.id,
             exit_layer=plan.exit_layer,
+            draft_vocab=plan.draft_vocab,
         ),
         GraphSpec(
             f"verify_{config.id}_e{plan.exit_layer}",

@@ -2,7 +2,12 @@
 head, T=1 per token, writing those layers' KV rows and saving each exit hidden state (the
 exit query cache); the verify engine runs the layers from E on over the saved hidden states,
 writing the remaining rows of the same positions. Every row is written once. No bonus token
-when all k drafts are accepted (it would cost one more draft call)."""
+when all k drafts are accepted (it would cost one more draft call).
+
+A trained draft head (`build --draft-head`) scores only the bundle's draft_vocab ids (row j is
+id ids[j], as a precision draft's) and may set `speculation.draft_stop_below`: a round stops
+drafting after a draft whose own top-1 probability is below it (Kangaroo's double early exit;
+calibration/draft_length.py measures it)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from adaptive_export.runtimes.drafting.base import DraftSource, Proposal, engine_drafts
+from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.sampling import Sampler
 
@@ -26,19 +32,49 @@ class EarlyExit(DraftSource):
     def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int) -> None:
         super().__init__(backend, config, model, k)
         self.hidden = np.zeros((1, k, model.hidden_size), dtype=np.float32)
+        speculation = backend.bundle.manifest.speculation
+        self.stop_below = stop_threshold(speculation.extra.get("draft_stop_below") if speculation else None)
+        self.confidence = 1.0  # the last draft's own top-1 probability
 
     def propose(
         self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
     ) -> Proposal:
         def keep_exit_hidden(j: int, out: StepOutputs) -> None:  # the exit query cache the verify pass starts from
             self.hidden[0, j] = out.exit_hidden[0, -1]
+            if self.stop_below:
+                logits = out.logits[0, -1]
+                self.confidence = float(1.0 / np.exp(logits - logits.max()).sum())
 
-        return engine_drafts(
-            self.backend, self.config.engines["draft"], pending, k, start, arena, sampler, keep_exit_hidden
-        )
+        graph = self.config.engines["draft"]
+        if not self.stop_below:
+            return engine_drafts(self.backend, graph, pending, k, start, arena, sampler, keep_exit_hidden)
+        tokens: list[int] = []
+        rows: list[np.ndarray] | None = None if sampler.greedy else []
+        for j in range(k):  # one draft step at a time, until the draft doubts its own token
+            step = engine_drafts(
+                self.backend, graph, tokens[-1] if tokens else pending, 1, start + j, arena, sampler,
+                lambda _, out, j=j: keep_exit_hidden(j, out),
+            )  # fmt: skip
+            tokens += step.tokens
+            if rows is not None and step.rows is not None:
+                rows += step.rows
+            if self.confidence < self.stop_below:
+                break
+        return Proposal(tokens, rows)
 
     def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
         return self.backend.run(self.config.engines["verify"], self.hidden[:, : len(proposal.tokens)], arena, start)
+
+
+def stop_threshold(value: object) -> float:
+    """The manifest's `speculation.draft_stop_below`: absent (0, fixed length) or a number in [0, 1)."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+        raise UsageError(
+            "speculation.draft_stop_below must be a number in [0, 1)", "rebuild the bundle with --draft-head train"
+        )
+    return float(value)
 
 
 SOURCE = EarlyExit
