@@ -329,11 +329,12 @@ def _add_run_decoding_arguments(run: argparse.ArgumentParser) -> None:
     )
     run.add_argument(
         "--mode",
-        default="ar",
+        default="auto",
         choices=DECODING_MODES,
-        help="ar: plain decoding (default); spec: self-speculative with --draft; auto: the draft source calibration "
-        "found to pay on average, else prompt lookup gated to draft only while drafts pay for the wider verify pass "
-        "(plain speed on chat, faster where the answer repeats the context)",
+        help="auto (default): the draft source calibration found to pay on this bundle, else prompt lookup (free: "
+        "no draft engine), gated to draft only while drafts pay for the wider verify pass (plain speed on chat, "
+        "faster where the answer repeats the context; the same tokens as ar under greedy decoding); ar: plain "
+        "decoding; spec: self-speculative with --draft, ungated",
     )
     run.add_argument(
         "--draft",
