@@ -45,7 +45,7 @@ def parse_args() -> argparse.Namespace:
 
 def best_speedup(measured: dict[str, Any], exit_layer: int, layers: int) -> tuple[int, float, float]:
     """(k, tokens per round, expected speed-up) of the best draft length at this exit."""
-    from adaptive_export.calibration.draft_sources import early_exit_speedup
+    from adaptive_export.calibration.drafts.early_exit import early_exit_speedup
 
     rows = [
         (int(key.split(":")[1]), tokens)

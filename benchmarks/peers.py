@@ -74,7 +74,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import cpu_model, hf_generate_timer, load_prompts, median_of, pin_threads  # noqa: E402
+from benchmarks.common import bench_parser, cpu_model, hf_generate_timer, load_prompts, median_of, pin_threads  # noqa: E402
 
 FIXED = ("hf-eager", "optimum-ort", "llama.cpp", "llama.cpp-lookup", "genai-fp32", "genai-int8", "genai-int4")
 PRECISION = {
@@ -535,7 +535,7 @@ def select(names: list[str], wanted: str, skip: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, "threads for every contender (torch, ORT intra-op, llama.cpp, genai) (default: 2)")
     parser.add_argument(
         "--bundles",
         default="",
@@ -551,12 +551,6 @@ def build_parser() -> argparse.ArgumentParser:
         f"default all: {', '.join(FIXED)}, bundle-*",
     )
     parser.add_argument("--skip", default="", metavar="LIST", help="comma-separated contenders to leave out")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=2,
-        help="threads for every contender (torch, ORT intra-op, llama.cpp, genai) (default: 2)",
-    )
     parser.add_argument(
         "--repeat", type=int, default=3, help="timed repetitions per prompt, after one warm-up run (default: 3)"
     )
@@ -577,12 +571,12 @@ def _add_setting_arguments(parser: argparse.ArgumentParser) -> None:
         help="packaged model every contender runs: smollm2 (default; chat prompts of samples/eval_prompts.jsonl) "
         "or gemma3 (base model; raw-text prompts of samples/heldout_text.jsonl)",
     )
-    parser.add_argument(
-        "--prompts", type=int, default=10, help="how many prompts of the model's prompt file (default: 10)"
-    )
-    parser.add_argument(
-        "--new-tokens", type=int, default=32, help="greedy tokens per run; TPOT is over the last N-1 (default: 32)"
-    )
+    for flag, kind, default, text in (
+        ("--prompts", int, 10, "how many prompts of the model's prompt file"),
+        ("--new-tokens", int, 32, "greedy tokens per run; TPOT is over the last N-1"),
+        ("--timeout", float, 3600, "seconds allowed per contender process"),
+    ):
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
     parser.add_argument(
         "--work-dir",
         default=None,
@@ -596,9 +590,6 @@ def _add_setting_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help="run contender NAME with another interpreter (e.g. optimum-ort from a venv with optimum-onnx "
         "and the older transformers it pins)",
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=3600, help="seconds allowed per contender process (default: 3600)"
     )
     parser.add_argument(
         "--json",

@@ -35,7 +35,7 @@ from adaptive_export.calibration.routers import (
     skipping_logits,
     train_routers,
 )
-from benchmarks.common import DEFAULT_PROMPTS, ROOT, load_prompts, pin_threads, print_table
+from benchmarks.common import DEFAULT_PROMPTS, ROOT, bench_parser, load_prompts, pin_threads, print_table
 from benchmarks.router_configs import build_probe_bundle, config_rows, config_tpot
 
 
@@ -62,13 +62,12 @@ def evaluate(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, threads_help="torch and ONNX Runtime threads (default: 2)")
     parser.add_argument(
         "--lambdas",
         default="0.0,0.01,0.02,0.05,0.1,0.2",
         help="router sparsity weights to train and evaluate (comma-separated)",
     )
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--plot", default=str(ROOT / "docs" / "router_sweep.png"))
     parser.add_argument("--json", default=None)
     parser.add_argument(

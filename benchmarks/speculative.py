@@ -157,10 +157,12 @@ def prompt_set_rows(gen, other, ids: list[list[int]], set_name: str, args, hf_mo
         rows += precision_rows(gen, ids, set_name, ar, args.repeat)
     if other is not None:
         rows += precision_rows(other, ids, set_name, ar, args.repeat, label=f" of {Path(args.compare_draft).name}")
-    if "ppd" in full:  # PPD prompt tokens: drafts guessed by the previous verify pass
-        m = gen.bundle.graph(full["ppd"]).prompt_tokens
+    if "prompt_tokens" in full:  # prompt tokens: drafts guessed by the previous verify pass
+        m = gen.bundle.graph(full["prompt_tokens"]).prompt_tokens
         for k in range(1, m + 1):
-            rows.append(row(f"spec ppd (m={m} prompt tokens) k={k}", mode="spec", draft="ppd", draft_len=k))
+            rows.append(
+                row(f"spec prompt_tokens (m={m} prompt tokens) k={k}", mode="spec", draft="prompt_tokens", draft_len=k)
+            )
     rows.append(row(f"auto ({spec.get('source') if spec.get('auto_enabled') else 'gated prompt_lookup'})", mode="auto"))
     if hf_model is not None:
         hf = bench_hf_early_exit(hf_model, ids, exit_layer, 1)

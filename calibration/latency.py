@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from adaptive_export.calibration.draft_sources import MEASURES
+from adaptive_export.calibration.drafts import MEASURES
 from adaptive_export.runtimes.bundle import load_bundle
 from adaptive_export.runtimes.drafting import FREE_SOURCE
 from adaptive_export.runtimes.generate import Generator
@@ -114,7 +114,7 @@ def measure_precision_acceptance(bundle_dir: Path, prompts: list[str], max_k: in
 def choose_measured(measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None) -> dict[str, Any]:
     """Expected speed-up over plain decoding per (source, k) from acceptance x measured latency.
 
-    Each source prices its rounds (calibration/draft_sources.py): prompt lookup one decode pass
+    Each source prices its rounds (calibration/drafts/<name>.py): prompt lookup one decode pass
     at T = k + 1 (drafts plus the bonus position) or a T = 1 pass without drafts; early exit k
     draft calls plus one verify pass at T = k; precision k precision-draft calls plus one decode
     pass at T = k + 1. Speed-up = tokens per round x (T=1 decode ms) / round ms.

@@ -1,7 +1,7 @@
 """Calibration measurements in PyTorch on the model's own greedy continuations.
 
 Every draft source is simulated exactly as the runtime runs it (greedy; the per-source
-measures are in calibration/draft_sources.py): while drafts are accepted they equal the
+measures are in calibration/drafts/): while drafts are accepted they equal the
 true tokens, so early-exit drafts are the teacher-forced early-exit predictions, and a
 round ends at the first mismatch with the verifier's token.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from adaptive_export.calibration.draft_sources import MEASURES
+from adaptive_export.calibration.drafts import MEASURES
 from adaptive_export.loading.prompts import hf_prompt_ids, read_prompts
 from adaptive_export.runtimes.errors import UsageError
 
@@ -63,7 +63,7 @@ def measure_speculation(
     adapters: dict[int, Any] | None = None,
     runs: list[tuple[list[int], list[int], Any]] | None = None,
 ) -> dict[str, Any]:
-    """Simulate every draft source (calibration/draft_sources.py) on the same greedy runs; with
+    """Simulate every draft source (calibration/drafts/) on the same greedy runs; with
     `adapters` the early-exit candidates are their exits and the drafts go through them
     (head(adapter(h_E))), as the draft engine computes them. `runs` reuses greedy_with_hidden
     results already generated for `prompts`."""

@@ -1,9 +1,9 @@
-"""Train PPD prompt tokens (parallel prompt decoding, Hao et al. 2024; docs/architecture.md section 7).
+"""Train prompt tokens (parallel prompt decoding, Hao et al. 2024; docs/architecture.md section 7).
 
 m trained input embeddings P1..Pm, appended after the newest real token x_t, make the frozen
 model guess x_{t+2}..x_{t+m+1} in the same forward pass: P_i sits at position t+i (where the
 unknown x_{t+i} will be) and its logits row guesses the token after it. The runtime
-(runtimes/drafting/prompt_decoding.py) appends them to every verify pass, so the next round's
+(runtimes/drafting/prompt_tokens.py) appends them to every verify pass, so the next round's
 drafts cost no extra engine call. Only the m x hidden table trains; the model stays frozen
 and stored once.
 
@@ -151,7 +151,7 @@ def fit_prompt_tokens(
         "held_out": slot_accuracy(stack, held, table.detach()),
     }
     losses: list[float] = []
-    for step in tqdm(range(steps), desc="train PPD prompt tokens", unit="step", disable=not progress):
+    for step in tqdm(range(steps), desc="train prompt tokens", unit="step", disable=not progress):
         seq = train[step % len(train)]
         candidates = seq.positions(count)
         pick = torch.randperm(len(candidates), generator=generator)[:BATCH].tolist()
@@ -180,7 +180,7 @@ def fit_prompt_tokens(
 
 
 def simulate_chain(seq: FrozenSequence, found: dict[int, list[int]], k: int) -> dict[str, float]:
-    """Greedy chain PPD over one continuation, round by round as the runtime runs it: the token
+    """Greedy chain prompt-token drafting over one continuation, round by round as the runtime runs it: the token
     after the prompt is `pending` at position s; a round with drafts (the guesses made after
     position s-1) emits the accepted ones plus the verifier's token and keeps drafts only if it
     accepted every one; a round without drafts emits one token and makes guesses after s."""
@@ -207,8 +207,8 @@ def simulate_chain(seq: FrozenSequence, found: dict[int, list[int]], k: int) -> 
 
 
 def measure_prompt_tokens(loaded: Any, runs: Sequence[tuple[list[int], list[int]]], table: Tensor) -> dict[str, Any]:
-    """Simulated chain-PPD acceptance, tokens per round and share of rounds with drafts (the rest
-    run T = 1+m) on the held-out runs, per draft length k <= m (calibration.json 'ppd')."""
+    """Simulated chain prompt-token acceptance, tokens per round and share of rounds with drafts (the rest
+    run T = 1+m) on the held-out runs, per draft length k <= m (calibration.json 'prompt_tokens')."""
     stack = DecoderStack(loaded.hf_model, loaded.spec, range(loaded.spec.num_layers))
     held = [
         frozen_sequence(stack, ids + cont, len(ids))
@@ -226,20 +226,22 @@ def measure_prompt_tokens(loaded: Any, runs: Sequence[tuple[list[int], list[int]
     return {"prompt_tokens": int(table.shape[0]), "held_out_sequences": len(held), "per_k": per_k}
 
 
-PPD_CALIB_TOKENS = 48  # greedy tokens per calibration prompt: the positions PPD trains and is measured on
+PROMPT_TOKEN_CALIB_TOKENS = (
+    48  # greedy tokens per calibration prompt: the positions prompt tokens train and are measured on
+)
 
 
 def plan_prompt_tokens(
     option: str, loaded: Any, prompts: Sequence[str], seed: int = 0, progress: bool = True
 ) -> tuple[Tensor, dict[str, Any], dict[str, bytes]]:
     """`--prompt-tokens N|FILE`: train N prompt tokens (or load a previous build's file), then
-    simulate them on the held-out prompts. Returns the table, calibration.json's 'ppd' entry and
+    simulate them on the held-out prompts. Returns the table, calibration.json's 'prompt_tokens' entry and
     the bundle file that ships the table (a few KB of safetensors)."""
     from adaptive_export.calibration.measure import greedy_with_hidden
     from adaptive_export.loading.artifacts import PROMPT_TOKENS_FILE, load_prompt_tokens, prompt_tokens_bytes
 
     runs = [
-        greedy_with_hidden(loaded, p, PPD_CALIB_TOKENS, hidden=False)[:2]
+        greedy_with_hidden(loaded, p, PROMPT_TOKEN_CALIB_TOKENS, hidden=False)[:2]
         for p in tqdm(prompts, desc="greedy continuations", unit="prompt", disable=not progress)
     ]
     if option.isdigit():

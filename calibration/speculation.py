@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adaptive_export.calibration.draft_sources import MAX_DRAFT, MEASURES
+from adaptive_export.calibration.draft_sources import MAX_DRAFT
+from adaptive_export.calibration.drafts import MEASURES
 from adaptive_export.calibration.exit_adapters import (
     ExitAdapterFit,
     candidate_exits,
@@ -37,7 +38,7 @@ from adaptive_export.calibration.latency import (
 )
 from adaptive_export.calibration.measure import calibration_prompts, measure_speculation
 from adaptive_export.calibration.verify_cost import CALIBRATION_KEY, measure_verify_costs, priced_with
-from adaptive_export.graphs.plan import ExitPlan
+from adaptive_export.graphs.drafts.early_exit import ExitPlan
 from adaptive_export.loading.artifacts import ADAPTERS_FILE, adapters_bytes
 from adaptive_export.runtimes.errors import UsageError
 
@@ -73,11 +74,11 @@ class SpeculationOptions:
 
 
 def plan_speculation(
-    options: SpeculationOptions, loaded: Any, parts: Any, ppd: dict[str, Any] | None = None
+    options: SpeculationOptions, loaded: Any, parts: Any, prompt_token_rounds: dict[str, Any] | None = None
 ) -> tuple[ExitPlan, dict[str, Any], dict[str, Any], dict[str, bytes]]:
     """ExitPlan, manifest `speculation`, calibration.json entries and extra bundle files.
 
-    `ppd`: trained PPD prompt tokens' simulated rounds (calibration/prompt_tokens.py), a
+    `prompt_tokens`: trained prompt tokens' simulated rounds (calibration/prompt_tokens.py), a
     candidate beside the other sources.
 
     With `--exit-adapter fit|FILE` the early-exit candidates are the adapters' exits, their
@@ -102,17 +103,17 @@ def plan_speculation(
             "chosen_by": "forced with --speculate",
         }
         calibration: dict[str, Any] = {"forced": manifest}
-        if ppd is not None:
-            manifest["ppd"] = {"draft_len": ppd["prompt_tokens"]}
-            calibration["ppd"] = ppd
+        if prompt_token_rounds is not None:
+            manifest["prompt_tokens"] = {"draft_len": prompt_token_rounds["prompt_tokens"]}
+            calibration["prompt_tokens"] = prompt_token_rounds
         if fit is not None:
             calibration["exit_adapters"] = {**fit.report, "shipped": exit_layer}
         return ExitPlan(exit_layer, k, adapter=adapter), manifest, {"speculation": calibration}, files
-    return _plan_auto(options, loaded, parts, ppd)
+    return _plan_auto(options, loaded, parts, prompt_token_rounds)
 
 
 def _plan_auto(
-    options: SpeculationOptions, loaded: Any, parts: Any, ppd: dict[str, Any] | None
+    options: SpeculationOptions, loaded: Any, parts: Any, prompt_token_rounds: dict[str, Any] | None
 ) -> tuple[ExitPlan, dict[str, Any], dict[str, Any], dict[str, bytes]]:
     """`--speculate auto`: measure every source on the calibration prompts and choose (the
     draft/verify engines are built for the best early exit either way)."""
@@ -127,8 +128,8 @@ def _plan_auto(
     measured = measure_speculation(
         loaded, parts, prompts, DEFAULT_CALIB_TOKENS, adapters=fit.adapters if fit else None, runs=runs
     )
-    if ppd is not None:
-        measured["ppd"] = ppd
+    if prompt_token_rounds is not None:
+        measured["prompt_tokens"] = prompt_token_rounds
     choice = choose(measured, spec)
     early = choice["best_early_exit"]  # draft/verify engines are built for the best early exit either way
     adapter, files = ship_adapter(fit, early["exit_layer"], parts)
@@ -238,11 +239,11 @@ def finalize_with_latencies(
             acceptance=choice["by_source"]["precision"]["acceptance"],
             **verify,
         )
-    if "ppd" in choice["by_source"]:  # its verify pass also carries the m prompt tokens
-        m = int(calibration["speculation"]["ppd"]["prompt_tokens"])
+    if "prompt_tokens" in choice["by_source"]:  # its verify pass also carries the m prompt tokens
+        m = int(calibration["speculation"]["prompt_tokens"]["prompt_tokens"])
         for key, timed in (("verify_cost", latencies), ("verify_cost_prepacked", prepacked)):
             decode = timed["decode_ms"]
-            spec["ppd"][key] = {
+            spec["prompt_tokens"][key] = {
                 str(k): round(decode[1 + k + m] / decode[1], 3) for k in range(1, MAX_DRAFT + 1) if 1 + k + m in decode
             }
     calibration["speculation"].update(

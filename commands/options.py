@@ -48,10 +48,16 @@ class BuildOptions(Options):
     quant_block: int = 32
     quant_accuracy: int = 4
     seed: int = 0
+    revision: str | None = None  # with a Hub id MODEL; `model` is then its snapshot's local path
+    gguf_file: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **converted: Any) -> BuildOptions:
-        return super().from_args(args, backends=parse_backends(args.backend))
+        """A Hub id MODEL is resolved here (cache, else download) to the local path the build reads and records."""
+        from adaptive_export.loading.model import resolve_model_argument
+
+        model = resolve_model_argument(args.model, args.revision, args.gguf_file)
+        return super().from_args(args, backends=parse_backends(args.backend), model=model)
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,7 @@ class CheckOptions(Options):
     prompts: str | None = None
     new_tokens: int = 16
     tolerance: float = 1.0
+    expect_precision: str | None = None  # fp32, int8, int4 or gguf: what the engines must be
 
 
 @dataclass(frozen=True)
@@ -110,3 +117,21 @@ class BenchOptions(Options):
     threads: int = 0
     prepack: str = "auto"
     json: bool = False
+
+
+@dataclass(frozen=True)
+class ServeOptions(Options):
+    bundle: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    queue: int = 8
+    max_tokens: int = 256
+    config: str = "auto"
+    mode: str = "ar"
+    draft: str | None = None
+    draft_len: int | None = None
+    backend: str = "onnx"
+    provider: str = "cpu"
+    threads: int = 0
+    verify: str = "full"
+    prepack: str = "auto"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ import onnx
 from tqdm import tqdm
 
 from adaptive_export.exporter.backends import COMPILERS, needs_portable_onnx
+from adaptive_export.exporter.graph_entry import manifest_graph
 from adaptive_export.exporter.onnx_export import OPSET, export_graph
 from adaptive_export.exporter.tokenizer_export import chat_format, save_tokenizer, special_tokens
 from adaptive_export.exporter.weights import WeightStore, canonicalize_names, externalize
@@ -27,7 +28,6 @@ from adaptive_export.runtimes.manifest import (
     ConfigEntry,
     DraftVocab,
     EngineEntry,
-    GraphEntry,
     Manifest,
     ModelDims,
     Speculation,
@@ -67,20 +67,6 @@ class ExportOptions:
     # Runs on the staged bundle (provisional manifest written) before the final manifest:
     # calibration times the real engines here and may update manifest and calibration.json.
     after_export: Callable[[Path, dict[str, Any]], None] | None = None
-
-
-def manifest_graph(graph: GraphSpec) -> GraphEntry:
-    """The manifest's typed entry of a graph: the same fields, I/O names derived by the entry."""
-    entry = GraphEntry(**{name: getattr(graph, name) for name in _GRAPH_FIELDS})
-    entry = replace(entry, inputs=tuple(entry.input_names()), outputs=tuple(entry.output_names()))
-    if list(entry.inputs) != graph.input_names() or list(entry.outputs) != graph.output_names():
-        raise RuntimeError(f"graph {graph.name!r}: the traced I/O names differ from the manifest's")
-    return entry
-
-
-_GRAPH_FIELDS = tuple(f.name for f in fields(GraphSpec))
-if set(_GRAPH_FIELDS) != {f.name for f in fields(GraphEntry)} - {"inputs", "outputs"}:  # pragma: no cover
-    raise RuntimeError("graphs.span_graph.GraphSpec and runtimes.manifest.GraphEntry declare different fields")
 
 
 def flavoured(graphs: list[GraphSpec], flavour: str) -> list[GraphSpec]:
@@ -163,7 +149,7 @@ def _name_weights(store: WeightStore, parts: ModelParts, packed: Any, graphs: li
     if parts.routers is not None:
         store.name_parameters([("routers.weight", parts.routers.weight.detach().numpy())])
     if parts.prompt_tokens is not None:
-        store.name_parameters([("ppd.prompt_tokens", parts.prompt_tokens.detach().numpy())])
+        store.name_parameters([("prompt_tokens.table", parts.prompt_tokens.detach().numpy())])
     if parts.draft_vocab is not None:
         rows = next((draft_head(parts, g) for g in graphs if g.draft_vocab), None)
         if rows is not None:
@@ -300,11 +286,11 @@ def draft_vocab_bytes(parts: ModelParts) -> bytes:
 
 def _exit_engines(graphs: list[GraphSpec], config_id: str) -> dict[str, str]:
     """A configuration's draft engines: early exit's draft/verify pair, a precision draft, and
-    its decode graph again as the PPD engine when that graph embeds prompt tokens."""
+    its decode graph again as the prompt_tokens engine when that graph embeds prompt tokens."""
     engines: dict[str, str] = {}
     for graph in graphs:
         if graph.config == config_id and graph.kind == "decode" and graph.prompt_tokens and graph.precision is None:
-            engines["ppd"] = graph.name
+            engines["prompt_tokens"] = graph.name
         if graph.config == config_id and graph.kind in ("draft", "verify"):
             engines[graph.kind] = graph.name
         elif graph.config == config_id and graph.precision is not None:

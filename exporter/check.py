@@ -1,6 +1,6 @@
 """`adaptive-export check`: every engine of a bundle against the PyTorch reference.
 
-Two kinds of checks, each a JUnit test case:
+Three kinds of checks, each a JUnit test case:
 - engine parity: each graph on a fixed token sequence (a past prefix plus new tokens),
   logits, new K/V rows (and router scores / exit hidden states) against the same static
   graph run in PyTorch; decode graphs of the full model also against HF transformers.
@@ -9,6 +9,11 @@ Two kinds of checks, each a JUnit test case:
   (top-1/top-2 margin < TIE_MARGIN at the first divergent position). Each reference is
   decoded once per (kept layers, prompt, new tokens) and shared by plain decoding, every
   draft source and every backend (ReferenceDecodes).
+- the bundle itself (backend "bundle"): what the engines are, read from their ops
+  (exporter/check_precision.py), against the manifest's dtype and `--expect-precision`; the
+  tokenizer against the reference model's (exporter/check_tokenizer.py); and a failing row when
+  no engine could run here. The reference is the model the user names (`--model`), never the
+  bundle's recorded source, and the tolerance follows from the engines, never from the manifest.
 
 Tolerances (fp32 graphs): logits |diff| <= LOGIT_ATOL + LOGIT_RTOL * max|ref|. ORT fuses
 and reorders fp32 sums, so errors of 1e-5..1e-4 are expected over 30 layers; 1e-3 is an
@@ -28,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from adaptive_export.exporter.check_precision import BundlePrecision, bundle_precision, precision_problems
 from adaptive_export.loading.warning_filters import library_call_warnings_hidden
 from adaptive_export.runtimes.bundle import Bundle
 from adaptive_export.runtimes.drafting.base import full_vocabulary_row
@@ -101,19 +107,6 @@ class CheckReport:
         return ET.ElementTree(suite)
 
 
-def gated_on_quality(bundle: Bundle) -> bool:
-    """Quantized weights are gated on quality, except GGUF-exact engines at accuracy level 1:
-    their weights are the reference model's own (the GGUF dequantized) and their activations
-    fp32, so they are held to the fp32 tolerances and greedy identity."""
-    onnx_entry = bundle.manifest.backends.get("onnx")
-    exact = (
-        onnx_entry is not None
-        and onnx_entry.quantize == "native"
-        and (onnx_entry.extra.get("quant_options") or {}).get("accuracy_level") == 1
-    )
-    return bundle.manifest.dtype in QUANT_MIN_AGREEMENT and not exact
-
-
 def compare(
     actual: np.ndarray, expected: np.ndarray, dtype: str = "float32", scale_tol: float = 1.0
 ) -> tuple[bool, float, float, float]:
@@ -127,24 +120,9 @@ def compare(
 
 def graph_spec(bundle: Bundle, graph_name: str) -> Any:
     """The bundle's graph entry as the GraphSpec the PyTorch reference builds."""
-    from adaptive_export.graphs.span_graph import GraphSpec
+    from adaptive_export.exporter.graph_entry import spec_of_entry
 
-    info = bundle.graph(graph_name)
-    return GraphSpec(
-        name=graph_name,
-        kind=info.kind,
-        layers=info.layers,
-        source=info.source,
-        logits=info.logits,
-        router_scores=info.router_scores,
-        exit_hidden=info.exit_hidden,
-        exit_adapter=info.exit_adapter,
-        config=info.config,  # type: ignore[arg-type]  # None where the manifest names none, as before
-        exit_layer=info.exit_layer,
-        prompt_tokens=info.prompt_tokens,
-        draft_vocab=info.draft_vocab,
-        flavour="ort" if info.flavour == "ort" else "portable",
-    )
+    return spec_of_entry(bundle.graph(graph_name))
 
 
 @dataclass(frozen=True)
@@ -171,7 +149,7 @@ def parity_inputs(bundle: Bundle, backend: Any, spec: Any, seed: int) -> tuple[P
         else rng.standard_normal((1, count, model.hidden_size)).astype(np.float32)
     )
     if spec.prompt_tokens and spec.source == "ids":
-        # the last rows are PPD prompt tokens: their embedding is checked too
+        # the last rows are prompt tokens: their embedding is checked too
         prompts = min(spec.prompt_tokens, count - 1)
         first[0, count - prompts :] = model.vocab_size + np.arange(prompts)
     # fused engines bind the whole [1, n_kv, max_len, hd] block, so their arena is max_len long
@@ -254,20 +232,28 @@ def compare_outputs(
 
 
 def engine_parity(
-    bundle: Bundle, backend: Any, parts: Any, graph_name: str, seed: int = 0, scale_tol: float = 1.0
+    bundle: Bundle,
+    backend: Any,
+    parts: Any,
+    graph_name: str,
+    seed: int = 0,
+    scale_tol: float = 1.0,
+    precision: BundlePrecision | None = None,
 ) -> CheckResult:
-    """Run one graph in the backend and in PyTorch on the same inputs; compare every output."""
-    info = bundle.graph(graph_name)
+    """Run one graph in the backend and in PyTorch on the same inputs; compare every output.
+    Parity is informational only where the engine itself holds quantized weights (its ops say so)."""
+    precision = precision or bundle_precision(bundle)
     spec = graph_spec(bundle, graph_name)
     inputs, arena = parity_inputs(bundle, backend, spec, seed)
     started = time.perf_counter()
     out = backend.run(graph_name, inputs.first, arena, inputs.past_len)
     ref = torch_outputs(bundle, parts, spec, inputs)
-    names = spec.output_names()
+    names = bundle.graph(graph_name).output_names()
     pairs = [engine_output(name, out, arena, inputs, ref[index].numpy()) for index, name in enumerate(names)]
-    quantized = gated_on_quality(bundle) or bool(info.precision)
+    quantized = precision.informational(graph_name)
     outcome = compare_outputs(names, pairs, quantized, scale_tol)
-    dtype = info.precision or bundle.manifest.dtype
+    engine = precision.engines.get(graph_name)
+    dtype = engine.dtype if engine else precision.dtype
     detail = "; ".join(outcome.failures) or (
         f"{dtype} weights: difference to fp32 is informational, the quality checks gate"
         if quantized
@@ -603,13 +589,18 @@ def progress_bar(items: Any, desc: str, unit: str, enabled: bool) -> Iterator[An
 
 
 def check_backend(
-    bundle: Bundle, backend_name: str, references: ReferenceDecodes, settings: CheckSettings
+    bundle: Bundle,
+    backend_name: str,
+    references: ReferenceDecodes,
+    settings: CheckSettings,
+    precision: BundlePrecision | None = None,
 ) -> list[CheckResult]:
     """One backend's rows: every engine's parity, the precision draft's quality, then the
     bundle's quality gate (quantized weights) or greedy identity (every configuration and source)."""
     from adaptive_export.runtimes.backends import make_backend
     from adaptive_export.runtimes.generate import Generator
 
+    precision = precision or bundle_precision(bundle)
     backend = make_backend(bundle, backend_name)
     graphs = list(bundle.backend_entry(backend_name).graphs)
     if not backend.executes:
@@ -618,21 +609,58 @@ def check_backend(
         ]
     parts = references.parts
     with progress_bar(graphs, f"check {backend_name} engines", "engine", settings.progress) as engines:
-        results = [engine_parity(bundle, backend, parts, graph, scale_tol=settings.scale_tol) for graph in engines]
+        results = [
+            engine_parity(bundle, backend, parts, graph, scale_tol=settings.scale_tol, precision=precision)
+            for graph in engines
+        ]
     generator = Generator(bundle, backend=backend_name)
     draft_engine = bundle.config("full").engines.get("precision_draft")
     if draft_engine is not None:  # the draft's own quality: drafts that rarely agree cost time, not correctness
         rows = quality_rows(generator, references, settings, draft_engine, "precision draft")
-        bits = precision_bits(bundle.graph(draft_engine).precision)
+        detected = precision.engines.get(draft_engine)
+        bits = (
+            detected.dtype if detected and detected.quantized else precision_bits(bundle.graph(draft_engine).precision)
+        )
         results += rows + [quality_gate(backend_name, bits, rows, engine=draft_engine)]
-    if gated_on_quality(bundle):
+    if precision.gated_on_quality:  # the engines' own precision, never the manifest's word
         rows = quality_rows(generator, references, settings, None, "quality")
-        return results + rows + [quality_gate(backend_name, bundle.manifest.dtype, rows)]
+        return results + rows + [quality_gate(backend_name, precision.dtype, rows)]
     cases = greedy_cases(bundle, settings.prompts)
     with progress_bar(cases, f"check {backend_name} greedy", "prompt", settings.progress) as greedy:
         for config, prompt, draft in greedy:
             results.append(greedy_check(generator, parts, config, prompt, settings.new_tokens, draft, references))
     return results
+
+
+def bundle_rows(bundle: Bundle, precision: BundlePrecision, expected: str | None, loaded: Any) -> list[CheckResult]:
+    """What the engines are, and the tokenizer, against the reference and the user's expectation:
+    one failing row per difference, or one passing row each."""
+    from adaptive_export.exporter.check_tokenizer import tokenizer_problems
+    from adaptive_export.runtimes.text import TextCodec
+
+    checks = {
+        "precision": (
+            precision_problems(bundle, precision, expected),
+            f"engines are {precision.precision_class}, as the manifest declares",
+        ),
+        "tokenizer": (
+            tokenizer_problems(TextCodec(bundle), loaded.tokenizer, loaded.hf_model),
+            "encode/decode, special tokens and chat format identical to the reference's",
+        ),
+    }
+    rows = []
+    for check, (problems, fine) in checks.items():
+        rows += [CheckResult("bundle", check, check, False, detail=problem) for problem in problems]
+        rows += [] if problems else [CheckResult("bundle", check, check, True, detail=fine)]
+    return rows
+
+
+def nothing_executed(results: list[CheckResult], skipped: dict[str, str]) -> CheckResult | None:
+    """A run in which no engine ran is no pass: a failing row naming each skipped backend and why."""
+    if any(r.executed and r.check == "parity" for r in results):
+        return None
+    reasons = "; ".join(f"{name}: {reason}" for name, reason in skipped.items()) or "the bundle lists no engines"
+    return CheckResult("bundle", "engines", "executed", False, detail=f"no engine could be checked ({reasons})")
 
 
 def run_check(
@@ -642,18 +670,28 @@ def run_check(
     new_tokens: int = 16,
     scale_tol: float = 1.0,
     progress: bool = True,
+    expect_precision: str | None = None,
 ) -> CheckReport:
-    """Load the bundle and its PyTorch reference once, then check every backend against it."""
+    """Load the bundle and the reference the user named once, then check what the engines are,
+    the tokenizer, and every backend against it. Nothing is taken from the bundle on trust."""
     from adaptive_export.loading.artifacts import load_parts
     from adaptive_export.runtimes.bundle import load_bundle
 
     bundle = load_bundle(bundle_dir)
     loaded, parts = load_parts(bundle, model)
+    precision = bundle_precision(bundle)
     report = CheckReport(bundle=str(bundle_dir), model=loaded.source)
+    report.results += bundle_rows(bundle, precision, expect_precision, loaded)
     settings = CheckSettings(tuple(prompts or BUILTIN_PROMPTS), new_tokens, scale_tol, progress)
     references = ReferenceDecodes(parts)
+    skipped: dict[str, str] = {}
     for backend_name in bundle.manifest.backends:
-        report.results += check_backend(bundle, backend_name, references, settings)
+        rows = check_backend(bundle, backend_name, references, settings, precision)
+        if rows and not rows[0].executed:  # a backend that cannot run here skips all its engines, for one reason
+            skipped[backend_name] = rows[0].detail
+        report.results += rows
+    missing = nothing_executed(report.results, skipped)
+    report.results += [missing] if missing else []
     return report
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from adaptive_export.exporter.graph_entry import manifest_graph
 from adaptive_export.graphs.plan import BuildPlan
 from adaptive_export.graphs.span_graph import GraphSpec, ModelParts, SpanGraph
 from adaptive_export.runtimes.errors import UsageError
@@ -59,6 +60,7 @@ def convert_graph(ct: Any, parts: ModelParts, graph: GraphSpec, max_len: int, pr
     tokens = ct.RangeDim(1, max_len, default=1)
     past_len = ct.RangeDim(0, max_len, default=0)
     float_type = np.float16 if precision == "float16" else np.float32
+    entry = manifest_graph(graph)  # the I/O names the manifest lists
     first_input = (
         ct.TensorType(name="input_ids", shape=(1, tokens), dtype=np.int32)
         if graph.source == "ids"
@@ -66,9 +68,9 @@ def convert_graph(ct: Any, parts: ModelParts, graph: GraphSpec, max_len: int, pr
     )
     inputs = [first_input] + [
         ct.TensorType(name=n, shape=(past_len, spec.num_kv_heads, spec.head_dim), dtype=float_type)
-        for n in graph.input_names()[1:]
+        for n in entry.inputs[1:]
     ]
-    outputs = [ct.TensorType(name=n) for n in graph.output_names()]
+    outputs = [ct.TensorType(name=n) for n in entry.outputs]
     return ct.convert(
         traced,
         inputs=inputs,
@@ -112,6 +114,7 @@ def compile_coreml(
         "kv": "explicit inputs/outputs (arena contract), not state",
         # portable I/O (KV prefix in, new rows out), whatever flavour the onnx engines have
         "graphs": {
-            g.name: {"function": g.name, "inputs": g.input_names(), "outputs": g.output_names()} for g in graphs
+            e.name: {"function": e.name, "inputs": list(e.inputs), "outputs": list(e.outputs)}
+            for e in map(manifest_graph, graphs)
         },
     }

@@ -10,6 +10,7 @@ import warnings
 import onnx
 import torch
 
+from adaptive_export.exporter.graph_entry import manifest_graph
 from adaptive_export.graphs.fused_graph import FusedSpanGraph, PackedWeights
 from adaptive_export.graphs.span_graph import GraphSpec, ModelParts, SpanGraph
 
@@ -68,6 +69,7 @@ def export_graph(parts: ModelParts, graph: GraphSpec, packed: PackedWeights | No
         leading = (first,)
         past_len = torch.export.Dim("P", min=0, max=MAX_DIM)
         dynamic_shapes = ({1: tokens}, tuple({0: past_len} for _ in past))
+    entry = manifest_graph(graph)  # the I/O names the manifest lists and the runtime binds
     quiet = io.StringIO()
     with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(quiet):
         warnings.simplefilter("ignore")
@@ -75,8 +77,8 @@ def export_graph(parts: ModelParts, graph: GraphSpec, packed: PackedWeights | No
         program = torch.onnx.export(
             module,
             (*leading, *past),
-            input_names=graph.input_names(),
-            output_names=graph.output_names(),
+            input_names=list(entry.inputs),
+            output_names=list(entry.outputs),
             dynamic_shapes=dynamic_shapes,
             opset_version=OPSET,
             dynamo=True,

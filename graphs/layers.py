@@ -60,7 +60,7 @@ class Rotary(nn.Module):
         return self.at(torch.arange(past_len, past_len + new_len, dtype=torch.float32))
 
     def at(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """(cos, sin) [N, hd] at arbitrary float positions (PPD training places prompt tokens
+        """(cos, sin) [N, hd] at arbitrary float positions (prompt-token training places prompt tokens
         after many prefixes in one pass)."""
         freqs = positions[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -72,9 +72,9 @@ def embed_tokens(
 ) -> Tensor:
     """Token embeddings, times the family's embedding scale where it has one (Gemma: sqrt(hidden)).
 
-    With PPD `prompts` ([m, H], trained in the scaled space the layers read), ids vocab..vocab+m-1
+    With prompt-token `prompts` ([m, H], trained in the scaled space the layers read), ids vocab..vocab+m-1
     are the prompt tokens: two Gathers and a Where, so one decode graph serves plain steps and
-    PPD verify passes."""
+    prompt-token verify passes."""
     if prompts is None:
         x = embed(ids)
         return x * scale if scale is not None else x
@@ -223,7 +223,7 @@ class DecoderStack(nn.Module):
         self.register_buffer("prompts", None, persistent=False)
 
     def set_prompt_tokens(self, table: Tensor | None) -> None:
-        """Embed ids vocab.. as these PPD prompt tokens (a buffer, so export names it a weight)."""
+        """Embed ids vocab.. as these prompt tokens (a buffer, so export names it a weight)."""
         self.prompts = table
 
     def embed_ids(self, ids: Tensor) -> Tensor:
@@ -231,7 +231,7 @@ class DecoderStack(nn.Module):
 
     def frame_at(self, query_pos: Tensor, key_pos: Tensor, allowed: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
         """Each layer's (cos, sin, additive mask) for queries at arbitrary positions over keys at
-        `key_pos`, seeing those `allowed` ([T, K] bool) within the layer's window: PPD training
+        `key_pos`, seeing those `allowed` ([T, K] bool) within the layer's window: prompt-token training
         attends many groups of prompt tokens, each after its own prefix, in one pass."""
         tables = {DEFAULT_ROPE: self.rotary.at(query_pos.float())}
         tables.update({key: rotary.at(query_pos.float()) for key, rotary in self.rotaries.items()})

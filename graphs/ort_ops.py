@@ -112,19 +112,9 @@ def gqa(
 
 
 @gqa.register_fake
-def _(
-    qkv: Tensor,
-    past_key: Tensor,
-    past_value: Tensor,
-    seqlens_k: Tensor,
-    total_length: Tensor,
-    cos_cache: Tensor,
-    sin_cache: Tensor,
-    num_heads: int,
-    kv_heads: int,
-    scale: float,
-    local_window_size: int = -1,
-) -> tuple[Tensor, Tensor, Tensor]:
-    head_dim = past_key.shape[-1]
-    out = qkv.new_empty((qkv.shape[0], qkv.shape[1], num_heads * head_dim))
+def _(qkv: Tensor, past_key: Tensor, past_value: Tensor, *_controls: object) -> tuple[Tensor, Tensor, Tensor]:
+    """Shapes only: the output is qkv's rows at qkv's width less the packed K and V
+    (kv_heads x head_dim each, read off the [1, kv, M, hd] caches); the caches keep their shape."""
+    kv_width = past_key.shape[1] * past_key.shape[-1]
+    out = qkv.new_empty((qkv.shape[0], qkv.shape[1], qkv.shape[-1] - 2 * kv_width))
     return out, torch.empty_like(past_key), torch.empty_like(past_value)

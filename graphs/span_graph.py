@@ -32,9 +32,9 @@ if TYPE_CHECKING:  # the ort flavour's module imports this one
 class GraphSpec:
     """What one graph computes; stored in the manifest so the runtime knows its I/O.
 
-    Its manifest form is runtimes.manifest.GraphEntry, with the same field names (graphs/ may
-    not import runtimes/, so exporter/build.py copies the fields by name and checks at import
-    that both declare the same ones, and that both derive the same I/O names)."""
+    Its manifest form is runtimes.manifest.GraphEntry, with the same field names, which alone
+    derives the I/O names (graphs/ may not import runtimes/, so exporter/graph_entry.py copies
+    the fields by name and checks at import that both declare the same ones)."""
 
     name: str
     kind: Literal["prefill", "decode", "draft", "verify"]
@@ -53,27 +53,13 @@ class GraphSpec:
     # ("int8"/"int4": RTN of the float weights; "native4": the GGUF's blocks at accuracy 4),
     # drafting for the bundle's own precision on the same arena. None: the bundle's precision.
     precision: str | None = None
-    # PPD (kind "decode"): ids vocab..vocab+m-1 embed as the m trained prompt tokens
+    # Prompt tokens (kind "decode"): ids vocab..vocab+m-1 embed as the m trained prompt tokens
     # (calibration/prompt_tokens.py), so the verify pass also guesses the next round's drafts.
     prompt_tokens: int = 0
     # VocabTrim (a precision draft): the head scores only the bundle's `draft_vocab` token ids
     # (draft_vocab.bin), so logits are [.., draft_vocab] and the runtime maps row j to id ids[j].
     # 0: the full vocabulary.
     draft_vocab: int = 0
-
-    def input_names(self) -> list[str]:
-        first = "input_ids" if self.source == "ids" else "exit_hidden"
-        control = ["logit_rows", "seqlens_k", "total_sequence_length"] if self.flavour == "ort" else []
-        return [first, *control] + [f"past_key_{i}" for i in self.layers] + [f"past_value_{i}" for i in self.layers]
-
-    def output_names(self) -> list[str]:
-        names = ["logits"]
-        if self.router_scores:
-            names.append("router_scores")
-        if self.exit_hidden:
-            names.append("exit_hidden")
-        kv = "present" if self.flavour == "ort" else "new"
-        return names + [f"{kv}_key_{i}" for i in self.layers] + [f"{kv}_value_{i}" for i in self.layers]
 
 
 @dataclass
@@ -84,7 +70,7 @@ class ModelParts:
     spec: ModelSpec
     routers: Routers | None = None
     exit_adapters: dict[int, ExitAdapter] = field(default_factory=dict)
-    prompt_tokens: torch.Tensor | None = None  # PPD's trained [m, hidden] table, in the scaled embedding space
+    prompt_tokens: torch.Tensor | None = None  # the trained [m, hidden] table, in the scaled embedding space
     draft_vocab: torch.Tensor | None = None  # VocabTrim: the sorted token ids a draft head scores (int64)
     # Derived once per build and shared by its graphs (graphs/fused_graph.packed_weights, draft_head):
     packed_by_max_len: dict[int, PackedWeights] = field(default_factory=dict, repr=False, compare=False)
@@ -92,12 +78,12 @@ class ModelParts:
 
 
 def prompt_table(parts: ModelParts, graph: GraphSpec) -> torch.Tensor | None:
-    """The PPD table a graph embeds (its `prompt_tokens` rows), or a clear error if missing."""
+    """The prompt-token table a graph embeds (its `prompt_tokens` rows), or a clear error if missing."""
     if not graph.prompt_tokens:
         return None
     if parts.prompt_tokens is None or parts.prompt_tokens.shape[0] != graph.prompt_tokens:
         raise ValueError(
-            f"graph {graph.name!r} embeds {graph.prompt_tokens} PPD prompt tokens, but the model parts hold "
+            f"graph {graph.name!r} embeds {graph.prompt_tokens} prompt tokens, but the model parts hold "
             f"{0 if parts.prompt_tokens is None else parts.prompt_tokens.shape[0]}"
         )
     return parts.prompt_tokens.detach()
@@ -179,7 +165,7 @@ class SpanFlow(nn.Module):
     def outputs(
         self, hidden: Tensor, rows: Tensor, keys: list[Tensor], values: list[Tensor], scores: list[Tensor]
     ) -> tuple[Tensor, ...]:
-        """The graph's outputs in GraphSpec.output_names order; `rows` [.., R, H] get logits (the
+        """The graph's outputs in GraphEntry.output_names order; `rows` [.., R, H] get logits (the
         exit adapter and the final norm keep the flavour's axes, the head reads [R, H])."""
         if self.adapter is not None:
             rows = self.adapter(rows)

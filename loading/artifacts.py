@@ -25,22 +25,26 @@ def routers_bytes(routers: Routers) -> bytes:
     return save({"weight": routers.weight.detach().contiguous()})
 
 
-def load_routers(path: str | Path, num_layers: int, hidden_size: int) -> Routers:
+def _read_tensors(path: str | Path, what: str, missing_fix: str, unreadable_fix: str) -> dict[str, Any]:
+    """A user's safetensors file by name: `what` names it in the error when it is missing or unreadable."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if not Path(path).is_file():
-        raise UsageError(
-            f"routers file {str(path)!r} does not exist",
-            "pass --routers train, or a .safetensors file written by a previous build",
-        )
+        raise UsageError(f"{what} {str(path)!r} does not exist", missing_fix)
     try:
-        tensors = load_file(str(path))
+        return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
-        raise UsageError(
-            f"routers file {str(path)!r} is not a readable safetensors file ({exc})",
-            "pass --routers train to train new routers",
-        ) from exc
+        raise UsageError(f"{what} {str(path)!r} is not a readable safetensors file ({exc})", unreadable_fix) from exc
+
+
+def load_routers(path: str | Path, num_layers: int, hidden_size: int) -> Routers:
+    tensors = _read_tensors(
+        path,
+        "routers file",
+        "pass --routers train, or a .safetensors file written by a previous build",
+        "pass --routers train to train new routers",
+    )
     weight = tensors.get("weight")
     if weight is None or tuple(weight.shape) != (num_layers, hidden_size):
         shape = None if weight is None else tuple(weight.shape)
@@ -64,19 +68,9 @@ def adapters_bytes(adapters: dict[int, ExitAdapter]) -> bytes:
 
 def load_adapters(path: str | Path, hidden_size: int, eps: float, num_layers: int) -> dict[int, ExitAdapter]:
     """Exit adapters keyed '<E>.norm_weight', '<E>.down.weight', '<E>.up.weight', checked against the model."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     fix = "fit adapters for this model with --exit-adapter fit"
-    if not Path(path).is_file():
-        raise UsageError(
-            f"exit adapter file {str(path)!r} does not exist",
-            "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build",
-        )
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise UsageError(f"exit adapter file {str(path)!r} is not a readable safetensors file ({exc})", fix) from exc
+    missing = "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build"
+    tensors = _read_tensors(path, "exit adapter file", missing, fix)
     layers = sorted({int(k.split(".", 1)[0]) for k in tensors if k.split(".", 1)[0].isdigit()})
     if not layers:
         raise UsageError(f"exit adapter file {str(path)!r} holds no '<E>.down.weight' tensors", fix)
@@ -112,22 +106,12 @@ def prompt_tokens_bytes(table: Any) -> bytes:
 
 
 def load_prompt_tokens(path: str | Path, hidden_size: int) -> Any:
-    """PPD prompt tokens [m, hidden] (calibration/prompt_tokens.py), checked against the model."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+    """Prompt tokens [m, hidden] (calibration/prompt_tokens.py), checked against the model."""
     from adaptive_export.runtimes.limits import MAX_PROMPT_TOKENS
 
     fix = "train prompt tokens for this model with --prompt-tokens N"
-    if not Path(path).is_file():
-        raise UsageError(
-            f"prompt tokens file {str(path)!r} does not exist",
-            f"{fix}, or pass a prompt_tokens.safetensors file written by a previous build",
-        )
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise UsageError(f"prompt tokens file {str(path)!r} is not a readable safetensors file ({exc})", fix) from exc
+    missing = f"{fix}, or pass a prompt_tokens.safetensors file written by a previous build"
+    tensors = _read_tensors(path, "prompt tokens file", missing, fix)
     table = tensors.get("prompt_tokens")
     if (
         table is None
@@ -144,19 +128,31 @@ def load_prompt_tokens(path: str | Path, hidden_size: int) -> Any:
     return table.float()
 
 
-def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
-    """The HF model the bundle was built from (or `model`), plus the bundle's routers and adapters."""
-    from adaptive_export.loading.model import DEFAULT_MODEL, load_model
+def reference_hint(bundle: Bundle) -> str:
+    """The manifest's model source as a hint for the user: escaped and bounded, never opened."""
     from adaptive_export.loading.packaged import PACKAGED
 
-    recorded = bundle.model.source or DEFAULT_MODEL
-    if model is None and recorded not in PACKAGED and not Path(recorded).is_absolute():
-        # a bundle may come from anywhere: its recorded source is never resolved against the current directory
+    source = bundle.model.source
+    if not source:
+        return "the bundle records no model"
+    shown = ascii(source) if len(source) <= 160 else ascii(source[:157]) + "..."
+    relative = source not in PACKAGED and not Path(source).is_absolute()
+    return f"the bundle records {shown}{', a relative path' if relative else ''}"
+
+
+def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
+    """The reference model the user named (`model`), plus the bundle's routers and adapters.
+
+    The manifest's `model.source` is never opened: a bundle could point it at a tampered
+    reference inside itself, or at any file outside (docs/hardening.md, "check as a CI gate")."""
+    from adaptive_export.loading.model import load_model
+
+    if model is None:
         raise UsageError(
-            f"the bundle records its model as {recorded!r}, a relative path", "pass the reference model with --model"
+            "check needs the reference model", f"pass --model <the model you built from> ({reference_hint(bundle)})"
         )
     with library_call_warnings_hidden():  # transformers' deprecation notices while loading are not our output
-        loaded = load_model(model or recorded)
+        loaded = load_model(model)
     recorded_dims = bundle.model.to_json()
     if loaded.spec.to_json() != {k: recorded_dims.get(k) for k in loaded.spec.to_json()}:
         raise UsageError(

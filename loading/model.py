@@ -1,5 +1,6 @@
-"""Resolve a MODEL argument (HF directory, .gguf file, or a packaged name: `smollm2`, `gemma3`)
-and load it for export."""
+"""Resolve a MODEL argument (HF directory, .gguf file, a packaged name: `smollm2`, `gemma3`, or a
+Hugging Face Hub id `org/name`, loading/hub.py) and load it for export. A local path wins over a
+Hub id of the same spelling."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 from adaptive_export.graphs.architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from adaptive_export.graphs.spec import ModelSpec
 from adaptive_export.loading.gguf_header import read_gguf_header
+from adaptive_export.loading.hub import HubModel, is_hub_id, resolve_hub_model, snapshot_blob
 from adaptive_export.loading.model_checks import check_config_json, check_dimensions, spec_fields
 from adaptive_export.loading.packaged import PACKAGED
 from adaptive_export.runtimes.errors import UsageError
@@ -26,7 +28,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
 _TOKENIZER_FIX = "use a model whose tokenizer stays within the bounds in runtimes/limits.py (docs/hardening.md)"
-MODEL_CHOICES = "a model directory, a .gguf file, or a packaged name (" + ", ".join(PACKAGED) + ")"
+MODEL_CHOICES = (
+    "a model directory, a .gguf file, a Hugging Face Hub id (org/name) or a packaged name (" + ", ".join(PACKAGED) + ")"
+)
 
 
 @dataclass
@@ -50,6 +54,8 @@ def resolve_model_path(model: str) -> tuple[Path, str | None]:
         gguf = PACKAGED[model].gguf_path()
         return gguf.parent, gguf.name
     path = Path(model)
+    if not path.exists() and is_hub_id(model):
+        path = resolve_hub_model(HubModel(model))
     if path.is_file() and path.suffix == ".gguf":
         return path.parent, path.name
     if path.is_dir() and (path / "config.json").is_file():
@@ -62,6 +68,21 @@ def resolve_model_path(model: str) -> tuple[Path, str | None]:
     raise UsageError(f"model {model!r} does not exist", f"pass {MODEL_CHOICES}; {DEFAULT_MODEL} is the default")
 
 
+def resolve_model_argument(model: str, revision: str | None = None, gguf_file: str | None = None) -> str:
+    """build's MODEL with --revision / --gguf-file: a Hub id becomes the local path of its snapshot
+    (or of the .gguf file in it), which the bundle records; any other MODEL is returned unchanged.
+    A local directory or file of the same name wins over a Hub id."""
+    if model in PACKAGED or Path(model).exists() or not is_hub_id(model):
+        if revision is not None or gguf_file is not None:
+            option = "--revision" if revision is not None else "--gguf-file"
+            raise UsageError(
+                f"{option} applies to a Hugging Face Hub id (org/name), and model {model!r} is not one",
+                f"drop {option}, or pass a Hub id that is not also a local path",
+            )
+        return model
+    return str(resolve_hub_model(HubModel(model, revision, gguf_file)))
+
+
 _CHECKED: set[tuple[str, int, int]] = set()  # (path, size, mtime) of model files checked by this process
 
 
@@ -69,7 +90,7 @@ def check_model_files(model: str) -> tuple[Path, str | None]:
     """Resolve MODEL and check its header or config.json (loading/model_checks.py) before any
     library parses it: a GGUF's structure and every dimension, once per file and process."""
     directory, gguf_file = resolve_model_path(model)
-    path = directory / (gguf_file or "config.json")
+    path = snapshot_blob(directory / (gguf_file or "config.json"))
     try:
         info = path.stat()
     except OSError:
@@ -79,7 +100,7 @@ def check_model_files(model: str) -> tuple[Path, str | None]:
         if gguf_file:
             check_dimensions(read_gguf_header(path).hf_fields(), model)
         else:
-            check_config_json(directory, model)
+            check_config_json(directory, model, path)
         if key is not None:
             _CHECKED.add(key)
     return directory, gguf_file
@@ -145,7 +166,8 @@ def load_model(model: str = DEFAULT_MODEL) -> LoadedModel:
     if tokenizer is None or isinstance(tokenizer, bool):
         raise UsageError(f"model {model!r} has no tokenizer", "pass a model directory with its tokenizer files")
     # recorded in the manifest; absolute, so `check` never resolves it against another directory
-    source = model if model in PACKAGED else str(Path(model).resolve())
+    # (a Hub snapshot's .gguf is a link into the cache's blobs: the name stays, its folder is resolved)
+    source = model if model in PACKAGED else str(directory.resolve() / gguf_file if gguf_file else directory.resolve())
     return LoadedModel(hf_model=hf_model, tokenizer=tokenizer, spec=spec, source=source)
 
 

@@ -148,10 +148,10 @@ def spec_fields(spec: ModelSpec) -> dict[str, Any]:
     }
 
 
-def read_config_json(directory: Path, source: str) -> dict[str, Any]:
+def read_config_json(directory: Path, source: str, path: Path | None = None) -> dict[str, Any]:
     """config.json (bounded size) as a JSON object; NaN and Infinity are read as floats, so the
-    field's own rule names them."""
-    data = limits.read_regular(directory / "config.json", "model config", MAX_CONFIG_BYTES)
+    field's own rule names them. `path`: the file to read instead (a Hub snapshot's blob)."""
+    data = limits.read_regular(path or directory / "config.json", "model config", MAX_CONFIG_BYTES)
     try:
         config = json.loads(data)
     except (ValueError, RecursionError) as exc:
@@ -161,7 +161,7 @@ def read_config_json(directory: Path, source: str) -> dict[str, Any]:
     return config
 
 
-def check_config_json(directory: Path, source: str) -> None:
+def check_config_json(directory: Path, source: str, path: Path | None = None) -> None:
     """The raw config.json, before transformers builds a config class from it (some classes size
     lists by num_hidden_layers in their constructor)."""
-    check_dimensions(read_config_json(directory, source), source)
+    check_dimensions(read_config_json(directory, source, path), source)

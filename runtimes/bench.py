@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import TypedDict
 
 from adaptive_export.runtimes.bundle import Bundle
 from adaptive_export.runtimes.generate import Generator
+
+
+class BenchReport(TypedDict):
+    """One `bench` line as printed (JSON): medians over the repetitions, and what ran."""
+
+    prefill_ms: float
+    tpot_ms: float
+    tokens_per_s: float
+    new_tokens: int
+    prompt_tokens: int
+    config: str
+    mode: str
+    repeat: int
+    threads: int | str  # "ort-default" for 0
 
 
 def bench_bundle(
@@ -18,7 +32,7 @@ def bench_bundle(
     mode: str = "ar",
     threads: int = 0,
     prepack: list[str] | None = None,
-) -> dict[str, Any]:
+) -> BenchReport:
     generator = Generator(directory, threads=threads, prepack=prepack)
     generator.generate(prompt, max_new_tokens=new_tokens, config=config, mode=mode)  # warm-up
     runs = [

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from adaptive_export.runtimes import limits
+from adaptive_export.runtimes import file_bounds, limits
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest import (
     BackendEntry,
@@ -28,7 +28,6 @@ from adaptive_export.runtimes.manifest import (
     ModelDims,
     path_problem,
 )
-from adaptive_export.runtimes.manifest_fields import JsonObject
 
 _HASH_CHUNK = 1 << 22
 
@@ -135,7 +134,7 @@ def parse_manifest(data: bytes, name: str = "manifest.json") -> Any:
     """Strict JSON from a bundle: UTF-8, no duplicate keys, no NaN/Infinity, bounded nesting."""
     fix = "rebuild the bundle with `adaptive-export build`"
 
-    def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> JsonObject:
+    def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, object]:
         keys = [key for key, _ in pairs]
         if len(set(keys)) != len(keys):
             duplicate = next(k for k in keys if keys.count(k) > 1)
@@ -254,6 +253,7 @@ def load_bundle(directory: str | os.PathLike[str], verify: str = "full") -> Bund
         parse_manifest(limits.read_regular(manifest_path, "manifest", limits.MAX_MANIFEST_BYTES))
     )
     bundle = Bundle(root=root, manifest=manifest)
+    file_bounds.check_file_sizes(manifest, bundle.path)  # every size before any hash
     seen: dict[tuple[int, int], str] = {}
     for relative, entry in manifest.files.items():
         _check_file(bundle, relative, entry, verify, seen)

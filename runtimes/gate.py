@@ -1,6 +1,6 @@
 """Gated drafting: draft only while drafting pays on this machine, now (docs/architecture.md section 5).
 
-`--mode auto` runs the gateable sources (prompt lookup, precision, PPD) through a
+`--mode auto` runs the gateable sources (prompt lookup, precision, prompt tokens) through a
 `DraftingGate`. The runner asks it one question before each round, `should_draft()`, and tells
 it what each round cost and emitted (`record_round`); the gate keeps running means of the
 tokens a drafting round emits, of a drafting round's seconds and of a plain round's seconds (a
@@ -105,7 +105,7 @@ class DraftingGate:
 
     # ---- what the runner tells it ------------------------------------------------------
     def record_round(self, drafted: bool, emitted: int, seconds: float) -> None:
-        """One round: `drafted` when its verify pass was wider than a plain step (drafts, or PPD's
+        """One round: `drafted` when its verify pass was wider than a plain step (drafts, or the prompt tokens
         prompt tokens), the tokens it emitted, its seconds. A kind's first round is not timed."""
         if drafted:
             self.mean_emitted = ema(self.mean_emitted, emitted)

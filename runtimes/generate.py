@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from adaptive_export.runtimes.selection import choose_config
 from adaptive_export.runtimes.sequence import SequenceState
 from adaptive_export.runtimes.speculative import DraftWarmup, SpeculativeRunner, default_source, speculation_available
 from adaptive_export.runtimes.text import StreamDecoder, TextCodec
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11+
+    from typing_extensions import Unpack
 
 
 class Mode(enum.Enum):
@@ -72,7 +75,7 @@ class GenerationStats:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     tpot_ms: float = 0.0
-    stop_reason: str = "length"
+    stop_reason: str = "length"  # "length", "eos", "stop" (a stop string) or "cancelled" (should_stop)
     speculation: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -101,6 +104,22 @@ class GenerationRequest:
     mode: Mode
     draft: str | None  # the draft source for Mode.SPEC (None: the calibrated one)
     draft_len: int | None  # None: the source's calibrated draft length
+    # asked once per token, after the token is counted: True ends the generation there (stop_reason
+    # "cancelled"); a server passes "has the client gone?", so a departed client costs at most one token
+    should_stop: Callable[[], bool] | None = None
+
+
+class GenerateArguments(TypedDict, total=False):
+    """The keyword arguments of `Generator.generate` and `stream`; defaults and checks in `_request`."""
+
+    max_new_tokens: int  # default 64
+    sampling: SamplingParams | None  # None: greedy
+    stop: Sequence[str]
+    raw: bool  # True: no chat template
+    config: str  # "auto" (default) or a configuration id
+    mode: Mode | str  # default "ar"
+    draft: str | None
+    draft_len: int | None
 
 
 Loop = collections.abc.Generator[str, None, GenerationResult]
@@ -173,36 +192,28 @@ class Generator:
     def generate(
         self,
         prompt: str | Sequence[int],
-        max_new_tokens: int = 64,
-        sampling: SamplingParams | None = None,
-        stop: Sequence[str] = (),
-        raw: bool = False,
-        config: str = "auto",
-        mode: Mode | str = "ar",
+        *,
         on_text: Callable[[str], None] | None = None,
-        draft: str | None = None,
-        draft_len: int | None = None,
+        **arguments: Unpack[GenerateArguments],
     ) -> GenerationResult:
         """Generate to the end; `on_text` gets each text delta as it is decoded. The same loop as
-        `stream`, consumed here."""
+        `stream`, consumed here; the other arguments and their defaults are `_request`'s."""
         if on_text is not None and not callable(on_text):
             raise UsageError(
                 f"on_text is {type(on_text).__name__}, not a callable", "pass a function taking one str, or None"
             )
-        run = _Run(
-            self._loop(self._request(prompt, max_new_tokens, sampling, stop, raw, config, mode, draft, draft_len))
-        )
+        run = _Run(self._loop(self._request(prompt, **arguments)))
         for delta in run:
             if on_text is not None:
                 on_text(delta)
         return run.finished()
 
-    def stream(self, prompt: str | Sequence[int], **kwargs: Any) -> Iterator[str]:
+    def stream(self, prompt: str | Sequence[int], **arguments: Unpack[GenerateArguments]) -> Iterator[str]:
         """Yield text deltas as tokens are decoded (same arguments as `generate`, except on_text).
 
         The arguments are checked at the call; decoding advances as the caller iterates, and the
         full result is `last_result` once the iterator is exhausted."""
-        run = _Run(self._loop(self._request(prompt, **kwargs)))
+        run = _Run(self._loop(self._request(prompt, **arguments)))
 
         def pieces() -> Iterator[str]:
             yield from run
@@ -222,8 +233,10 @@ class Generator:
         mode: Mode | str = "ar",
         draft: str | None = None,
         draft_len: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> GenerationRequest:
-        """Check the arguments now (before the loop starts) and type them."""
+        """The one list of generate's and stream's arguments with their defaults (GenerateArguments
+        types them for callers): checked now, before the loop starts, and typed."""
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise UsageError(
@@ -233,10 +246,12 @@ class Generator:
         if not isinstance(config, str):
             raise UsageError(f"config {config!r} is not a configuration id", "pass 'auto' or an id from `inspect`")
         draft_len = check_draft_len(draft_len)
+        if should_stop is not None and not callable(should_stop):
+            raise UsageError(f"should_stop is {type(should_stop).__name__}, not a callable", "pass a function or None")
         prompt_ids = self._prompt_ids(prompt, raw)
         self._check_lengths(prompt_ids, max_new_tokens)
         return GenerationRequest(
-            prompt_ids, max_new_tokens, sampling, stop_strings, config, Mode.parse(mode), draft, draft_len
+            prompt_ids, max_new_tokens, sampling, stop_strings, config, Mode.parse(mode), draft, draft_len, should_stop
         )
 
     def _prompt_ids(self, prompt: str | Sequence[int], raw: bool) -> list[int]:
@@ -293,6 +308,8 @@ class Generator:
                     stats.stop_reason = "eos"
                 elif text.stopped:
                     stats.stop_reason = "stop"
+                elif request.should_stop is not None and request.should_stop():
+                    stats.stop_reason = "cancelled"
                 if stats.stop_reason != "length" or len(seq.tokens) >= request.max_new_tokens:
                     break
         finally:

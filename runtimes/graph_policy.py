@@ -11,6 +11,8 @@ accepted only when it looks like what the exporter emits for its graph kind:
   initializers the runtime supplies itself from the bundle's weights file (the engine's
   `initializers` list in the manifest) whose `location` is that file's name; their ONNX
   dtype and shape must equal the weight table's;
+- shape-producing ops (ConstantOfShape, Expand, Range) take their sizes only from the graph's
+  own shapes and small constants (runtimes/shape_policy.py);
 - graph inputs and outputs are exactly the manifest graph entry's `inputs` and
   `outputs`; element types and ranks (and the dimensions the manifest fixes: KV heads,
   head size, hidden size, vocabulary, layer count) follow IO_RULES, keyed by name prefix.
@@ -31,6 +33,7 @@ from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.bundle import Bundle, read_listed
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest import BackendEntry, EngineEntry, GraphEntry, ModelDims
+from adaptive_export.runtimes.shape_policy import check_shape_ops
 
 # domain -> op types. "" is the default ONNX domain (also spelled "ai.onnx").
 ALLOWED_OPS: dict[str, frozenset[str]] = {
@@ -236,6 +239,7 @@ def checked_model_bytes(
     policy above, and return the bytes to create the session from."""
     proto = _parse(data, where)
     _check_ops(proto, where)
+    check_shape_ops(proto.graph, model, max_len, lambda problem: _refuse(where, problem))
     _check_external_data(proto.graph, where, engine_entry, onnx_entry)
     _check_io(proto.graph, where, graph_entry, _dims_of(graph_entry, model, max_len))
     return data

@@ -3,12 +3,49 @@
 from __future__ import annotations
 
 import json
+from typing import TypedDict
 
 from adaptive_export.runtimes.bundle import Bundle, load_bundle, parse_manifest, read_listed
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.limits import MAX_CALIBRATION_BYTES
 from adaptive_export.runtimes.manifest import GraphEntry
-from adaptive_export.runtimes.manifest_fields import JsonObject
+
+
+class GraphSummary(TypedDict):
+    kind: str
+    layers: int  # how many
+    config: str | None
+    exit_layer: int | None
+    precision: str | None
+    prompt_tokens: int
+    draft_vocab: int
+
+
+class ConfigSummary(TypedDict):
+    id: str
+    kept: list[int]
+    skipped: int  # layers the configuration skips
+    engines: dict[str, str]
+    calibration_share: float | None
+
+
+class BundleSummary(TypedDict):
+    """What `inspect` prints, and writes as JSON with --json (so a dict, with these keys typed)."""
+
+    bundle: str
+    model: dict[str, object]  # ModelDims.to_json()
+    max_len: int
+    dtype: str
+    bytes: int
+    weight_bytes: int
+    size_ratio: float | None
+    backends: dict[str, list[str]]
+    graphs: dict[str, GraphSummary]
+    configs: list[ConfigSummary]
+    routers: bool
+    router_threshold: float
+    speculation: dict[str, object] | None  # Speculation.to_json()
+    chat_template: bool
 
 
 def calibration_shares(bundle: Bundle) -> dict[str, float | None]:
@@ -42,7 +79,7 @@ def calibration_shares(bundle: Bundle) -> dict[str, float | None]:
     return {c["id"]: c.get("share") for c in chosen}
 
 
-def describe(directory: str) -> JsonObject:
+def describe(directory: str) -> BundleSummary:
     """What `inspect` prints (and writes with --json): the manifest's summary."""
     bundle = load_bundle(directory, verify="size")
     m = bundle.manifest
@@ -77,7 +114,7 @@ def describe(directory: str) -> JsonObject:
     }
 
 
-def _graph_summary(graph: GraphEntry) -> JsonObject:
+def _graph_summary(graph: GraphEntry) -> GraphSummary:
     return {
         "kind": graph.kind,
         "layers": len(graph.layers),
@@ -89,7 +126,7 @@ def _graph_summary(graph: GraphEntry) -> JsonObject:
     }
 
 
-def render(info: JsonObject) -> str:
+def render(info: BundleSummary) -> str:
     model = info["model"]
     lines = [
         f"bundle     {info['bundle']}",
@@ -112,7 +149,7 @@ def render(info: JsonObject) -> str:
         engines = ", ".join(f"{role} {name}" for role, name in c["engines"].items())
         lines.append(f"  {c['id']:10} keeps {len(c['kept'])} layers, skips {c['skipped']}{share}; engines: {engines}")
         if c["skipped"]:  # the shorter list says which layers the engine runs
-            skipped = sorted(set(range(info["model"]["num_layers"])) - set(c["kept"]))
+            skipped = sorted(set(range(c["skipped"] + len(c["kept"]))) - set(c["kept"]))  # every layer, less kept
             lines.append(
                 f"  {'':10} " + (f"skipped: {skipped}" if len(skipped) <= len(c["kept"]) else f"kept: {c['kept']}")
             )
@@ -122,7 +159,7 @@ def render(info: JsonObject) -> str:
     for name, g in info["graphs"].items():
         extras = [
             f"{g['precision']} weights" if g.get("precision") else "",
-            f"{g['prompt_tokens']} PPD prompt tokens" if g.get("prompt_tokens") else "",
+            f"{g['prompt_tokens']} prompt tokens" if g.get("prompt_tokens") else "",
             f"head over {g['draft_vocab']} tokens" if g.get("draft_vocab") else "",
         ]
         lines.append(f"  {name:24} {g['kind']:8} {g['layers']:3} layers" + "".join(f", {e}" for e in extras if e))

@@ -28,6 +28,14 @@ MAX_VOCAB = 1 << 21  # 2M tokens; the largest released vocabularies are ~260k
 ARENA_MAX_BYTES = 64 << 30  # the KV arena, whatever the machine
 ARENA_MAX_SHARE_OF_AVAILABLE = 0.8  # ... and at most this share of MemAvailable at load time
 
+# ---- engine runs (runtimes/backends/run_guard.py) -----------------------------------------
+ENGINE_MEMORY_MARGIN = 256 << 20  # ONNX Runtime's arena ceiling: 2x weights + KV arena + activations + this
+ACTIVATION_FACTOR = 4  # ... activations: this many fp32 copies of the widest activation at T = max_len
+RUN_TIME_FLOOR_S = 5.0  # no engine run is stopped sooner (a tiny model's runs take milliseconds)
+RUN_TIME_FACTOR = 50  # a session's later runs: at most this many times its first run (per token, scaled up)
+WORST_CASE_FLOPS = 1e9  # a session's first run: its FLOPs at this rate (2-core EPYC: about 100x faster)
+WATCH_TICK_S = 0.2  # the watchdog checks deadlines this often (and wakes at once on a signal)
+
 # ---- manifest and bundle structure ----------------------------------------------------
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_FILES = 4096  # entries in manifest "files"
@@ -39,12 +47,17 @@ MAX_CHAT_AFFIX_CHARS = 64 << 10  # tokenizer.chat prefix / suffix (the template 
 MAX_ENGINE_BYTES = 1 << 30  # one .onnx engine (weights live in weights.bin; protobuf cannot exceed 2 GB anyway)
 MAX_TOKENIZER_BYTES = 256 << 20
 MAX_CALIBRATION_BYTES = 64 << 20
+# a bundle's file sizes, checked before anything is hashed (runtimes/file_bounds.py)
+WEIGHTS_SIZE_FACTOR = 4  # the weights file: at most this many times the fp32 bytes the dimensions imply ...
+WEIGHTS_SIZE_SLACK = 64 << 20  # ... plus this (routers, exit adapters, prompt tokens, draft heads of a tiny model)
+SPARSE_MIN_BYTES = 1 << 20  # files this large must be allocated on disk ...
+SPARSE_MAX_RATIO = 4  # ... at least to a quarter of their size (compressed filesystems still pass)
 
 # ---- run-time arguments -----------------------------------------------------------------
 MAX_THREADS_PER_CORE = 4
 MAX_THREADS_CAP = 256
 MAX_DRAFT_LEN = 64
-MAX_PROMPT_TOKENS = 16  # PPD prompt tokens a decode graph may embed
+MAX_PROMPT_TOKENS = 16  # prompt tokens a decode graph may embed
 MAX_PROMPT_FILE_BYTES = 4 << 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024

@@ -19,7 +19,6 @@ from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest_backends import DTYPE_SIZES, BackendEntry, EngineEntry, FileEntry, TensorEntry
 from adaptive_export.runtimes.manifest_fields import (
-    JsonObject,
     extras,
     fail,
     is_int,
@@ -105,7 +104,7 @@ class ModelDims:
             key_order=tuple(obj),
         )
 
-    def to_json(self) -> JsonObject:
+    def to_json(self) -> dict[str, object]:
         values = {key: getattr(self, key) for key in _MODEL_INTS}
         values.update(model_type=self.model_type, **self.extra, source=self.source)
         return ordered(values, self.key_order or ("model_type",))
@@ -165,7 +164,7 @@ class TokenizerEntry:
             ids[key] = tuple(value)
         return cls(obj["file"], chat, ids["eos_token_ids"], ids["prefix_token_ids"])
 
-    def to_json(self) -> JsonObject:
+    def to_json(self) -> dict[str, object]:
         return {
             "file": self.file,
             "chat": self.chat.to_json() if self.chat else None,
@@ -198,7 +197,7 @@ class DraftVocab:
         need(sizes <= {obj["size"]}, f"a graph's draft_vocab differs from the bundle's draft_vocab size {obj['size']}")
         return cls(obj["file"], obj["size"])
 
-    def to_json(self) -> JsonObject:
+    def to_json(self) -> dict[str, str | int]:
         return {"file": self.file, "size": self.size}
 
 
@@ -274,7 +273,7 @@ class Manifest:
             need(path in files, f"file {ascii(path)} is used but not listed in 'files' with a checksum")
         return manifest
 
-    def to_json(self) -> JsonObject:
+    def to_json(self) -> dict[str, object]:
         return {
             "schema_version": SCHEMA_VERSION,
             "format": FORMAT,

@@ -11,7 +11,6 @@ from typing import Any
 from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest_fields import (
-    JsonObject,
     extras,
     is_int,
     is_str_list,
@@ -55,7 +54,7 @@ class TensorEntry:
         )
         return cls(meta["dtype"], tuple(meta["shape"]), meta["offset"], meta["bytes"])
 
-    def to_json(self) -> JsonObject:
+    def to_json(self) -> dict[str, object]:
         return {"dtype": self.dtype, "shape": list(self.shape), "offset": self.offset, "bytes": self.bytes}
 
 
@@ -92,8 +91,8 @@ class EngineEntry:
     def files(self) -> list[str]:
         return [path for path in (self.file, self.onnx) if path is not None]
 
-    def to_json(self) -> JsonObject:
-        values: JsonObject = {"file": self.file, "onnx": self.onnx, "initializers": self.initializers}
+    def to_json(self) -> dict[str, object]:
+        values: dict[str, object] = {"file": self.file, "onnx": self.onnx, "initializers": self.initializers}
         values = {key: list(v) if isinstance(v, tuple) else v for key, v in values.items() if v is not None}
         return ordered({**values, **self.extra}, self.key_order or ("file", "initializers"))
 
@@ -166,8 +165,8 @@ class BackendEntry:
             raise UsageError(f"the {self.name} backend has no engine for graph {graph!r}", "rebuild the bundle")
         return engine
 
-    def to_json(self) -> JsonObject:
-        values: JsonObject = {"weights": self.weights, "precision": self.precision, "package": self.package}
+    def to_json(self) -> dict[str, object]:
+        values: dict[str, object] = {"weights": self.weights, "precision": self.precision, "package": self.package}
         values = {key: value for key, value in values.items() if value is not None}
         if self.name == "onnx":
             values["weight_bytes"] = self.weight_bytes
@@ -200,5 +199,5 @@ class FileEntry:
         )
         return cls(obj["sha256"], obj["bytes"])
 
-    def to_json(self) -> JsonObject:
+    def to_json(self) -> dict[str, object]:
         return {"sha256": self.sha256, "bytes": self.bytes}

@@ -15,8 +15,8 @@ from typing import Any
 from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.errors import UsageError
 
-# A JSON object as json.loads returns it: the manifest's types (runtimes/manifest.py) are built
-# from it and written back to it at the file boundary, and nowhere else.
+# Untyped JSON, kept only for runtimes/manifest_speculation.py until it moves to `dict[str, object]`
+# like the other manifest types' to_json (a value that must be checked before use, never Any).
 JsonObject = dict[str, Any]
 
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
@@ -60,13 +60,13 @@ def optional_str(obj: Mapping[str, Any], key: str, problem: str) -> str | None:
     return value
 
 
-def ordered(values: JsonObject, order: tuple[str, ...]) -> JsonObject:
+def ordered(values: Mapping[str, object], order: tuple[str, ...]) -> dict[str, object]:
     """values with the keys of `order` first, in that order (the order they were read in)."""
     first = {key: values[key] for key in order if key in values}
     return {**first, **{key: value for key, value in values.items() if key not in first}}
 
 
-def extras(obj: Mapping[str, Any], known: tuple[str, ...]) -> JsonObject:
+def extras(obj: Mapping[str, Any], known: tuple[str, ...]) -> dict[str, object]:
     """The keys a type does not read, kept verbatim for tools (written back by to_json)."""
     return {key: value for key, value in obj.items() if key not in known}
 

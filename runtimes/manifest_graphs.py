@@ -11,12 +11,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from adaptive_export.runtimes import limits
-from adaptive_export.runtimes.manifest_fields import JsonObject, is_int, is_name, is_str_list, need
+from adaptive_export.runtimes.manifest_fields import is_int, is_name, is_str_list, need
 
-PRECISIONS = ("int8", "int4", "native4")  # a precision draft's weights (graphs/plan.py PRECISION_DRAFTS)
+PRECISIONS = ("int8", "int4", "native4")  # a precision draft's weights (graphs/drafts/precision.py PRECISION_DRAFTS)
 GRAPH_KINDS = ("prefill", "decode", "draft", "verify")
 _KIND_SOURCE = {"prefill": "ids", "decode": "ids", "draft": "ids", "verify": "hidden"}
-_ROLE_KINDS = {"decode": "decode", "draft": "draft", "verify": "verify", "precision_draft": "decode", "ppd": "decode"}
+_ROLE_KINDS = {
+    "decode": "decode",
+    "draft": "draft",
+    "verify": "verify",
+    "precision_draft": "decode",
+    "prompt_tokens": "decode",
+}
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,7 @@ class GraphEntry:
     exit_layer: int | None = None
     flavour: str = "portable"  # "portable" | "ort"
     precision: str | None = None  # a precision draft's weights, one of PRECISIONS
-    prompt_tokens: int = 0  # PPD prompt tokens a decode graph embeds
+    prompt_tokens: int = 0  # prompt tokens a decode graph embeds
     draft_vocab: int = 0  # VocabTrim: the token ids a precision draft's head scores (0: all)
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
@@ -83,7 +89,7 @@ class GraphEntry:
         _check_graph_io(entry)
         return entry
 
-    def to_json(self) -> JsonObject:
+    def to_json(self) -> dict[str, object]:
         return {
             "kind": self.kind,
             "layers": list(self.layers),
@@ -140,7 +146,7 @@ def _graph_fields(name: Any, graph: Any, num_layers: int) -> GraphEntry:
         and 0 <= prompt_tokens <= limits.MAX_PROMPT_TOKENS
         and (kind == "decode" or not prompt_tokens),
         f"graph {name!r} has a bad prompt_tokens "
-        f"(a decode graph may embed 0..{limits.MAX_PROMPT_TOKENS} PPD prompt tokens)",
+        f"(a decode graph may embed 0..{limits.MAX_PROMPT_TOKENS} prompt tokens)",
     )
     need(
         is_int(draft_vocab) and 0 <= draft_vocab <= limits.MAX_VOCAB and (precision is not None or not draft_vocab),
@@ -180,7 +186,7 @@ def _check_graph_io(graph: GraphEntry) -> None:
 @dataclass(frozen=True)
 class ConfigEntry:
     """A skip configuration: the layers it keeps and its engines by role (decode, draft and
-    verify, precision_draft, ppd), each the name of a graph."""
+    verify, precision_draft, prompt_tokens), each the name of a graph."""
 
     id: str
     kept: tuple[int, ...]
@@ -236,11 +242,11 @@ class ConfigEntry:
                 draft.precision in PRECISIONS and sorted(draft.layers) == kept,
                 f"config {self.id!r} has a precision draft that is no draft precision of its decode graph",
             )
-        if "ppd" in engines:
+        if "prompt_tokens" in engines:
             need(
-                engines["ppd"] == self.decode and graphs[engines["ppd"]].prompt_tokens > 0,
-                f"config {self.id!r} has a PPD engine that is not its decode graph with prompt tokens",
+                engines["prompt_tokens"] == self.decode and graphs[engines["prompt_tokens"]].prompt_tokens > 0,
+                f"config {self.id!r} has a prompt_tokens engine that is not its decode graph with prompt tokens",
             )
 
-    def to_json(self) -> JsonObject:
+    def to_json(self) -> dict[str, object]:
         return {"id": self.id, "kept": list(self.kept), "engines": dict(self.engines)}

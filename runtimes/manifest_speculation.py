@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adaptive_export.runtimes import limits
-from adaptive_export.runtimes.drafting import SOURCE_NAMES
+from adaptive_export.runtimes.drafting import RENAMED_SOURCES, SOURCE_NAMES
+from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest_fields import JsonObject, extras, is_int, is_number, need, ordered
 
 _SOURCE_KEYS = ("draft_len", "draft_cost", "verify_cost", "verify_cost_prepacked")
@@ -62,6 +63,17 @@ class SourceSpeculation:
         return ordered({**values, **self.extra}, self.key_order)
 
 
+def _refuse_renamed_sources(obj: Mapping[str, Any]) -> None:
+    """A bundle written before a source's rename names it the old way; its engines carry the
+    old role name too, so reading it would mean a second name for everything: rebuild instead."""
+    for old, new in RENAMED_SOURCES.items():
+        if old in obj or obj.get("source") == old:
+            raise UsageError(
+                f"this bundle names draft source {old!r}, which is now {new!r}",
+                "rebuild the bundle with this version of adaptive-export",
+            )
+
+
 @dataclass(frozen=True)
 class Speculation:
     """The calibrated draft source, whether `run --mode auto` uses it, and each source's
@@ -82,6 +94,7 @@ class Speculation:
         if obj is None:
             return None
         need(isinstance(obj, dict), "key 'speculation' has the wrong type")
+        _refuse_renamed_sources(obj)
         need(
             obj.get("source") is None or obj["source"] in SOURCE_NAMES, "speculation.source is not a known draft source"
         )

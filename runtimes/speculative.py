@@ -9,10 +9,10 @@ One round (`speculative_round`), with L = arena.length and `pending` the newest 
    the rejection rule (sampling); at the first rejection the verifier's token is emitted instead;
 4. crop: arena.length = L + (inputs whose KV is now valid). Nothing is copied.
 
-Draft sources (early exit, prompt lookup, precision, PPD) are `runtimes.drafting.DraftSource`s:
+Draft sources (early exit, prompt lookup, precision, prompt tokens) are `runtimes.drafting.DraftSource`s:
 what drafts, which engines it needs, how its verify pass runs, whether it earns a bonus
 token. A source whose verify pass scores the row after the last draft (prompt lookup,
-precision, PPD) emits accepted + 1 tokens every round; otherwise (early exit) the last accepted
+precision, prompt tokens) emits accepted + 1 tokens every round; otherwise (early exit) the last accepted
 draft becomes `pending` and the next round starts from it.
 
 `SpeculativeRunner` runs rounds back to back. With `--mode auto` a gateable source drafts only

@@ -19,11 +19,11 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.bundle import parse_manifest
@@ -214,7 +214,7 @@ def _opt_bool(value: Any) -> bool:
     return value is None or isinstance(value, bool)
 
 
-def _affix(value: Any) -> bool:
+def _affix(value: object) -> TypeGuard[str]:
     return _short_str(value, limits.MAX_TOKENIZER_AFFIX_CHARS)
 
 
@@ -322,7 +322,7 @@ def check_component(value: Any, section: str, kinds: dict[str, dict[str, FieldCh
 
 def _walk(
     node: Any, section: str, kinds: dict[str, dict[str, FieldCheck]], rules: TokenizerRules, depth: int
-) -> Iterator[dict[str, Any]]:
+) -> Iterator[Mapping[str, object]]:
     """Yield every step of the tree after checking its type and plain fields."""
     rules.need(depth <= limits.MAX_TOKENIZER_NESTING, section, f"nested deeper than {limits.MAX_TOKENIZER_NESTING}")
     rules.need(isinstance(node, dict), section, "a step is not a JSON object")
@@ -345,20 +345,20 @@ def _walk(
             yield from _walk(child, section, kinds, rules, depth + 1)
 
 
-def _growth(step: dict[str, Any], section: str, rules: TokenizerRules) -> int:
+def _growth(step: Mapping[str, object], section: str, rules: TokenizerRules) -> int:
     """How many times one step may lengthen text: a Replace of a string by a longer content,
     or of a regex that may match the empty string between every two characters."""
     if step["type"] != "Replace":
         return 1
     pattern = _pattern(step.get("pattern"), f"{section} Replace", rules)
-    content = step.get("content", "")
+    content = str(step.get("content", ""))  # a short string: _walk checked it (_affix)
     if "String" in pattern:
         rules.need(len(pattern["String"]) >= 1, f"{section} Replace", "the pattern is empty")
         return max(1, -(-len(content) // len(pattern["String"])))
     return len(content) + 1
 
 
-def _check_step_details(step: dict[str, Any], section: str, rules: TokenizerRules) -> None:
+def _check_step_details(step: Mapping[str, object], section: str, rules: TokenizerRules) -> None:
     kind = step["type"]
     where = f"{section} {kind}"
     if kind in ("Replace", "Split"):
@@ -456,7 +456,7 @@ def check_charsmap(value: Any, where: str, rules: TokenizerRules) -> None:
     )
 
 
-def check_template(step: dict[str, Any], where: str, rules: TokenizerRules) -> None:
+def check_template(step: Mapping[str, object], where: str, rules: TokenizerRules) -> None:
     """single / pair: at most MAX_TEMPLATE_PIECES pieces; special_tokens: ids in the vocabulary."""
     for key in ("single", "pair"):
         pieces = step.get(key, [])
@@ -466,11 +466,8 @@ def check_template(step: dict[str, Any], where: str, rules: TokenizerRules) -> N
             f"{key} must be at most {limits.MAX_TEMPLATE_PIECES} Sequence / SpecialToken pieces",
         )
     specials = step.get("special_tokens", {})
-    rules.need(
-        isinstance(specials, dict) and len(specials) <= limits.MAX_TEMPLATE_PIECES,
-        where,
-        f"special_tokens must map at most {limits.MAX_TEMPLATE_PIECES} tokens",
-    )
+    if not (isinstance(specials, dict) and len(specials) <= limits.MAX_TEMPLATE_PIECES):
+        raise rules.refuse(where, f"special_tokens must map at most {limits.MAX_TEMPLATE_PIECES} tokens")
     for name, special in specials.items():
         _fields(special, {"id", "ids", "tokens"}, where, rules)
         ids, tokens = special.get("ids"), special.get("tokens")
@@ -502,7 +499,7 @@ def check_model(model: Any, rules: TokenizerRules) -> None:
     section = "model"
     rules.need(isinstance(model, dict), section, "is not a JSON object")
     kind = model.get("type")
-    models: dict[str, Callable[[dict[str, Any], TokenizerRules], None]] = {
+    models: dict[str, Callable[[Mapping[str, object], TokenizerRules], None]] = {
         "BPE": _check_bpe,
         "WordPiece": _check_wordpiece,
         "WordLevel": _check_wordlevel,
@@ -512,7 +509,7 @@ def check_model(model: Any, rules: TokenizerRules) -> None:
     models[kind](model, rules)
 
 
-def _check_bpe(model: dict[str, Any], rules: TokenizerRules) -> None:
+def _check_bpe(model: Mapping[str, object], rules: TokenizerRules) -> None:
     where = "model BPE"
     keys = {"dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk", "byte_fallback"}
     _fields(model, keys | {"type", "ignore_merges", "vocab", "merges"}, where, rules)
@@ -568,7 +565,7 @@ def _check_vocab_map(vocab: Any, where: str, rules: TokenizerRules) -> None:
     )
 
 
-def _check_wordpiece(model: dict[str, Any], rules: TokenizerRules) -> None:
+def _check_wordpiece(model: Mapping[str, object], rules: TokenizerRules) -> None:
     where = "model WordPiece"
     _fields(
         model, {"type", "unk_token", "continuing_subword_prefix", "max_input_chars_per_word", "vocab"}, where, rules
@@ -583,14 +580,14 @@ def _check_wordpiece(model: dict[str, Any], rules: TokenizerRules) -> None:
     _check_vocab_map(model.get("vocab"), where, rules)
 
 
-def _check_wordlevel(model: dict[str, Any], rules: TokenizerRules) -> None:
+def _check_wordlevel(model: Mapping[str, object], rules: TokenizerRules) -> None:
     where = "model WordLevel"
     _fields(model, {"type", "vocab", "unk_token"}, where, rules)
     rules.need(_affix(model.get("unk_token")), where, "bad unk_token")
     _check_vocab_map(model.get("vocab"), where, rules)
 
 
-def _check_unigram(model: dict[str, Any], rules: TokenizerRules) -> None:
+def _check_unigram(model: Mapping[str, object], rules: TokenizerRules) -> None:
     where = "model Unigram"
     _fields(model, {"type", "unk_id", "vocab", "byte_fallback"}, where, rules)
     vocab: Any = model.get("vocab")
@@ -622,13 +619,13 @@ def _fields(value: Any, allowed: set[str], where: str, rules: TokenizerRules) ->
     rules.need(not unknown, where, f"unknown fields {[str(k)[:40] for k in unknown[:4]]}")
 
 
-def _int_in(value: Any, low: int, high: int) -> bool:
+def _int_in(value: object, low: int, high: int) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _short_str(value: Any, max_chars: int, min_chars: int = 0) -> bool:
+def _short_str(value: object, max_chars: int, min_chars: int = 0) -> TypeGuard[str]:
     return isinstance(value, str) and min_chars <= len(value) <= max_chars

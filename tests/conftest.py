@@ -211,7 +211,7 @@ def build_smollm2(tmp_path_factory: pytest.TempPathFactory, name: str, *flags: s
 @pytest.fixture(scope="session")
 def smol_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2 built once for every integration test: prefill, decode, and early-exit
-    draft/verify engines at E=24, an int8 precision draft and the shipped PPD prompt tokens
+    draft/verify engines at E=24, an int8 precision draft and the shipped prompt tokens
     (samples/smollm2_prompt_tokens.safetensors, measured on the eval prompts' held-out two;
     the plain-decoding path is the same as a build without)."""
     samples = ROOT / "samples"

@@ -59,17 +59,17 @@ BAD_BUNDLES: dict[str, tuple[Callable[[Path], None], str]] = {
         edit_manifest(lambda m: m["files"].update({"/etc/passwd": {"sha256": "0", "bytes": 1}})),
         "not a relative path",
     ),
-    "ppd_prompt_tokens_negative": (
+    "prompt_tokens_negative": (
         edit_manifest(lambda m: m["graphs"]["decode_full"].update(prompt_tokens=-1)),
         "bad prompt_tokens",
     ),
-    "ppd_prompt_tokens_huge": (
+    "prompt_tokens_huge": (
         edit_manifest(lambda m: m["graphs"]["decode_full"].update(prompt_tokens=10**9)),
         "bad prompt_tokens",
     ),
-    "ppd_engine_without_prompts": (
-        edit_manifest(lambda m: m["configs"][0]["engines"].update(ppd="decode_full")),
-        "PPD engine",
+    "prompt_tokens_engine_without_prompts": (
+        edit_manifest(lambda m: m["configs"][0]["engines"].update(prompt_tokens="decode_full")),
+        "prompt_tokens engine",
     ),
     "foreign_manifest": (edit_manifest(lambda m: m.update(format="something-else")), "not an adaptive-export bundle"),
 }
@@ -111,7 +111,10 @@ def test_symlink_out_of_bundle_is_rejected(
         (["run", "{b}", "-p", "hi", "--backend", "coreml"], "backend 'coreml' is not in this bundle"),
         (["run", "{b}", "-p", "hi", "--backend", "vulkan"], "backend 'vulkan' is unknown"),
         (["run", "{b}", "-p", "hi", "--mode", "spec", "--draft", "early_exit"], "has no early_exit draft engines"),
-        (["run", "{b}", "-p", "hi", "--mode", "spec", "--draft", "ppd"], "has no ppd draft engines"),
+        (
+            ["run", "{b}", "-p", "hi", "--mode", "spec", "--draft", "prompt_tokens"],
+            "has no prompt_tokens draft engines",
+        ),
         (["build", "{m}", "-o", "{t}/o", "--prompt-tokens", "99"], "--prompt-tokens 99 is outside 1..16"),
         (["build", "{m}", "-o", "{t}/o", "--prompt-tokens", "{t}/nope.safetensors"], "prompt tokens file"),
         (["run", "{t}/does-not-exist", "-p", "hi"], "does not exist"),

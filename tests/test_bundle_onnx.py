@@ -35,7 +35,7 @@ def variant_bundle(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
 
 def test_every_graph_matches_pytorch(variant_bundle: Path) -> None:
     bundle = load_bundle(variant_bundle)
-    _, parts = load_parts(bundle, None)
+    _, parts = load_parts(bundle, str(variant_bundle.parent / "model"))
     backend = make_backend(bundle, "onnx")
     assert set(bundle.manifest.graphs) == {"prefill", "decode_full"}
     for graph in bundle.manifest.graphs:
@@ -46,7 +46,7 @@ def test_every_graph_matches_pytorch(variant_bundle: Path) -> None:
 
 def test_greedy_equals_transformers(variant_bundle: Path) -> None:
     bundle = load_bundle(variant_bundle)
-    _, parts = load_parts(bundle, None)
+    _, parts = load_parts(bundle, str(variant_bundle.parent / "model"))
     generator = Generator(bundle)
     for prompt in PROMPTS:
         result = greedy_check(generator, parts, bundle.config("full"), prompt, 24)

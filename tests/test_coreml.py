@@ -68,9 +68,11 @@ def test_weights_are_shared_between_functions(coreml_bundle: Path, tmp_path: Pat
     assert one > fp16_weights * 0.9  # the single package does hold one fp16 copy
 
 
-def test_check_reports_coreml_as_converted_not_executed(coreml_bundle: Path, tmp_path: Path) -> None:
+def test_check_reports_coreml_as_converted_not_executed(
+    coreml_bundle: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     report = tmp_path / "r.json"
-    assert main(["check", str(coreml_bundle), "--report", str(report)]) == 0
+    assert main(["check", str(coreml_bundle), "--model", str(tiny_model_dir), "--report", str(report)]) == 0
     results = [r for r in json.loads(report.read_text())["results"] if r["backend"] == "coreml"]
     assert results
     if platform.system() != "Darwin":

@@ -135,6 +135,8 @@ def test_check_covers_the_trimmed_engine(trimmed_bundle: Path, tmp_path: Path) -
             [
                 "check",
                 str(trimmed_bundle),
+                "--model",
+                str(trimmed_bundle.parent / "model"),
                 "--report",
                 str(report),
                 "--new-tokens",

@@ -39,7 +39,14 @@ def test_assembled_file_matches_the_listed_sha256() -> None:
 def test_check_greedy_identical_to_hf_on_heldout_raw_text(gemma_bundle: Path, tmp_path: Path) -> None:
     report = tmp_path / "report.json"
     proc = cli(
-        "check", str(gemma_bundle), "--report", str(report), "--prompts", str(ROOT / "samples" / "heldout_text.jsonl")
+        "check",
+        str(gemma_bundle),
+        "--model",
+        "gemma3",
+        "--report",
+        str(report),
+        "--prompts",
+        str(ROOT / "samples" / "heldout_text.jsonl"),
     )
     assert report.is_file(), proc.stderr[-4000:]
     data = json.loads(report.read_text())

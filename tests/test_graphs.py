@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from adaptive_export.exporter.graph_entry import manifest_graph
 from adaptive_export.graphs.span_graph import GraphSpec, ModelParts, SpanGraph
 from adaptive_export.loading.model import load_model
 from tests.conftest import TINY_VARIANTS, make_tiny_model
@@ -56,7 +57,7 @@ def test_sliding_window_mask() -> None:
 def test_every_model_type_has_one_architecture() -> None:
     from adaptive_export.graphs.architectures import ARCHITECTURES, FAMILIES, SUPPORTED_MODEL_TYPES
 
-    assert set(SUPPORTED_MODEL_TYPES) == {"llama", "qwen2", "mistral", "gemma3_text"}
+    assert set(SUPPORTED_MODEL_TYPES) == {"llama", "qwen2", "mistral", "gemma3_text", "qwen3", "phi3", "smollm3"}
     assert sum(len(family.model_types) for family in FAMILIES) == len(ARCHITECTURES)
 
 
@@ -99,7 +100,7 @@ def test_both_flavours_share_one_layer_and_agree(tmp_path: Path, family: str) ->
     with torch.no_grad():
         ours = portable(ids, *prefix)
         theirs = fused(ids, *control, *blocks)
-    for name, a, b in zip(graph.output_names(), ours[:3], theirs[:3]):
+    for name, a, b in zip(manifest_graph(graph).output_names(), ours[:3], theirs[:3]):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=name)
     for rows, block in zip(ours[3:], theirs[3:]):
         torch.testing.assert_close(rows, block[0, :, past_len : past_len + new].transpose(0, 1), atol=2e-5, rtol=1e-4)

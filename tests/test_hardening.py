@@ -14,8 +14,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,26 +25,15 @@ import pytest
 from onnx import TensorProto, helper
 
 from adaptive_export.commands.cli import main
+from tests.bounded import (
+    SENTINEL_TEXT,
+    plant_sentinel,
+    run_cli_bounded,
+    sentinel_in_tokens,
+    sentinel_was_read,
+)
 
-ROOT = Path(__file__).parents[1]
 LIMIT_S, LIMIT_RSS_MB = 10.0, 1024
-SENTINEL_TEXT = b"SENTINEL-7f3a9c-do-not-read"
-
-_RUNNER = r"""
-import atexit, os, resource, sys
-sentinel = sys.argv[1]
-# VmHWM, not ru_maxrss: Linux carries the forking parent's high-water mark into ru_maxrss
-# across exec, so a child of a large pytest process would report the parent's size
-atexit.register(lambda: open(os.environ["RSS_FILE"], "w").write(
-    next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:"))))
-def hook(event, args):
-    if event == "open" and args and isinstance(args[0], (str, bytes)) and sentinel in str(args[0]):
-        sys.stderr.write("AUDIT: the sentinel outside the bundle was opened\n")
-sys.addaudithook(hook)
-from adaptive_export.commands.cli import main
-sys.argv = ["adaptive-export", *sys.argv[2:]]
-sys.exit(main())
-"""
 
 
 # ---- helpers -----------------------------------------------------------------------------
@@ -86,48 +73,24 @@ def make_bad(
 
 
 def sentinel(tmp_path: Path, size: int = 0) -> Path:
-    path = tmp_path / "SENTINEL_outside.bin"
-    data = (SENTINEL_TEXT * (size // len(SENTINEL_TEXT) + 1))[: max(size, len(SENTINEL_TEXT))]
-    path.write_bytes(data)
-    return path
+    return plant_sentinel(tmp_path / "SENTINEL_outside.bin", size)
 
 
 def run_isolated(argv: list[str], sentinel_path: Path | None = None, timeout: float = LIMIT_S) -> tuple[int, str, str]:
-    """Run the CLI in a child: returns (exit code, stdout, stderr) after checking the
-    time, memory, one-line and no-read rules."""
-    marker = sentinel_path.name if sentinel_path else "no-sentinel-marker"
-    rss_file = (
-        sentinel_path.parent / "rss.txt"
-        if sentinel_path
-        else Path(os.environ.get("TMPDIR", "/tmp")) / f"rss-{os.getpid()}.txt"
-    )
-    env = dict(os.environ, PYTHONPATH=str(ROOT), ADAPTIVE_EXPORT_TRACEBACK="", RSS_FILE=str(rss_file))
-    started = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _RUNNER, marker, *argv],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout + 20)  # imports of a cold start are not the case's time
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise AssertionError(f"{argv[:1]} did not finish: a hang") from None
-    elapsed = time.monotonic() - started
-    text_out, text_err = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
-    assert elapsed < timeout + 8, (
-        f"took {elapsed:.1f} s"
-    )  # + start-up of a fresh interpreter on a loaded 2-core machine
-    peak_mb = int(rss_file.read_text()) / 1024
-    rss_file.unlink()
-    assert peak_mb < LIMIT_RSS_MB, f"peak RSS {peak_mb:.0f} MB"
+    """Run the CLI in a bounded child (tests/bounded.py): returns (exit code, stdout, stderr) after
+    checking the time, memory, one-line and no-read rules."""
+    outcome = run_cli_bounded(argv, sentinel_path.name if sentinel_path else "no-sentinel-marker", timeout)
+    text_out, text_err = outcome.out, outcome.err
+    assert outcome.seconds < timeout + 8, f"took {outcome.seconds:.1f} s"  # + a fresh interpreter's start-up
+    assert outcome.peak_rss_mb < LIMIT_RSS_MB, f"peak RSS {outcome.peak_rss_mb:.0f} MB"
     assert "AUDIT" not in text_err, text_err
     if sentinel_path is not None:
         assert SENTINEL_TEXT.decode() not in text_out + text_err, "sentinel bytes leaked"
-    return proc.returncode, text_out, text_err
+        assert not sentinel_was_read(sentinel_path), "the sentinel outside the bundle was read"
+        for line in text_out.splitlines():
+            if line.startswith("{"):
+                assert not sentinel_in_tokens(json.loads(line).get("tokens", [])), "sentinel bytes became tokens"
+    return outcome.rc, text_out, text_err
 
 
 def assert_one_line(rc: int, err: str, *fragments: str, progress: bool = False) -> None:
@@ -278,6 +241,7 @@ def test_manifest_symlink_to_outside_is_refused(tiny_bundle: Path, tmp_path: Pat
     copy = tmp_path / "bad"
     shutil.copytree(tiny_bundle, copy)
     files(copy)
+    os.utime(outside, (outside.stat().st_mtime - 2 * 86400, outside.stat().st_mtime))  # a read would move it
     rc, _, err = run_isolated(["run", str(copy), "-p", "hi"], outside)
     assert_one_line(rc, err, "manifest", "symlinks")
 
@@ -424,10 +388,10 @@ def test_wrong_kv_heads_in_the_manifest_are_refused(
 
 
 def test_check_exits_2_not_1_on_a_refused_engine(
-    tiny_portable_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_portable_bundle: Path, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bad = make_bad(tiny_portable_bundle, tmp_path, GRAPH_CASES["swapped_graphs"][0])
-    expect_usage(["check", str(bad), "--new-tokens", "2"], capsys, "is refused")
+    expect_usage(["check", str(bad), "--model", str(tiny_model_dir), "--new-tokens", "2"], capsys, "is refused")
 
 
 # ---- weights and tensors ----------------------------------------------------------------------
@@ -540,7 +504,19 @@ INTEGRITY_CASES: dict[str, tuple[Callable[[Path], None] | None, Callable[[dict[s
 }
 
 
-@pytest.mark.parametrize("case", sorted(INTEGRITY_CASES))
+# dimensions of 10^9..10^12: a regression would allocate or loop, so these run in a bounded child
+HUGE_DIMENSION_CASES = {"draft_len_huge", "max_len_1e12", "num_layers_1e9", "vocab_1e12", "weights_beyond_file"}
+
+
+@pytest.mark.parametrize("case", sorted(HUGE_DIMENSION_CASES))
+def test_huge_dimensions_are_refused_in_a_bounded_child(case: str, tiny_bundle: Path, tmp_path: Path) -> None:
+    files, manifest, fragment = INTEGRITY_CASES[case]
+    bad = make_bad(tiny_bundle, tmp_path, files, manifest)
+    rc, _, err = run_isolated(["run", str(bad), "-p", "hi", "--mode", "auto", "--verify", "full"])
+    assert_one_line(rc, err, fragment)
+
+
+@pytest.mark.parametrize("case", sorted(set(INTEGRITY_CASES) - HUGE_DIMENSION_CASES))
 def test_integrity_and_manifest_bounds(
     case: str, tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -625,7 +601,6 @@ def test_kv_arena_is_checked_before_allocation() -> None:
         (["run", "{b}", "-p", "hi", "--threads", "100000"], "--threads 100000"),
         (["run", "{b}", "-p", "hi", "--threads", "-1"], "--threads -1"),
         (["run", "{b}", "-p", "hi", "--mode", "spec", "--draft-len", "1000000"], "--draft-len"),
-        (["run", "{b}", "--prompt-file", "/dev/zero"], "not a regular file"),
         (["run", "{b}", "--prompt-file", "{t}/big.txt"], "more than the"),
         (["check", "{b}", "--tolerance", "inf"], "--tolerance inf"),
         (["check", "{b}", "--tolerance", "nan"], "--tolerance nan"),
@@ -641,6 +616,11 @@ def test_resource_arguments_are_bounded(
 ) -> None:
     (tmp_path / "big.txt").write_bytes(b"a" * (5 << 20))
     expect_usage([a.format(b=tiny_bundle, t=tmp_path) for a in argv], capsys, fragment)
+
+
+def test_dev_zero_prompt_file_is_refused_in_a_bounded_child(tiny_bundle: Path) -> None:
+    rc, _, err = run_isolated(["run", str(tiny_bundle), "--prompt-file", "/dev/zero"])
+    assert_one_line(rc, err, "not a regular file")
 
 
 def test_prompt_fifo_does_not_hang(tiny_bundle: Path, tmp_path: Path) -> None:
@@ -703,3 +683,50 @@ def test_config_only_model_and_truncated_gguf_are_one_line(tmp_path: Path, capsy
     gguf = tmp_path / "cut.gguf"
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 11)
     expect_usage(["build", str(gguf), "-o", str(tmp_path / "o2")], capsys, "cut.gguf")
+
+
+# ---- file sizes, checked before anything is hashed (runtimes/file_bounds.py) ------------------------
+def _list_unhashed(root: Path, name: str, size: int) -> None:
+    """List a sparse file of `size` bytes with a checksum nobody computed: a refusal that names the
+    size, not the checksum, happened before hashing."""
+    with open(root / name, "wb") as handle:
+        handle.truncate(size)
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["files"][name] = {"sha256": "0" * 64, "bytes": size}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_four_16_gib_sparse_files_are_refused_in_under_a_second(tiny_bundle: Path, tmp_path: Path) -> None:
+    """The issue's case: four unused but listed 16 GiB holes made `run` hash 64 GiB (66 s)."""
+
+    def files(root: Path) -> None:
+        for index in range(4):
+            _list_unhashed(root, f"unused{index}.bin", 16 << 30)
+
+    bad = make_bad(tiny_bundle, tmp_path, files, sign=False)
+    baseline = run_cli_bounded(["run", str(tmp_path / "no-bundle"), "-p", "hi"])  # refused before any file
+    outcome = run_cli_bounded(["run", str(bad), "-p", "hi", "--verify", "full"])
+    assert_one_line(outcome.rc, outcome.err, "unused0.bin", "model's dimensions allow")
+    assert outcome.seconds < baseline.seconds + 1.0, (outcome.seconds, baseline.seconds)
+
+
+def test_a_sparse_file_within_the_size_caps_is_refused(tiny_bundle: Path, tmp_path: Path) -> None:
+    bad = make_bad(tiny_bundle, tmp_path, lambda r: _list_unhashed(r, "holes.bin", 8 << 20), sign=False)
+    rc, _, err = run_isolated(["run", str(bad), "-p", "hi"])
+    assert_one_line(rc, err, "holes.bin", "is sparse")
+
+
+def test_oversize_weights_are_refused_before_hashing(tiny_bundle: Path, tmp_path: Path) -> None:
+    """weights.bin far larger than a model of these dimensions needs: refused on its size, never hashed."""
+
+    def files(root: Path) -> None:
+        with open(root / "onnx" / "weights.bin", "r+b") as handle:
+            handle.truncate(512 << 20)
+        manifest = json.loads((root / "manifest.json").read_text())
+        manifest["files"]["onnx/weights.bin"] = {"sha256": "0" * 64, "bytes": 512 << 20}
+        (root / "manifest.json").write_text(json.dumps(manifest))
+
+    bad = make_bad(tiny_bundle, tmp_path, files, sign=False)
+    rc, _, err = run_isolated(["run", str(bad), "-p", "hi", "--verify", "full"])
+    assert_one_line(rc, err, "onnx/weights.bin", "model's dimensions allow")
+    assert "checksum" not in err

@@ -1,4 +1,4 @@
-"""PPD prompt tokens: the chain simulation calibration prices them with, the masks that train
+"""Prompt tokens (parallel prompt decoding): the chain simulation calibration prices them with, the masks that train
 many groups in one pass, the portable flavour's embedding of them (engine parity and lossless
 greedy through `check`), and a clear error for a foreign prompt-tokens file."""
 
@@ -75,11 +75,11 @@ def test_portable_bundle_embeds_prompt_tokens_and_checks(tmp_path: Path) -> None
     )
     assert (bundle / "prompt_tokens.safetensors").stat().st_size < 64 * 3 * 4 + 256  # m x hidden floats and a header
     report = tmp_path / "report.json"
-    assert main(["check", str(bundle), "--report", str(report), "--new-tokens", "12"]) == 0
+    assert main(["check", str(bundle), "--model", str(model), "--report", str(report), "--new-tokens", "12"]) == 0
     results = json.loads(report.read_text())["results"]
     assert any(r["check"] == "parity" and r["engine"] == "decode_full" and r["passed"] for r in results)
-    assert [r for r in results if r["check"].startswith("greedy") and "ppd" in json.dumps(r)], (
-        "check ran no PPD speculation"
+    assert [r for r in results if r["check"].startswith("greedy") and r["engine"].endswith(":prompt_tokens")], (
+        "check ran no prompt-token speculation"
     )
     # a previous build's file is reused as is
     again = tmp_path / "again"

@@ -34,9 +34,9 @@ def test_int8_engines_share_one_copy_of_quantized_weights(int8_bundle: Path, tin
         assert "MatMulNBits" in ops and "Gemm" not in ops
 
 
-def test_check_reports_quality_for_quantized_bundle(int8_bundle: Path, tmp_path: Path) -> None:
+def test_check_reports_quality_for_quantized_bundle(int8_bundle: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     report = tmp_path / "q.json"
-    assert main(["check", str(int8_bundle), "--report", str(report)]) == 0
+    assert main(["check", str(int8_bundle), "--model", str(tiny_model_dir), "--report", str(report)]) == 0
     results = json.loads(report.read_text())["results"]
     per_prompt = [r for r in results if r["check"].startswith("quality[") and r["check"] != "quality[mean]"]
     gate = [r for r in results if r["check"] == "quality[mean]"]

@@ -38,9 +38,9 @@ def test_bundle_has_skip_configurations_and_calibration(router_setup: tuple[Path
 
 
 def test_every_engine_and_router_scores_match_pytorch(router_setup: tuple[Path, Path, Path]) -> None:
-    _, routed, _ = router_setup
+    model, routed, _ = router_setup
     bundle = load_bundle(routed)
-    _, parts = load_parts(bundle, None)
+    _, parts = load_parts(bundle, str(model))
     backend = make_backend(bundle, "onnx")
     for graph in bundle.manifest.graphs:  # the prefill check compares router_scores too
         result = engine_parity(bundle, backend, parts, graph)

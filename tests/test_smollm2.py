@@ -33,6 +33,8 @@ def test_check_passes_with_reports(smol_bundle: Path, tmp_path: Path) -> None:
     proc = cli(
         "check",
         str(smol_bundle),
+        "--model",
+        "smollm2",
         "--report",
         str(report),
         "--junit",
@@ -55,7 +57,7 @@ def test_check_passes_with_reports(smol_bundle: Path, tmp_path: Path) -> None:
         "spec:full:early_exit": prompts,
         "spec:full:prompt_lookup": prompts,
         "spec:full:precision": prompts,
-        "spec:full:ppd": prompts,
+        "spec:full:prompt_tokens": prompts,
     }
     assert all("identical" in r["detail"] or "float tie" in r["detail"] for r in greedy)
     assert {"prefill", "decode_full", "draft_full_e24", "verify_full_e24", "pdraft_full_int8"} <= {

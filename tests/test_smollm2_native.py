@@ -46,7 +46,7 @@ def test_bundle_weights_are_the_gguf_weights_bit_for_bit(trimmed_native_bundle: 
     from adaptive_export.runtimes.bundle import load_bundle
 
     bundle = load_bundle(trimmed_native_bundle)
-    _, parts = load_parts(bundle, None)
+    _, parts = load_parts(bundle, "smollm2")
     packed = PackedWeights(parts, 8)
     reference = dict(packed.named())
     for layer in (0, 29):
@@ -79,7 +79,16 @@ def test_accuracy_1_is_greedy_identical_to_hf_fp32(trimmed_native_bundle: Path, 
     report = tmp_path / "r.json"
     prompt_file = str(ROOT / "samples" / "eval_prompts.jsonl")
     proc = cli(
-        "check", str(trimmed_native_bundle), "--report", str(report), "--prompts", prompt_file, "--new-tokens", "32"
+        "check",
+        str(trimmed_native_bundle),
+        "--model",
+        "smollm2",
+        "--report",
+        str(report),
+        "--prompts",
+        prompt_file,
+        "--new-tokens",
+        "32",
     )
     assert report.is_file(), proc.stderr[-4000:]
     data = json.loads(report.read_text())
@@ -112,7 +121,7 @@ def test_default_build_is_gguf_exact_at_accuracy_4(tmp_path: Path) -> None:
     assert "token_embd.qweight" in onnx_entry["tensors"] and not any("embed_tokens" in t for t in onnx_entry["tensors"])
     assert onnx_entry["weight_bytes"] < 130e6
     report = tmp_path / "r.json"
-    proc = cli("check", str(out), "--report", str(report), "--new-tokens", "24")
+    proc = cli("check", str(out), "--model", "smollm2", "--report", str(report), "--new-tokens", "24")
     assert proc.returncode == 0, proc.stderr[-4000:]
     gate = [r for r in json.loads(report.read_text())["results"] if r["check"] == "quality[mean]"]
     assert len(gate) == 1 and gate[0]["passed"], gate

@@ -37,7 +37,18 @@ def test_routed_build_has_skip_configurations_and_passes_check(routed: Path, tmp
     assert total <= 1.05 * manifest["backends"]["onnx"]["weight_bytes"]
     report = tmp_path / "r.json"
     prompt_file = str(ROOT / "samples" / "eval_prompts.jsonl")
-    proc = cli("check", str(routed), "--report", str(report), "--prompts", prompt_file, "--new-tokens", "16")
+    proc = cli(
+        "check",
+        str(routed),
+        "--model",
+        "smollm2",
+        "--report",
+        str(report),
+        "--prompts",
+        prompt_file,
+        "--new-tokens",
+        "16",
+    )
     assert report.is_file(), proc.stderr[-4000:]
     data = json.loads(report.read_text())
     assert proc.returncode == 0, [r for r in data["results"] if not r["passed"]]

@@ -1,5 +1,5 @@
 """SmolLM2 self-speculation is lossless on 50 prompts, for early exit, prompt lookup, an
-int8 precision draft, PPD prompt tokens and a vocabulary-trimmed native4 draft over GGUF-exact
+int8 precision draft, prompt tokens and a vocabulary-trimmed native4 draft over GGUF-exact
 weights, and its drafts are accepted as often as they were when measured: a
 speculation that silently stopped paying fails here even though it would stay lossless."""
 
@@ -19,9 +19,9 @@ pytestmark = [needs_smollm2, pytest.mark.slow, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).parents[1]
 NEW_TOKENS = 24
 # measured on the 50 spec prompts (AMD EPYC, onnxruntime 1.32): precision 0.956, early exit
-# (E=24, no adapter) 0.151, prompt lookup 0.171, PPD (the shipped m=2 prompt tokens, k=2) 0.148;
+# (E=24, no adapter) 0.151, prompt lookup 0.171, prompt tokens (the shipped m=2 prompt tokens, k=2) 0.148;
 # the floors sit well below and far above 0
-ACCEPTANCE_FLOOR = {"precision": 0.85, "early_exit": 0.08, "prompt_lookup": 0.08, "ppd": 0.05}
+ACCEPTANCE_FLOOR = {"precision": 0.85, "early_exit": 0.08, "prompt_lookup": 0.08, "prompt_tokens": 0.05}
 
 
 def speculate_against_plain(
@@ -53,29 +53,32 @@ def test_speculation_is_lossless_on_50_prompts(smol_bundle: Path) -> None:
     assert acceptance["precision"] >= ACCEPTANCE_FLOOR["precision"], acceptance
     assert acceptance["early_exit"] >= ACCEPTANCE_FLOOR["early_exit"], acceptance
     assert acceptance["prompt_lookup"] >= ACCEPTANCE_FLOOR["prompt_lookup"], acceptance
-    assert acceptance["ppd"] >= ACCEPTANCE_FLOOR["ppd"], acceptance
+    assert acceptance["prompt_tokens"] >= ACCEPTANCE_FLOOR["prompt_tokens"], acceptance
 
 
-def test_ppd_runtime_acceptance_matches_calibration(smol_bundle: Path) -> None:
-    """The runtime's PPD rounds on the held-out calibration prompts (the eval set's 5th and 10th)
+def test_prompt_tokens_runtime_acceptance_matches_calibration(smol_bundle: Path) -> None:
+    """The runtime's prompt-token rounds on the held-out calibration prompts (the eval set's 5th and 10th)
     are the rounds calibration simulated in PyTorch: same acceptance within 0.05."""
     import json
 
     from adaptive_export.calibration.exit_adapters import is_held_out
-    from adaptive_export.calibration.prompt_tokens import PPD_CALIB_TOKENS
+    from adaptive_export.calibration.prompt_tokens import PROMPT_TOKEN_CALIB_TOKENS
 
-    ppd = json.loads((smol_bundle / "calibration.json").read_text())["speculation"]["ppd"]
-    k = str(ppd["prompt_tokens"])
+    simulated = json.loads((smol_bundle / "calibration.json").read_text())["speculation"]["prompt_tokens"]
+    k = str(simulated["prompt_tokens"])
     generator = Generator(smol_bundle)
     rates = []
     for index, prompt in enumerate(read_prompts(str(ROOT / "samples" / "eval_prompts.jsonl"))):
         if is_held_out(index):
             stats = generator.generate(
-                generator.codec.encode(prompt), max_new_tokens=PPD_CALIB_TOKENS, mode="spec", draft="ppd"
+                generator.codec.encode(prompt),
+                max_new_tokens=PROMPT_TOKEN_CALIB_TOKENS,
+                mode="spec",
+                draft="prompt_tokens",
             ).stats.speculation
             rates.append(stats["accepted"] / max(stats["drafted"], 1))
     measured = sum(rates) / len(rates)
-    assert abs(measured - ppd["per_k"][k]["acceptance"]) <= 0.05, (measured, ppd["per_k"][k])
+    assert abs(measured - simulated["per_k"][k]["acceptance"]) <= 0.05, (measured, simulated["per_k"][k])
 
 
 # measured on the 50 spec prompts (AMD EPYC, onnxruntime 1.32): 0.703 for the native4 draft over

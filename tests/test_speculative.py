@@ -78,10 +78,10 @@ def test_manifest_has_draft_and_verify_engines(spec_bundle: Path) -> None:
         "draft": "draft_full_e3",
         "verify": "verify_full_e3",
         "precision_draft": "pdraft_full_int8",
-        "ppd": "decode_full",
+        "prompt_tokens": "decode_full",
     }
     assert manifest["graphs"]["decode_full"]["prompt_tokens"] == 2
-    assert manifest["speculation"]["ppd"] == {"draft_len": 2}
+    assert manifest["speculation"]["prompt_tokens"] == {"draft_len": 2}
     assert "prompt_tokens.safetensors" in manifest["files"]
     assert manifest["graphs"]["pdraft_full_int8"]["precision"] == "int8"
     assert manifest["graphs"]["pdraft_full_int8"]["layers"] == list(range(6))
@@ -100,8 +100,8 @@ def test_manifest_has_draft_and_verify_engines(spec_bundle: Path) -> None:
         ("prompt_lookup", 4),
         ("precision", 1),
         ("precision", 4),
-        ("ppd", 1),
-        ("ppd", 2),
+        ("prompt_tokens", 1),
+        ("prompt_tokens", 2),
     ],
 )
 def test_greedy_speculation_equals_plain_decoding(spec_bundle: Path, draft: str, k: int) -> None:
@@ -115,7 +115,7 @@ def test_greedy_speculation_equals_plain_decoding(spec_bundle: Path, draft: str,
         spec = result.stats.speculation
         rounds += spec["rounds"]
         assert_same_or_tie(generator, ids, ar, result.tokens)
-        if draft in ("prompt_lookup", "precision", "ppd") and result.stats.stop_reason == "length":
+        if draft in ("prompt_lookup", "precision", "prompt_tokens") and result.stats.stop_reason == "length":
             # every round emits its accepted drafts plus one verifier token (correction or bonus)
             assert spec["accepted"] + spec["rounds"] == result.stats.new_tokens - 1
     assert rounds > 0
@@ -150,23 +150,27 @@ def test_arena_after_rejections_equals_plain_decoding(spec_bundle: Path) -> None
     np.testing.assert_allclose(after, generator.arena.valid_rows(length), atol=2e-5)
 
 
-def test_ppd_runtime_acceptance_matches_calibration(spec_bundle: Path) -> None:
-    """The runtime's PPD rounds on the held-out calibration prompts are the ones calibration
+def test_prompt_tokens_runtime_acceptance_matches_calibration(spec_bundle: Path) -> None:
+    """The runtime's prompt-token rounds on the held-out calibration prompts are the ones calibration
     simulated in PyTorch (same greedy tokens, same guesses): acceptance within 0.05, and above 0,
-    so PPD drafts that silently stopped being accepted (or guessed from the wrong rows) fail."""
+    so prompt-token drafts that silently stopped being accepted (or guessed from the wrong rows) fail."""
     from adaptive_export.calibration.exit_adapters import is_held_out
     from adaptive_export.calibration.measure import BUILTIN_CALIB
-    from adaptive_export.calibration.prompt_tokens import PPD_CALIB_TOKENS
+    from adaptive_export.calibration.prompt_tokens import PROMPT_TOKEN_CALIB_TOKENS
     from adaptive_export.loading.prompts import read_prompts
 
-    simulated = json.loads((spec_bundle / "calibration.json").read_text())["speculation"]["ppd"]["per_k"]["2"]
+    simulated = json.loads((spec_bundle / "calibration.json").read_text())["speculation"]["prompt_tokens"]["per_k"]["2"]
     generator = Generator(spec_bundle)
     rates = []
     for index, prompt in enumerate(read_prompts(str(BUILTIN_CALIB))):
         if not is_held_out(index):
             continue
         result = generator.generate(
-            generator.codec.encode(prompt), max_new_tokens=PPD_CALIB_TOKENS, mode="spec", draft="ppd", draft_len=2
+            generator.codec.encode(prompt),
+            max_new_tokens=PROMPT_TOKEN_CALIB_TOKENS,
+            mode="spec",
+            draft="prompt_tokens",
+            draft_len=2,
         )
         stats = result.stats.speculation
         if stats["drafted"]:
@@ -209,7 +213,7 @@ def test_rejection_rule_keeps_the_target_distribution(one_hot_draft: bool) -> No
     assert _chi_square_pvalue(counts, p) > 1e-3
 
 
-@pytest.mark.parametrize("draft", ["early_exit", "precision", "ppd"])
+@pytest.mark.parametrize("draft", ["early_exit", "precision", "prompt_tokens"])
 def test_spec_sampling_matches_plain_sampling_end_to_end(spec_bundle: Path, draft: str) -> None:
     """Distribution of the 2nd and 3rd generated tokens, AR vs speculation, over seeds."""
     from scipy.stats import chi2_contingency

@@ -235,13 +235,13 @@ def test_a_rust_panic_in_run_is_one_error_line(tiny_bundle: Path, tmp_path: Path
 
 
 def test_a_rust_panic_in_check_is_one_error_line(
-    tiny_bundle: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tiny_bundle: Path, tiny_model_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """In-process (torch is already imported here; a cold child spends ~18 s importing it):
     capfd sees file descriptor 2, so Rust's own panic message would show."""
     bad = hostile_bundle(tiny_bundle, tmp_path, _panicking_charsmap())
     started = time.monotonic()
-    rc = main(["check", str(bad)])
+    rc = main(["check", str(bad), "--model", str(tiny_model_dir)])
     assert_one_error_line(rc, capfd.readouterr().err, "panicked", progress=True)
     assert time.monotonic() - started < TIMEOUT_S
 

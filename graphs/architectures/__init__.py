@@ -6,8 +6,11 @@ from __future__ import annotations
 from adaptive_export.graphs.architectures.base import DEFAULT_ROPE, DecoderArchitecture, LayerAttention, LayerWeights
 from adaptive_export.graphs.architectures.gemma3 import Gemma3
 from adaptive_export.graphs.architectures.llama import Llama
+from adaptive_export.graphs.architectures.phi3 import Phi3
+from adaptive_export.graphs.architectures.qwen3 import Qwen3
+from adaptive_export.graphs.architectures.smollm3 import SmolLM3
 
-FAMILIES: tuple[DecoderArchitecture, ...] = (Llama(), Gemma3())
+FAMILIES: tuple[DecoderArchitecture, ...] = (Llama(), Gemma3(), Qwen3(), Phi3(), SmolLM3())
 ARCHITECTURES: dict[str, DecoderArchitecture] = {t: family for family in FAMILIES for t in family.model_types}
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 

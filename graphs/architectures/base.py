@@ -21,8 +21,9 @@ Gemma 3 (gemma3.py) answers these: QK-norm (`q_norm`/`k_norm`), RMSNorm with
 from __future__ import annotations
 
 from abc import ABC
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from adaptive_export.graphs.spec import ModelSpec
@@ -67,6 +68,20 @@ class DecoderArchitecture(ABC):
     model_types: ClassVar[tuple[str, ...]]
     # tie_word_embeddings when the config does not say (HF's default differs per family)
     tied_by_default: ClassVar[bool] = False
+    # LayerWeights field -> the module's attribute path in an HF decoder layer (Llama's names:
+    # a pre-norm layer without QK-norm); a family overrides the names that differ
+    layer_modules: ClassVar[Mapping[str, str]] = {
+        "q": "self_attn.q_proj",
+        "k": "self_attn.k_proj",
+        "v": "self_attn.v_proj",
+        "o": "self_attn.o_proj",
+        "gate": "mlp.gate_proj",
+        "up": "mlp.up_proj",
+        "down": "mlp.down_proj",
+        "act": "mlp.act_fn",
+        "input_norm": "input_layernorm",
+        "pre_mlp_norm": "post_attention_layernorm",
+    }
 
     def spec_from_config(self, config: Any) -> ModelSpec:
         """The dimensions every static shape is built from (the standard HF config fields)."""
@@ -89,21 +104,9 @@ class DecoderArchitecture(ABC):
         return None
 
     def layer(self, hf_model: nn.Module, index: int) -> LayerWeights:
-        """The modules of decoder layer `index` (Llama's names: a pre-norm layer without QK-norm)."""
+        """The modules of decoder layer `index`, found by `layer_modules`."""
         layer = hf_model.model.layers[index]
-        attn, mlp = layer.self_attn, layer.mlp
-        return LayerWeights(
-            q=attn.q_proj,
-            k=attn.k_proj,
-            v=attn.v_proj,
-            o=attn.o_proj,
-            gate=mlp.gate_proj,
-            up=mlp.up_proj,
-            down=mlp.down_proj,
-            act=mlp.act_fn,
-            input_norm=layer.input_layernorm,
-            pre_mlp_norm=layer.post_attention_layernorm,
-        )
+        return LayerWeights(**{name: attrgetter(path)(layer) for name, path in self.layer_modules.items()})
 
     def embed(self, hf_model: nn.Module) -> nn.Module:
         return hf_model.model.embed_tokens
@@ -132,3 +135,27 @@ class DecoderArchitecture(ABC):
     def attention_scale(self, spec: ModelSpec, config: Any) -> float:
         """The factor on q.k (Llama: head_dim ** -0.5; Gemma 3 reads query_pre_attn_scalar from the config)."""
         return spec.head_dim**-0.5
+
+
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # HF recomputes these tables from the sequence length
+
+
+def length_dependent_rope(config: Any) -> tuple[str, str] | None:
+    """(problem, fix) when the config's rope scaling changes its tables with the sequence length
+    (`dynamic` NTK, `longrope` / Phi-3's `su`): a static graph holds one table for every length,
+    so it would be right only below the original context. None for static tables (default,
+    linear, llama3, yarn), which the graphs read from HF's own rotary module."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        return None
+    nested = bool(params) and all(isinstance(value, dict) for value in params.values())  # per layer type
+    tables = list(params.values()) if nested else [params]
+    kinds = {str(table.get("rope_type") or table.get("type")) for table in tables if isinstance(table, dict)}
+    found = sorted(kinds & {*LENGTH_DEPENDENT_ROPE, "su"})
+    if not found:
+        return None
+    return (
+        f"{config.model_type} with rope_type {found[0]!r} is not supported (its rotary tables change with the "
+        "sequence length; the static graphs hold one table)",
+        "use a config with default, linear, llama3 or yarn rope scaling",
+    )

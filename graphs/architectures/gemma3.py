@@ -20,10 +20,9 @@ bidirectional attention are refused by `unsupported`.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from adaptive_export.graphs.architectures.base import DEFAULT_ROPE, DecoderArchitecture, LayerAttention, LayerWeights
+from adaptive_export.graphs.architectures.base import DEFAULT_ROPE, DecoderArchitecture, LayerAttention
 from adaptive_export.graphs.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -59,6 +58,14 @@ def _lookup(embedding: nn.Module) -> nn.Module:
 class Gemma3(DecoderArchitecture):
     model_types = ("gemma3_text",)
     tied_by_default = True
+    layer_modules = {  # sandwich norms around attention and MLP, QK-norm
+        **DecoderArchitecture.layer_modules,
+        "pre_mlp_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_mlp_norm": "post_feedforward_layernorm",
+        "q_norm": "self_attn.q_norm",
+        "k_norm": "self_attn.k_norm",
+    }
 
     def unsupported(self, config: Any) -> tuple[str, str] | None:
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -86,17 +93,6 @@ class Gemma3(DecoderArchitecture):
                 "use a config with default or linear rope scaling",
             )
         return None
-
-    def layer(self, hf_model: nn.Module, index: int) -> LayerWeights:
-        layer, attn = hf_model.model.layers[index], hf_model.model.layers[index].self_attn
-        return replace(
-            super().layer(hf_model, index),
-            pre_mlp_norm=layer.pre_feedforward_layernorm,
-            post_attention_norm=layer.post_attention_layernorm,
-            post_mlp_norm=layer.post_feedforward_layernorm,
-            q_norm=attn.q_norm,
-            k_norm=attn.k_norm,
-        )
 
     def embed(self, hf_model: nn.Module) -> nn.Module:
         return _lookup(hf_model.model.embed_tokens)

@@ -10,13 +10,16 @@ into the arena.
 from __future__ import annotations
 
 import platform
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from adaptive_export.runtimes.backends.base import Backend
 from adaptive_export.runtimes.bundle import Bundle
 from adaptive_export.runtimes.errors import UsageError
+
+if TYPE_CHECKING:  # names the model type only; imported at run time by _model (macOS)
+    import coremltools
 
 
 class CoreMLBackend(Backend):
@@ -34,7 +37,7 @@ class CoreMLBackend(Backend):
         )
         self.compute_units = compute_units
         self.dtype = np.float16 if self.entry.precision == "float16" else np.float32
-        self._models: dict[str, Any] = {}
+        self._models: dict[str, coremltools.models.MLModel] = {}
 
     def _model(self, graph: str) -> Any:
         model = self._models.get(graph)

@@ -31,17 +31,21 @@ import contextlib
 import mmap
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from adaptive_export.runtimes.backends.base import Backend, StepOutputs
+from adaptive_export.runtimes.backends.run_guard import RunGuard, create_session
 from adaptive_export.runtimes.bundle import Bundle, logits_width
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.graph_policy import checked_engine_bytes
 from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.limits import check_threads
 from adaptive_export.runtimes.manifest import GraphEntry, ModelDims
+
+if TYPE_CHECKING:  # names the session types only; imported at run time by _import_ort
+    import onnxruntime
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
@@ -69,8 +73,8 @@ def _map_weights(path: Any) -> tuple[mmap.mmap | None, np.ndarray]:
 class FusedBinding:
     """The IO binding of one fused graph: KV blocks bound once per arena, inputs in place."""
 
-    def __init__(self, session: Any, info: GraphEntry, model: ModelDims) -> None:
-        self.session = session
+    def __init__(self, session: Any, info: GraphEntry, model: ModelDims, guard: RunGuard, engine: str) -> None:
+        self.session, self.guard, self.engine = session, guard, engine
         self.binding = session.io_binding()
         self.layers = list(info.layers)
         self.first_name = info.inputs[0]
@@ -123,7 +127,7 @@ class FusedBinding:
         self.binding.bind_cpu_input(self.first_name, first if first.flags.c_contiguous else np.ascontiguousarray(first))
         self.seqlens[0] = start + count - 1
         self.total[...] = start + count
-        self.session.run_with_iobinding(self.binding)
+        self.guard.run(self.engine, count, lambda options: self.session.run_with_iobinding(self.binding, options))
         return StepOutputs(
             self.logits, self.scores if self.router_scores else None, self.hidden_out if self.exit_hidden else None
         )
@@ -160,11 +164,12 @@ class OnnxRuntimeBackend(Backend):
         self.kv_layout = "head" if self.flavour == "ort" else "seq"
         self.prepack = set(prepack) if prepack is not None else self._default_prepack()
         self._weights_map, self.weights = _map_weights(bundle.path(self.entry.weights or ""))
-        self._values: dict[str, Any] = {}
-        self._sessions: dict[str, Any] = {}  # by engine file: graphs that are one file share a session
-        self._bindings: dict[str, Any] = {}
+        self._values: dict[str, onnxruntime.OrtValue] = {}
+        self._sessions: dict[str, onnxruntime.InferenceSession] = {}  # by engine file: one file, one session
+        self._bindings: dict[str, onnxruntime.IOBinding] = {}
         self._fused: dict[str, FusedBinding] = {}
         self._out_buffers: dict[tuple[str, str, tuple[int, ...]], np.ndarray] = {}
+        self.guard = RunGuard(self.ort, bundle.manifest, int(self.weights.size))  # memory, time, interrupts
 
     def _default_prepack(self) -> set[str]:
         """Fused fp32 bundles prepack the full-model engine (prefill, plain decoding and
@@ -216,7 +221,7 @@ class OnnxRuntimeBackend(Backend):
             )
             try:
                 with self._releasing(initializers if prepacked else ()):
-                    session = self.ort.InferenceSession(model_bytes, options, providers=[self.provider])
+                    session = create_session(self.ort, self.guard, model_bytes, options, [self.provider])
             except Exception as exc:  # ORT raises its own exception types for invalid models
                 raise UsageError(
                     f"ONNX Runtime cannot load engine {file!r}: {str(exc).splitlines()[0]}",
@@ -272,7 +277,10 @@ class OnnxRuntimeBackend(Backend):
     def run_named(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         session = self.session(graph)
         names = [o.name for o in session.get_outputs()]
-        return dict(zip(names, session.run(names, feeds)))
+        count = next((v.shape[1] for v in feeds.values() if v.ndim == 2), 1)
+        return dict(
+            zip(names, self.guard.run(self._engine(graph), count, lambda options: session.run(names, feeds, options)))
+        )
 
     def _buffer(self, graph: str, name: str, shape: tuple[int, ...]) -> np.ndarray:
         key = (graph, name, shape)
@@ -286,7 +294,7 @@ class OnnxRuntimeBackend(Backend):
             fused = self._fused.get(graph)
             if fused is None:
                 fused = self._fused[graph] = FusedBinding(
-                    self.session(graph), self.bundle.graph(graph), self.bundle.model
+                    self.session(graph), self.bundle.graph(graph), self.bundle.model, self.guard, self._engine(graph)
                 )
             return fused.run(first, arena, start)
         session = self.session(graph)
@@ -313,5 +321,9 @@ class OnnxRuntimeBackend(Backend):
         if info.exit_hidden:
             hidden = self._buffer(graph, "exit_hidden", (1, count, model.hidden_size))
             binding.bind_output("exit_hidden", "cpu", 0, np.float32, hidden.shape, hidden.ctypes.data)
-        session.run_with_iobinding(binding)
+        self.guard.run(self._engine(graph), count, lambda options: session.run_with_iobinding(binding, options))
         return StepOutputs(logits, scores, hidden)
+
+    def _engine(self, graph: str) -> str:
+        """The engine file a graph runs from (graphs of one file share a session and its first-run time)."""
+        return self.entry.engine(graph).file or graph

@@ -1,22 +1,29 @@
-"""Draft sources by name. A new source is one module with a `DraftSource` subclass
-(runtimes/drafting/base.py) plus its line in SOURCES; the manifest check, the command line,
-the speculative loop and `check` read this table (calibration measures the same names in
-calibration/draft_sources.py)."""
+"""Draft sources by name, resolved from the one registration (runtimes/drafting/registry.py):
+each name's module `runtimes/drafting/<name>.py` binds its `DraftSource` subclass to
+`SOURCE`. The manifest check, the command line, the speculative loop and `check` read
+`SOURCES`; calibration measures the same names (calibration/drafts/)."""
 
 from __future__ import annotations
 
+from importlib import import_module
+
 from adaptive_export.runtimes.drafting.base import PLAIN, DraftSource, Proposal
-from adaptive_export.runtimes.drafting.early_exit import EarlyExit
-from adaptive_export.runtimes.drafting.precision import PrecisionDraft
-from adaptive_export.runtimes.drafting.prompt_decoding import PromptDecoding
-from adaptive_export.runtimes.drafting.prompt_lookup import PromptLookup, lookup_ngram
+from adaptive_export.runtimes.drafting.prompt_lookup import lookup_ngram
+from adaptive_export.runtimes.drafting.registry import DRAFT_SOURCES, RENAMED_SOURCES, runtime_module
 from adaptive_export.runtimes.errors import UsageError
 
-SOURCES: dict[str, type[DraftSource]] = {
-    source.name: source for source in (EarlyExit, PromptLookup, PrecisionDraft, PromptDecoding)
-}
+
+def _load_source(name: str) -> type[DraftSource]:
+    """The registered name's runtime class, which must answer to that name."""
+    source = import_module(runtime_module(name)).SOURCE
+    if isinstance(source, type) and issubclass(source, DraftSource) and getattr(source, "name", None) == name:
+        return source
+    raise TypeError(f"{runtime_module(name)}.SOURCE is not a DraftSource named {name!r}")
+
+
+SOURCES: dict[str, type[DraftSource]] = {name: _load_source(name) for name in DRAFT_SOURCES}
 SOURCE_NAMES = tuple(SOURCES)
-FREE_SOURCE = PromptLookup.name  # needs no engine of its own: the default without calibration, and gated `--mode auto`
+FREE_SOURCE = "prompt_lookup"  # needs no engine of its own: the default without calibration, and gated `--mode auto`
 
 
 def draft_source(name: str) -> type[DraftSource]:
@@ -25,4 +32,14 @@ def draft_source(name: str) -> type[DraftSource]:
     return SOURCES[name]
 
 
-__all__ = ["DraftSource", "FREE_SOURCE", "PLAIN", "Proposal", "SOURCES", "SOURCE_NAMES", "draft_source", "lookup_ngram"]
+__all__ = [
+    "DraftSource",
+    "FREE_SOURCE",
+    "PLAIN",
+    "Proposal",
+    "RENAMED_SOURCES",
+    "SOURCES",
+    "SOURCE_NAMES",
+    "draft_source",
+    "lookup_ngram",
+]

@@ -5,7 +5,7 @@ that scores them; the speculative loop (runtimes/speculative.py) owns everything
 acceptance (runtimes/acceptance.py), the arena crop, stats and gating. Everything a verify
 pass needs to know about its round is in the proposal it gets, so a source keeps no
 round-to-round flags. Calibration measures the
-same sources under the same names (calibration/draft_sources.py).
+same sources under the same names (calibration/drafts/; the registry: runtimes/drafting/registry.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Proposal:
 
     `rows`: the draft distribution's logits per draft (for the rejection rule), None when the
     drafts are deterministic (copied from the context, argmax guesses). `extra_inputs`: inputs
-    the verify pass appends after the drafts (PPD's prompt tokens), whose rows guess the next
+    the verify pass appends after the drafts (the prompt-token source's trained tokens), whose rows guess the next
     round's drafts. A proposal with neither drafts nor extra inputs is a plain step: its verify
     pass is one T=1 decode step (`PLAIN`, also what a gated-out round verifies)."""
 

@@ -39,3 +39,6 @@ class EarlyExit(DraftSource):
 
     def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
         return self.backend.run(self.config.engines["verify"], self.hidden[:, : len(proposal.tokens)], arena, start)
+
+
+SOURCE = EarlyExit

@@ -31,3 +31,6 @@ class PrecisionDraft(DraftSource):
 
     def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
         return decode_engine_verify(self.backend, self.config, pending, proposal.tokens, start, arena)
+
+
+SOURCE = PrecisionDraft

@@ -42,3 +42,6 @@ class PromptLookup(DraftSource):
 
     def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
         return decode_engine_verify(self.backend, self.config, pending, proposal.tokens, start, arena)
+
+
+SOURCE = PromptLookup

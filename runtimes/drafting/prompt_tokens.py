@@ -1,4 +1,4 @@
-"""PPD drafts (parallel prompt decoding, Hao et al. 2024), in chain form, on the decode engine.
+"""Prompt-token drafts (parallel prompt decoding, Hao et al. 2024), in chain form, on the decode engine.
 
 The bundle's full decode graph embeds ids vocab..vocab+m-1 as m trained prompt tokens
 (calibration/prompt_tokens.py). Every verify pass runs [pending, d1, .., dk, P1, .., Pm] at
@@ -26,16 +26,16 @@ if TYPE_CHECKING:  # the backends import the bundle, which imports this registry
     from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
 
 
-class PromptDecoding(DraftSource):
-    name = "ppd"
-    engines = ("ppd",)
+class PromptTokens(DraftSource):
+    name = "prompt_tokens"
+    engines = ("prompt_tokens",)
     bonus = True
     gateable = True
 
     def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int) -> None:
         super().__init__(backend, config, model, k)
         self.vocab = model.vocab_size
-        self.prompt_tokens = backend.bundle.graph(config.engines["ppd"]).prompt_tokens
+        self.prompt_tokens = backend.bundle.graph(config.engines["prompt_tokens"]).prompt_tokens
         self.guesses: list[int] = []
         self.guesses_at = -1  # the arena length at which the guesses are the next drafts
 
@@ -52,8 +52,11 @@ class PromptDecoding(DraftSource):
     def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
         count, prompts = 1 + len(proposal.tokens), proposal.extra_inputs
         inputs = np.asarray([[pending, *proposal.tokens, *range(self.vocab, self.vocab + prompts)]], dtype=np.int64)
-        out = self.backend.run(self.config.engines["ppd"], inputs, arena, start)
+        out = self.backend.run(self.config.engines["prompt_tokens"], inputs, arena, start)
         logits = out.logits[0]
         self.guesses = [int(np.argmax(logits[count + i])) for i in range(prompts)]
         self.guesses_at = start + count  # valid iff the round emits every draft plus the bonus
         return out
+
+
+SOURCE = PromptTokens

@@ -1,0 +1,208 @@
+"""The HTTP side of `serve` (Starlette): OpenAI's routes, each request turned into a job for the
+generation worker, answered as one JSON body or as server-sent events. Errors always leave in
+OpenAI's error shape; a client that goes away cancels its job (at most one more token)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive
+
+from adaptive_export.commands import serve_api as api
+from adaptive_export.commands.serve_worker import Done, Failed, GenerationWorker, Job, JobSpec, Piece
+from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.sampling import SamplingParams
+
+log = logging.getLogger("adaptive-export")
+
+
+@dataclass(frozen=True)
+class Wire:
+    """How one endpoint writes its answers: chat messages or plain text completions."""
+
+    prefix: str
+    chunk_object: str
+    response: Callable[[api.ResponseIds, api.Completion], dict[str, Any]]
+    piece: Callable[[api.ResponseIds, str], dict[str, Any]]
+    end: Callable[[api.ResponseIds, str], dict[str, Any]]
+    opening: Callable[[api.ResponseIds], dict[str, Any]] | None = None
+
+
+CHAT = Wire(
+    "chatcmpl",
+    "chat.completion.chunk",
+    api.chat_response,
+    lambda ids, text: api.chat_chunk(ids, {"content": text}),
+    lambda ids, finish: api.chat_chunk(ids, {}, finish),
+    lambda ids: api.chat_chunk(ids, {"role": "assistant", "content": ""}),
+)
+COMPLETION = Wire(
+    "cmpl",
+    "text_completion",
+    api.completion_response,
+    api.completion_chunk,
+    lambda ids, finish: api.completion_chunk(ids, "", finish),
+)
+
+
+def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kinds = {404: "not_found_error", 429: "rate_limit_error"}
+    kind = kinds.get(status, "invalid_request_error" if status < 500 else "server_error")
+    code = {429: "queue_full"}.get(status)
+    return JSONResponse(api.error_body(message, kind, param, code), status_code=status)
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def job_spec(body: api.ChatRequest | api.CompletionRequest, prompt: str, raw: bool) -> JobSpec:
+    try:
+        sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed)
+    except UsageError as exc:
+        raise api.BadRequest(f"{exc.problem}; {exc.fix}") from None
+    return JobSpec(prompt, raw, body.token_budget(), sampling, body.stop_strings())
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, refused past MAX_BODY_BYTES (a prompt longer than any bundle's context fits well within).
+    The rest of an oversized body is read and dropped, so the client, still sending, gets the 413."""
+    body, size = bytearray(), 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= api.MAX_BODY_BYTES:
+            body += chunk
+    if size > api.MAX_BODY_BYTES:
+        raise api.BadRequest(f"the body exceeds {api.MAX_BODY_BYTES} bytes", status=413)
+    return bytes(body)
+
+
+async def watch_disconnect(receive: Receive, job: Job) -> None:
+    """Cancel the job when the client goes away (read after the body: only http.disconnect comes)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    job.cancel()
+
+
+class Endpoints:
+    """The routes of one served model."""
+
+    def __init__(self, worker: GenerationWorker, model: str) -> None:
+        self.worker, self.model, self.created = worker, model, int(time.time())
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(api.models_response(self.model, self.created))
+
+    async def chat(self, request: Request) -> Response:
+        body = api.parse_body(api.ChatRequest, await read_body(request))
+        return await self._answer(request, body, job_spec(body, body.user_prompt(), raw=False), CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        body = api.parse_body(api.CompletionRequest, await read_body(request))
+        return await self._answer(request, body, job_spec(body, body.prompt, raw=True), COMPLETION)
+
+    async def _answer(
+        self, request: Request, body: api.ChatRequest | api.CompletionRequest, spec: JobSpec, wire: Wire
+    ) -> Response:
+        job = self.worker.new_job(spec)
+        if not self.worker.submit(job):
+            return error(429, "the server's queue is full; retry later")
+        watcher = asyncio.ensure_future(watch_disconnect(request.receive, job))
+        try:
+            first = await job.events.get()  # Started, or Failed before any text
+        except BaseException:
+            job.cancel()
+            watcher.cancel()
+            raise
+        if isinstance(first, Failed):
+            watcher.cancel()
+            return error(first.status, first.message)
+        ids = api.ResponseIds.new(wire.prefix, self.model)
+        if body.stream:
+            return StreamingResponse(self._stream(job, ids, wire, watcher), media_type="text/event-stream")
+        try:
+            return await self._collect(job, ids, wire)
+        finally:
+            job.cancel()  # a no-op once the job has ended
+            watcher.cancel()
+
+    async def _collect(self, job: Job, ids: api.ResponseIds, wire: Wire) -> Response:
+        while True:
+            event = await job.events.get()
+            if isinstance(event, Done):
+                return JSONResponse(wire.response(ids, event.completion))
+            if isinstance(event, Failed):
+                return error(event.status, event.message)
+
+    async def _stream(
+        self, job: Job, ids: api.ResponseIds, wire: Wire, watcher: asyncio.Future[None]
+    ) -> AsyncIterator[str]:
+        """The events of one streamed answer; leaving early (the client left) cancels the job."""
+        try:
+            if wire.opening is not None:
+                yield sse(wire.opening(ids))
+            while True:
+                event = await job.events.get()
+                if isinstance(event, Piece):
+                    yield sse(wire.piece(ids, event.text))
+                    continue
+                if isinstance(event, Done):
+                    yield sse(wire.end(ids, event.completion.finish_reason))
+                    yield sse(api.final_chunk(ids, wire.chunk_object, event.completion))
+                elif isinstance(event, Failed):
+                    yield sse(api.error_body(event.message, "server_error"))
+                yield sse("[DONE]")
+                return
+        finally:
+            job.cancel()
+            watcher.cancel()
+
+
+async def _bad_request(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, api.BadRequest)
+    return error(exc.status, exc.message, exc.param)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.error("unexpected %s on %s: %s", type(exc).__name__, request.url.path, exc)
+    return error(500, "internal server error; see the server's log")
+
+
+def create_app(worker: GenerationWorker, model: str) -> Starlette:
+    """The ASGI app; the worker starts and stops with it."""
+    endpoints = Endpoints(worker, model)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+
+    routes = [
+        Route("/v1/models", endpoints.models, methods=["GET"]),
+        Route("/v1/chat/completions", endpoints.chat, methods=["POST"]),
+        Route("/v1/completions", endpoints.completions, methods=["POST"]),
+    ]
+    handlers = {api.BadRequest: _bad_request, HTTPException: _http_error, Exception: _unexpected}
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)  # type: ignore[arg-type]
+    app.state.worker = worker
+    return app
