@@ -9,9 +9,10 @@ user types it, timed from process start to exit:
 For each of the chat prompts (samples/eval_prompts.jsonl, chat template applied) and each mode
 (`--mode ar`, then the default, which is `--mode auto`), the median wall time of --repeat
 processes generating --max-new-tokens tokens (EOS can end a run early; both modes emit the same
-greedy tokens, so they stop at the same place). Modes alternate within each repetition so a
-neighbour's load hits both alike. Printed: per prompt both medians and default / ar, the sum over
-prompts and its ratio (< 1: the default is faster), and lscpu's model name.
+greedy tokens up to near-ties, so they nearly always stop at the same place: `same text` says
+where not). Modes alternate within each repetition so a neighbour's load hits both alike.
+Printed: per prompt both medians and default / ar, the sum over prompts and its ratio (< 1: the
+default is faster), and lscpu's model name.
 """
 
 from __future__ import annotations
