@@ -24,6 +24,10 @@ by every contender), the same thread count, in one run:
   -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF" pip install llama-cpp-python
   (timed with its own greedy sampler; a second instance with logits_all=True, which its
   `scores` need, serves the teacher-forced pass);
+- `llama.cpp-lookup`: the same GGUF with llama.cpp's own speculation, llama-cpp-python's prompt-lookup
+  draft (`Llama(..., draft_model=LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_DRAFTS))`: n-grams of
+  the context, no draft model; 2 drafts, the library's advice for CPU-only machines), with the same
+  greedy sampler and its own quality columns;
 - `genai-fp32`, `genai-int8`, `genai-int4`: onnxruntime-genai, its model builder run on the
   same weights (the GGUF dequantized to fp32 and saved as an HF directory, since the builder
   reads GGUF only at fp16/fp32), `-e cpu`, `intra_op_num_threads` set in genai_config.json
@@ -32,7 +36,10 @@ by every contender), the same thread count, in one run:
   generate_next_token, TPOT over the next N-1 generate_next_token calls (the og.Generator,
   which allocates the KV cache for max_length, is created before the clock starts, as the
   bundle's arena is allocated at load); teacher forcing = append_tokens of prompt + forced
-  tokens, then get_output("logits"), which 0.18 returns for every appended position;
+  tokens, then get_output("logits"), which 0.18 returns for every appended position. genai has no
+  speculation row: up to 0.18 it has none; the speculative decoding added later (model.type
+  "speculative") needs a separate, smaller draft model, which SmolLM2-135M and Gemma 3 270M do not
+  have, and its n-gram (prompt lookup) draft was not released when this was written;
 - `bundle-<name>`: this project's bundles through the torch-free runtime (any bundle dir;
   `NAME=DIR@auto` runs it with `--mode auto`, i.e. with its calibrated speculation).
 Each contender runs in its own subprocess so peak RSS is its own.
@@ -69,11 +76,12 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import bench_parser, cpu_model, hf_generate_timer, load_prompts, median_of, pin_threads  # noqa: E402
 
-FIXED = ("hf-eager", "optimum-ort", "llama.cpp", "genai-fp32", "genai-int8", "genai-int4")
+FIXED = ("hf-eager", "optimum-ort", "llama.cpp", "llama.cpp-lookup", "genai-fp32", "genai-int8", "genai-int4")
 PRECISION = {
     "hf-eager": "fp32",
     "optimum-ort": "fp32",
     "llama.cpp": "int4",
+    "llama.cpp-lookup": "int4",
     "genai-fp32": "fp32",
     "genai-int8": "int8",
     "genai-int4": "int4",
@@ -159,9 +167,23 @@ def contender_optimum(
     return _hf_runner(ORTModelForCausalLM.from_pretrained(cache, session_options=options), new_tokens)
 
 
+LOOKUP_DRAFTS = 2  # llama-cpp-python's prompt-lookup drafts per round ("2 performs better for cpu-only machines")
+
+
 def contender_llamacpp(
     ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str
 ) -> tuple[Runner, Forced]:
+    return _llamacpp_runner(ref, threads, new_tokens, speculate=False)
+
+
+def contender_llamacpp_lookup(
+    ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str
+) -> tuple[Runner, Forced]:
+    return _llamacpp_runner(ref, threads, new_tokens, speculate=True)
+
+
+def _llamacpp_runner(ref: dict[str, Any], threads: int, new_tokens: int, speculate: bool) -> tuple[Runner, Forced]:
+    """llama-cpp-python on the packaged GGUF, plain or with its prompt-lookup draft (speculate)."""
     import numpy as np
     from llama_cpp import Llama
 
@@ -176,7 +198,12 @@ def contender_llamacpp(
         "n_batch": 512,
         "verbose": False,
     }
-    llm = Llama(**common)  # logits_all=False: llama.cpp's own sampler picks the greedy token
+    if speculate:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        llm = Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_DRAFTS))
+    else:
+        llm = Llama(**common)  # logits_all=False: llama.cpp's own sampler picks the greedy token
 
     def run(ids: list[int]) -> tuple[float, float, list[int]]:
         llm.reset()  # else generate() reuses the KV cache of a repeated prompt
@@ -275,6 +302,7 @@ CONTENDERS = {
     "hf-eager": contender_hf,
     "optimum-ort": contender_optimum,
     "llama.cpp": contender_llamacpp,
+    "llama.cpp-lookup": contender_llamacpp_lookup,
     "genai-fp32": contender_genai,
     "genai-int8": contender_genai,
     "genai-int4": contender_genai,
@@ -702,8 +730,10 @@ class ContenderRuns:
     def note(self, name: str, spec: str, row: dict[str, Any]) -> str:
         """The table's note: the contender's library version, or a bundle's precision, directory and mode."""
         notes = []
-        if name == "llama.cpp":
+        if name.startswith("llama.cpp"):
             notes.append(_version(self.interpreters.get(name, sys.executable), "llama_cpp"))
+            if name == "llama.cpp-lookup":
+                notes.append(f"prompt-lookup draft, {LOOKUP_DRAFTS} tokens")
         elif name.startswith("genai-"):
             notes.append(_version(sys.executable, "onnxruntime_genai"))
         elif name in ("hf-eager", "optimum-ort"):

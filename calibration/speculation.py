@@ -37,6 +37,7 @@ from adaptive_export.calibration.latency import (
     verify_costs,
 )
 from adaptive_export.calibration.measure import calibration_prompts, measure_speculation
+from adaptive_export.calibration.verify_cost import CALIBRATION_KEY, measure_verify_costs, priced_with
 from adaptive_export.graphs.drafts.early_exit import ExitPlan
 from adaptive_export.loading.artifacts import ADAPTERS_FILE, adapters_bytes
 from adaptive_export.runtimes.errors import UsageError
@@ -213,7 +214,9 @@ def finalize_with_latencies(
     as_run = measure_engine_latencies(root, MAX_DRAFT, prepack=None)
     if "precision_draft_ms" in as_run and prompts:
         calibration["speculation"]["precision"] = measure_precision_acceptance(root, prompts, MAX_DRAFT)
-    choice = choose_measured(calibration["speculation"], as_run, spec.get("exit_layer"))
+    verify_timed = measure_verify_costs(root, MAX_DRAFT)  # T=k+1 vs T=1 on the decode engine, at the bundle's precision
+    calibration["speculation"][CALIBRATION_KEY] = verify_timed.to_json()
+    choice = choose_measured(calibration["speculation"], priced_with(as_run, verify_timed), spec.get("exit_layer"))
     best = choice["best"]
     spec.update(
         source=best["source"],

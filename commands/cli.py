@@ -365,7 +365,7 @@ def _add_run_decoding_arguments(run: argparse.ArgumentParser) -> None:
     from adaptive_export.runtimes import limits
     from adaptive_export.runtimes.drafting import SOURCE_NAMES
 
-    _add_config_and_mode(run)
+    _add_config_and_mode(run, default_mode="auto")  # fast by default; bench keeps ar
     run.add_argument(
         "--draft",
         default=None,
@@ -402,20 +402,28 @@ def _add_run_engine_arguments(run: argparse.ArgumentParser) -> None:
     _add_threads_and_prepack(run)
 
 
-def _add_config_and_mode(parser: argparse.ArgumentParser) -> None:
-    """Which layers run and whether tokens are drafted: `run` and `bench` alike."""
+MODE_HELP = {
+    "auto": "the draft source calibration found to pay on this bundle, else prompt lookup (free: no draft engine), "
+    "gated to draft only while drafts pay for the wider verify pass (plain speed on chat, faster where the answer "
+    "repeats the context; ar's tokens under greedy decoding, up to near-ties: docs/speculation.md)",
+    "ar": "plain decoding",
+    "spec": "self-speculative with --draft, ungated",
+}
+
+
+def _add_config_and_mode(parser: argparse.ArgumentParser, default_mode: str = "ar") -> None:
+    """Which layers run and whether tokens are drafted: `run` (default auto) and `bench` (default ar)."""
     parser.add_argument(
         "--config",
         default="auto",
         help="skip configuration: auto (routers pick, default), full, or a config id from `inspect`",
     )
+    order = [default_mode, *(mode for mode in MODE_HELP if mode != default_mode)]
     parser.add_argument(
         "--mode",
-        default="ar",
+        default=default_mode,
         choices=DECODING_MODES,
-        help="ar: plain decoding (default); spec: self-speculative with --draft; auto: the draft source calibration "
-        "found to pay on average, else prompt lookup gated to draft only while drafts pay for the wider verify pass "
-        "(plain speed on chat, faster where the answer repeats the context)",
+        help="; ".join(f"{mode}{' (default)' if mode == default_mode else ''}: {MODE_HELP[mode]}" for mode in order),
     )
 
 

@@ -75,7 +75,7 @@ class RunOptions(Options):
     raw: bool = False
     json: bool = False
     config: str = "auto"
-    mode: str = "ar"
+    mode: str = "auto"
     draft: str | None = None
     draft_len: int | None = None
     backend: str = "onnx"

@@ -24,7 +24,7 @@ import numpy as np
 
 from adaptive_export.runtimes.backends import Backend, make_backend
 from adaptive_export.runtimes.bundle import Bundle, load_bundle
-from adaptive_export.runtimes.drafting import FREE_SOURCE, draft_source
+from adaptive_export.runtimes.drafting import FREE_SOURCE, SOURCES, draft_source
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_draft_len
@@ -32,7 +32,7 @@ from adaptive_export.runtimes.manifest import ConfigEntry
 from adaptive_export.runtimes.sampling import Sampler, SamplingParams, make_sampler
 from adaptive_export.runtimes.selection import choose_config
 from adaptive_export.runtimes.sequence import SequenceState
-from adaptive_export.runtimes.speculative import SpeculativeRunner, speculation_available
+from adaptive_export.runtimes.speculative import DraftWarmup, SpeculativeRunner, default_source, speculation_available
 from adaptive_export.runtimes.text import StreamDecoder, TextCodec
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11+
@@ -186,6 +186,7 @@ class Generator:
         )
         self.backend.prepare("prefill")
         self.backend.prepare(self.bundle.config("full").decode)
+        self.warmups: dict[str, DraftWarmup] = {}  # draft engine -> the background creation of its session
 
     # ---- public API -------------------------------------------------------------------
     def generate(
@@ -292,10 +293,11 @@ class Generator:
         sampler = make_sampler(request.sampling)
         text = StreamDecoder(self.codec, request.stop)
         started = time.perf_counter()
+        warmups = self._warm_draft_sessions(request)  # off the critical path: during prefill and plain steps
         seq, stats = self._prefill(request, sampler)
         stats.prefill_ms = (time.perf_counter() - started) * 1e3
         decode_start = time.perf_counter()
-        decoder = self._decoder(seq, stats, request, sampler)
+        decoder = self._decoder(seq, stats, request, sampler, warmups)
         try:
             for token in itertools.chain((seq.pending,), decoder):
                 seq.tokens.append(token)
@@ -364,13 +366,19 @@ class Generator:
 
     # ---- decoders ---------------------------------------------------------------------
     def _decoder(
-        self, seq: SequenceState, stats: GenerationStats, request: GenerationRequest, sampler: Sampler
+        self,
+        seq: SequenceState,
+        stats: GenerationStats,
+        request: GenerationRequest,
+        sampler: Sampler,
+        warmups: list[DraftWarmup],
     ) -> collections.abc.Generator[int, None, None]:
         """Tokens after the first: plain steps or speculative rounds (built only if asked for a token)."""
         if request.mode is Mode.AR:
             yield from self._decode_ar(seq, sampler)
             return
         runner = self._speculative_runner(seq, request)
+        runner.warmups = warmups
         try:
             yield from runner.tokens(seq, request.max_new_tokens, sampler)
         finally:
@@ -388,6 +396,29 @@ class Generator:
             # the calibrated source, still gated: a prompt whose drafts stop paying decodes plainly
             return SpeculativeRunner(self.bundle, self.backend, seq.config, None, draft_len, gated=True)
         return SpeculativeRunner(self.bundle, self.backend, seq.config, request.draft, draft_len)
+
+    def _warm_draft_sessions(self, request: GenerationRequest) -> list[DraftWarmup]:
+        """Start creating the sessions of the draft engines this request will draft with, in the
+        background (ONNX Runtime only), and only where a source with engines will run: `--mode
+        spec` with one, or auto where calibration found that its source pays on this bundle.
+        Prompt lookup, auto's source everywhere else, has no engine to create."""
+        full = self.bundle.config("full")
+        if request.mode is Mode.AR or self.backend.name != "onnx":
+            return []
+        if request.mode is Mode.AUTO:
+            spec = self.bundle.manifest.speculation
+            if spec is None or not spec.auto_enabled:
+                return []
+        name = request.draft if request.mode is Mode.SPEC and request.draft else default_source(self.bundle, full)
+        source = SOURCES.get(name)
+        if source is None or not source.available(full):
+            return []
+        graphs = [full.engines[role] for role in source.engines]
+        new = [graph for graph in graphs if graph not in self.warmups]
+        if new:
+            warmup = DraftWarmup(self.backend, new)
+            self.warmups.update(dict.fromkeys(new, warmup))
+        return list({id(self.warmups[graph]): self.warmups[graph] for graph in graphs}.values())
 
     def _decode_ar(self, seq: SequenceState, sampler: Sampler) -> Iterator[int]:
         graph = seq.config.decode

@@ -23,8 +23,9 @@ verifies `PLAIN`, a T=1 decode step.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from adaptive_export.runtimes.acceptance import Verdict, judge
@@ -38,7 +39,15 @@ from adaptive_export.runtimes.sampling import Sampler
 from adaptive_export.runtimes.sequence import SequenceState
 
 DEFAULT_LOOKUP_K = 4
-DEFAULT_VERIFY_COST = 1.3  # T=k+1 pass / T=1 pass when the bundle carries no measurement
+# T=k+1 pass / T=1 pass by draft length k when the bundle carries no measurement (a build without
+# --speculate auto): MatMulNBits at accuracy 4 on a CPU without VNNI, the default bundle's slowest
+# case (issue #24: T=2 1.1-1.3, T=3 1.4-1.7, T=5 2.1-2.4). The gate re-times rounds on the run itself.
+DEFAULT_VERIFY_COSTS = {1: 1.3, 2: 1.7, 3: 2.05, 4: 2.4}
+
+
+def default_verify_cost(k: int) -> float:
+    """An unmeasured verify pass of k drafts, in T=1 passes (beyond the table: linear in k)."""
+    return DEFAULT_VERIFY_COSTS.get(k, DEFAULT_VERIFY_COSTS[4] + 0.35 * (k - 4))
 
 
 def speculation_available(bundle: Bundle, config: ConfigEntry, source: str | None = None) -> bool:
@@ -53,6 +62,31 @@ def default_source(bundle: Bundle, config: ConfigEntry) -> str:
     if isinstance(chosen, str) and chosen in SOURCES:
         return chosen
     return FREE_SOURCE
+
+
+class DraftWarmup:
+    """Creates a draft source's engine sessions in a background thread, started before prefill.
+
+    A one-shot `run` would otherwise create them inside its first drafting round, a cost no
+    warmed-up benchmark shows (a short answer has only a few rounds). ONNX Runtime builds a
+    session without the GIL, so this overlaps prefill and the first plain steps; the runner
+    `wait`s before its first drafting round, so the two threads never create one session twice.
+    A failure is left for that round to raise again, as the UsageError the backend makes of it."""
+
+    def __init__(self, backend: Backend, graphs: Sequence[str]) -> None:
+        self.graphs = tuple(graphs)
+        self.thread = threading.Thread(target=self._prepare, args=(backend,), name="draft-session-warmup", daemon=True)
+        self.thread.start()
+
+    def _prepare(self, backend: Backend) -> None:
+        try:
+            for graph in self.graphs:
+                backend.prepare(graph)
+        except Exception:  # the drafting round creates the session again and raises it as a UsageError
+            return
+
+    def wait(self) -> None:
+        self.thread.join()
 
 
 @dataclass(frozen=True)
@@ -133,7 +167,9 @@ class SpeculativeRunner:
         source: str | None = None,
         draft_len: int | None = None,
         gated: bool = False,
+        warmups: Sequence[DraftWarmup] = (),
     ) -> None:
+        self.warmups = warmups  # draft sessions being created off the critical path: wait for them before drafting
         self.source = source or default_source(bundle, config)
         source_class = draft_source(self.source)
         if not source_class.available(config):
@@ -155,7 +191,7 @@ class SpeculativeRunner:
                 calibrated.draft_cost or 0.0
             )  # a draft engine's T=1 step in T=1 decode passes (lookup: none)
             # a drafting round in T=1 passes by the build's measurement: k draft steps and one T=k+1 pass
-            round_passes = self.k * draft_cost + float(costs.get(str(self.k), DEFAULT_VERIFY_COST))
+            round_passes = self.k * draft_cost + float(costs.get(str(self.k), default_verify_cost(self.k)))
             self.gate = DraftingGate(round_passes, scores_plain_rounds=source_class.free_proposals)
 
     def tokens(self, state: SequenceState, max_new_tokens: int, sampler: Sampler) -> Iterator[int]:
@@ -173,6 +209,7 @@ class SpeculativeRunner:
         """One round, gated: the gate may make it a plain step, and learns what it cost."""
         gate = self.gate
         if gate is None:
+            self._await_sessions(k)
             done = speculative_round(self.drafter, state, context, k, sampler)
             self.counts.add(done)
             return done.emitted
@@ -182,12 +219,20 @@ class SpeculativeRunner:
             arena = state.arena
             gate.watch(self.drafter.propose(state.pending, context, k, arena.length, arena, sampler).tokens)
         self.counts.draft_s += time.perf_counter() - started
+        self._await_sessions(k if drafting else 0)
         done = speculative_round(self.drafter, state, context, k if drafting else 0, sampler)
         self.counts.add(done)
         gate.record_round(not done.proposal.plain, len(done.emitted), time.perf_counter() - started)
         if not done.proposal.tokens:
             gate.record_plain_token(done.emitted[0])
         return done.emitted
+
+    def _await_sessions(self, k: int) -> None:
+        """Before the first round that drafts, let the background warm-up finish its sessions."""
+        if k >= 1 and self.warmups:
+            for warmup in self.warmups:
+                warmup.wait()
+            self.warmups = ()
 
     def report(self) -> SpeculationReport:
         """What this sequence's rounds did (`stats.speculation`)."""

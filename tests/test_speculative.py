@@ -265,3 +265,41 @@ def test_cli_spec_stats(spec_bundle: Path, capsys: pytest.CaptureFixture[str]) -
     assert stats["mode"] == "spec" and stats["draft_source"] == "early_exit"
     assert {"acceptance", "mean_accepted", "draft_ms", "verify_ms", "rounds"} <= set(stats)
     assert 0.0 <= stats["acceptance"] <= 1.0
+
+
+def draft_session_files(generator: Generator) -> set[str]:
+    """The ONNX files whose sessions the generator's backend holds, besides prefill/decode's."""
+    backend = generator.backend
+    plain = {backend.entry.engine(name).file for name in ("prefill", generator.bundle.config("full").decode)}
+    return set(backend._sessions) - plain
+
+
+def test_spec_mode_creates_the_draft_session_in_the_background(spec_bundle: Path) -> None:
+    """`--mode spec` starts creating the draft engine's session before prefill, in a thread;
+    the first drafting round waits for it, and the tokens are plain decoding's."""
+    generator = Generator(spec_bundle)
+    assert not draft_session_files(generator)
+    ids = generator.codec.encode(PROMPTS[5], raw=True)
+    ar = generator.generate(ids, max_new_tokens=24).tokens
+    assert not draft_session_files(generator) and not generator.warmups  # plain decoding creates none
+    spec = generator.generate(ids, max_new_tokens=24, mode="spec", draft="precision", draft_len=2)
+    precision = generator.bundle.config("full").engines["precision_draft"]
+    warmup = generator.warmups[precision]
+    assert warmup.thread.name == "draft-session-warmup" and not warmup.thread.is_alive()
+    assert draft_session_files(generator) == {generator.backend.entry.engine(precision).file}
+    assert spec.stats.speculation["drafted"] > 0
+    assert_same_or_tie(generator, ids, ar, spec.tokens)
+    again = generator.generate(ids, max_new_tokens=24, mode="spec", draft="precision", draft_len=2)
+    assert generator.warmups[precision] is warmup and again.tokens == spec.tokens  # started once per generator
+
+
+def test_auto_creates_no_draft_session_where_calibration_chose_none(spec_bundle: Path) -> None:
+    """This bundle's speculation was forced (auto_enabled false): auto drafts by prompt lookup,
+    which has no engine, so no draft session is created at all."""
+    generator = Generator(spec_bundle)
+    assert not generator.bundle.manifest.speculation.auto_enabled
+    for prompt in PROMPTS[:4]:
+        ids = generator.codec.encode(prompt, raw=True)
+        result = generator.generate(ids, max_new_tokens=24, mode="auto")
+        assert result.stats.speculation["draft_source"] == "prompt_lookup"
+    assert not draft_session_files(generator) and not generator.warmups
