@@ -291,9 +291,9 @@ def calibrate_draft_head(options: BuildOptions, loaded: Any, parts: ModelParts, 
         options.draft_head, options.speculate, loaded, parts
     )
     state.plan.draft_vocab = state.plan.exit.draft_vocab  # the bundle's draft_vocab.bin holds the head's ids
-    if state.ppd is not None:
-        speculation["ppd"] = {"draft_len": state.ppd["prompt_tokens"]}
-        measured["speculation"]["ppd"] = state.ppd
+    if state.prompt_token_rounds is not None:  # --prompt-tokens too: keep that source's section
+        speculation["prompt_tokens"] = {"draft_len": state.plan.prompt_tokens}
+        measured["speculation"]["prompt_tokens"] = state.prompt_token_rounds
     state.speculation = speculation
     state.calibration.update(measured)
     state.extra_files = {**state.extra_files, **files}
