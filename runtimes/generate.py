@@ -250,9 +250,22 @@ class Generator:
             raise UsageError(f"should_stop is {type(should_stop).__name__}, not a callable", "pass a function or None")
         prompt_ids = self._prompt_ids(prompt, raw)
         self._check_lengths(prompt_ids, max_new_tokens)
+        resolved = self._auto_resolved(Mode.parse(mode))
         return GenerationRequest(
-            prompt_ids, max_new_tokens, sampling, stop_strings, config, Mode.parse(mode), draft, draft_len, should_stop
+            prompt_ids, max_new_tokens, sampling, stop_strings, config, resolved, draft, draft_len, should_stop
         )
+
+    def _auto_resolved(self, mode: Mode) -> Mode:
+        """auto decodes plainly where a verify pass would not reproduce plain steps: `auto` never
+        changes the tokens of `--mode ar` (beyond float ties). On MatMulNBits at accuracy level 4
+        ONNX Runtime's CPU kernels compute a T=k pass differently from k T=1 passes (on SmolLM2's
+        default GGUF-exact bundle the logits differ by up to 0.87: docs/speculation.md), so only
+        fp32 engines and accuracy-1 engines speculate under auto; `--mode spec` still drafts anywhere."""
+        if mode is not Mode.AUTO or self.backend.name != "onnx":
+            return mode
+        onnx = self.bundle.manifest.backends.get("onnx")
+        exact = onnx is None or onnx.quantize == "none" or onnx.accuracy_level == 1
+        return mode if exact else Mode.AR
 
     def _prompt_ids(self, prompt: str | Sequence[int], raw: bool) -> list[int]:
         if isinstance(prompt, str):

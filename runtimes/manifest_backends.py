@@ -159,6 +159,13 @@ class BackendEntry:
             )
         return replace(self, tensors=tensors, weight_bytes=obj.get("weight_bytes", 0))
 
+    @property
+    def accuracy_level(self) -> int | None:
+        """MatMulNBits' accuracy level of the onnx engines (`quant_options.accuracy_level`), if quantized."""
+        options = self.extra.get("quant_options")
+        level = options.get("accuracy_level") if isinstance(options, Mapping) else None
+        return level if isinstance(level, int) and is_int(level) else None
+
     def engine(self, graph: str) -> EngineEntry:
         engine = self.graphs.get(graph)
         if engine is None:

@@ -54,6 +54,24 @@ def test_default_run_is_gated_prompt_lookup_with_plain_tokens(
     assert default["tokens"] == plain["tokens"] and default["text"] == plain["text"]
 
 
+@pytest.mark.parametrize("accuracy", ["4", "1"])
+def test_default_run_drafts_only_where_a_verify_pass_reproduces_plain_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], accuracy: str
+) -> None:
+    """MatMulNBits at accuracy 4 computes a T=k pass differently from k T=1 passes, so auto decodes
+    plainly there (tokens of `--mode ar`, exactly); at accuracy 1 it drafts, gated."""
+    model = make_tiny_model(tmp_path / "model", "gqa_untied", layers=2, seed=3)
+    out = tmp_path / "bundle"
+    build = ["build", str(model), "-o", str(out), "--max-len", "64", "--quantize", "int4", "--quant-accuracy", accuracy]
+    assert main(build) == 0
+    capsys.readouterr()
+    prompt = "the sea the sea the sea the sea the sea"
+    default, plain = run_json(capsys, out, prompt), run_json(capsys, out, prompt, "--mode", "ar")
+    assert default["stats"]["mode"] == ("ar" if accuracy == "4" else "spec"), default["stats"]
+    if accuracy == "4":
+        assert default["tokens"] == plain["tokens"]
+
+
 def test_unmeasured_verify_costs_grow_with_the_draft_length() -> None:
     costs = [default_verify_cost(k) for k in range(1, 9)]
     assert costs == sorted(costs) and len(set(costs)) == len(costs) and costs[0] > 1.0

@@ -1,7 +1,8 @@
-"""Fast by default on the bundle a user deploys (issue #24): SmolLM2's default build (GGUF-exact,
-accuracy 4) with `--speculate auto` on a two-prompt calibration set, run one process per prompt
-as a user would. The default run (`--mode auto`) must speculate, emit `--mode ar`'s tokens (ties
-allowed), draft on a rewrite prompt, and stop drafting on a chat prompt where drafts do not pay."""
+"""`run`'s default mode (auto) on a packaged model, one process per prompt as a user runs it (issue
+#24), on the GGUF-exact bundle verified at accuracy 1 (conftest's trimmed_native_bundle), where a
+verify pass reproduces plain steps: the default run must speculate, emit `--mode ar`'s tokens
+(ties allowed), draft on a rewrite prompt, and stop drafting on a chat prompt where drafts do not
+pay. On the accuracy-4 default build auto decodes plainly (tests/test_smollm2_native.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from adaptive_export.runtimes import Generator
 from adaptive_export.runtimes.gate import PROBE_EVERY
-from tests.conftest import build_smollm2, cli, needs_smollm2
+from tests.conftest import cli, needs_smollm2
 
 pytestmark = [needs_smollm2, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -21,17 +22,6 @@ TIE_MARGIN = 1e-3
 NEW_TOKENS = 32
 REWRITE = "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog."
 CHAT = "What are three good habits for staying healthy?"
-CALIB_PROMPTS = [REWRITE, CHAT]
-
-
-@pytest.fixture(scope="module")
-def default_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default build plus the cheapest calibration the CLI allows (two prompts)."""
-    calib = tmp_path_factory.mktemp("calib") / "calib.jsonl"
-    calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CALIB_PROMPTS))
-    return build_smollm2(
-        tmp_path_factory, "smol-default", "--max-len", "512", "--speculate", "auto", "--calib", str(calib)
-    )
 
 
 def run_json(bundle: Path, prompt: str, *flags: str) -> dict:
@@ -52,25 +42,16 @@ def assert_same_or_tie(bundle: Path, prompt: str, ar: list[int], auto: list[int]
     assert top2[1] - top2[0] < TIE_MARGIN, f"real mismatch at {at}: margin {top2[1] - top2[0]}"
 
 
-def test_default_bundle_verifies_at_its_own_accuracy(default_bundle: Path) -> None:
-    manifest = json.loads((default_bundle / "manifest.json").read_text())
-    onnx = manifest["backends"]["onnx"]
-    assert onnx["quantize"] == "native" and onnx["quant_options"]["accuracy_level"] == 4  # the default build
-    speculation = json.loads((default_bundle / "calibration.json").read_text())["speculation"]
-    costs = speculation["verify_cost"]["cost"]
-    assert speculation["verify_cost"]["engine"] == manifest["configs"][0]["engines"]["decode"]
-    assert set(costs) == {str(k) for k in range(1, 9)} and all(c > 0 for c in costs.values())
-
-
 @pytest.mark.parametrize("prompt", [REWRITE, CHAT], ids=["rewrite", "chat"])
-def test_default_run_speculates_with_plain_tokens(default_bundle: Path, prompt: str) -> None:
-    default = run_json(default_bundle, prompt)
-    plain = run_json(default_bundle, prompt, "--mode", "ar")
+def test_default_run_speculates_with_plain_tokens(trimmed_native_bundle: Path, prompt: str) -> None:
+    bundle = trimmed_native_bundle
+    default = run_json(bundle, prompt)
+    plain = run_json(bundle, prompt, "--mode", "ar")
     stats = default["stats"]
     # fails if the default run stops speculating on a packaged model
     assert stats["mode"] == "spec" and stats["gated"] and stats["draft_source"], stats
     assert plain["stats"]["mode"] == "ar"
-    assert_same_or_tie(default_bundle, prompt, plain["tokens"], default["tokens"])
+    assert_same_or_tie(bundle, prompt, plain["tokens"], default["tokens"])
     drafting_rounds = stats["rounds"] - stats["rounds_without_drafting"]
     if prompt == REWRITE:
         assert stats["drafted"] > 0 and stats["accepted"] > 0, stats

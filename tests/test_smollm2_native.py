@@ -125,3 +125,10 @@ def test_default_build_is_gguf_exact_at_accuracy_4(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     gate = [r for r in json.loads(report.read_text())["results"] if r["check"] == "quality[mean]"]
     assert len(gate) == 1 and gate[0]["passed"], gate
+    # run's default (auto) decodes plainly here: an accuracy-4 verify pass does not reproduce T=1 steps
+    runs = [
+        cli("run", str(out), "-p", "Name three rivers.", "--max-new-tokens", "16", "--json", *m)
+        for m in ((), ("--mode", "ar"))
+    ]
+    default, plain = (json.loads(p.stdout) for p in runs)
+    assert default["stats"]["mode"] == "ar" and default["tokens"] == plain["tokens"], default["stats"]
