@@ -6,6 +6,7 @@ catches it."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,13 @@ from adaptive_export.runtimes import Generator
 from tests.conftest import build_smollm2, needs_smollm2
 from tests.test_speculative import assert_same_or_tie
 
-# the head trains within 20 minutes on 2 cores (calibration/draft_head.py's recipe), then the build exports
-pytestmark = [needs_smollm2, pytest.mark.slow, pytest.mark.timeout(3600)]
+# The head trains for up to 20 minutes on 2 cores (calibration/draft_head.py's recipe), then the build
+# exports: more than the whole suite's budget on the CI machine, so it runs only when asked for.
+needs_training_opt_in = pytest.mark.skipif(
+    os.environ.get("ADAPTIVE_EXPORT_TRAINING_TESTS") != "1",
+    reason="trains a SmolLM2 draft head for up to 20 minutes: set ADAPTIVE_EXPORT_TRAINING_TESTS=1 to run it",
+)
+pytestmark = [needs_smollm2, needs_training_opt_in, pytest.mark.slow, pytest.mark.timeout(3600)]
 ROOT = Path(__file__).parents[1]
 EXIT, K = 20, 4
 NEW_TOKENS = 32
@@ -24,7 +30,17 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def head_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_smollm2(tmp_path_factory, "smol-draft-head", "--speculate", f"{EXIT}:{K}", "--draft-head", "train")
+    # accuracy 1: there a verify pass reproduces plain steps, so losslessness is token identity (ties aside)
+    return build_smollm2(
+        tmp_path_factory,
+        "smol-draft-head",
+        "--quant-accuracy",
+        "1",
+        "--speculate",
+        f"{EXIT}:{K}",
+        "--draft-head",
+        "train",
+    )
 
 
 def test_trained_head_keeps_its_held_out_acceptance(head_bundle: Path) -> None:
