@@ -74,7 +74,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import bench_parser, cpu_model, hf_generate_timer, load_prompts, median_of, pin_threads  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    bench_parser,
+    cpu_model,
+    hf_generate_timer,
+    load_prompts,
+    median_of,
+    pin_threads,
+)
 
 FIXED = ("hf-eager", "optimum-ort", "llama.cpp", "llama.cpp-lookup", "genai-fp32", "genai-int8", "genai-int4")
 PRECISION = {
