@@ -216,6 +216,7 @@ class ConfigEntry:
             f"config {config_id!r} lacks a decode engine",
         )
         for role, engine in engines.items():
+            need(role in _ROLE_KINDS, f"config {config_id!r} has an engine of unknown role {str(role)[:40]!r}")
             need(
                 isinstance(engine, str) and engine in graphs,
                 f"config {config_id!r} names unknown {role} graph {engine!r}",

@@ -71,6 +71,10 @@ BAD_BUNDLES: dict[str, tuple[Callable[[Path], None], str]] = {
         edit_manifest(lambda m: m["configs"][0]["engines"].update(prompt_tokens="decode_full")),
         "prompt_tokens engine",
     ),
+    "engine_of_unknown_role": (
+        edit_manifest(lambda m: m["configs"][0]["engines"].update(evil="decode_full")),
+        "engine of unknown role 'evil'",
+    ),
     "foreign_manifest": (edit_manifest(lambda m: m.update(format="something-else")), "not an adaptive-export bundle"),
 }
 
