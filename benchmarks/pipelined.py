@@ -34,7 +34,19 @@ from benchmarks import common
 from benchmarks.speculative import rewrite_prompts
 
 NEW_TOKENS = 32
-MATCH_COLUMNS = ["set", "d", "d/L", "stage1 share", "k", "positions", "p", "latency", "latency joined", "compute"]
+MATCH_COLUMNS = [
+    "set",
+    "d",
+    "d/L",
+    "stage1 share",
+    "k",
+    "positions",
+    "p",
+    "latency",
+    "latency joined",
+    "compute",
+    "latency free heads",
+]
 
 
 def prompt_sets(chat_limit: int, rewrite_limit: int | None) -> dict[str, list[str]]:
@@ -89,9 +101,10 @@ def classifier(args: Any, loaded: Any, layers: list[int]) -> tuple[Any, dict[int
 def match_rows(args: Any, loaded: Any, layers: list[int]) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """One row per (prompt set, d, k): the match rate and the model's latency and compute."""
     from adaptive_export.calibration.pipeline_match import greedy_runs, match_rates
-    from adaptive_export.calibration.pipeline_model import predict
+    from adaptive_export.calibration.pipeline_model import StageCosts, predict
 
     classify, costs = classifier(args, loaded, layers)
+    num_layers = loaded.spec.num_layers
     rows, tokens = [], {}
     for name, prompts in prompt_sets(args.prompts, args.rewrite_prompts).items():
         runs = greedy_runs(loaded, prompts, args.new_tokens)
@@ -99,11 +112,13 @@ def match_rows(args: Any, loaded: Any, layers: list[int]) -> tuple[list[dict[str
         for rate in match_rates(runs, layers, classify):
             cost = costs[rate.layer]
             model = predict(cost, rate.rate, rate.k)
+            free = StageCosts(rate.layer, num_layers - rate.layer, num_layers)  # the paper's model: heads cost nothing
             rows.append({
                 "set": name, "d": rate.layer, "d/L": round(rate.layer / loaded.spec.num_layers, 3),
                 "stage1 share": round(cost.share, 3), "k": rate.k, "positions": rate.positions,
                 "p": round(rate.rate, 3), "latency": round(model.latency, 3),
                 "latency joined": round(model.latency_joined, 3), "compute": round(model.compute, 3),
+                "latency free heads": round(predict(free, rate.rate, rate.k).latency, 3),
             })  # fmt: skip
     return rows, tokens
 

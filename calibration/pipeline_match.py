@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from adaptive_export.calibration.draft_training import TrimmedDraft
 from adaptive_export.calibration.measure import greedy_with_hidden
@@ -70,7 +71,7 @@ class MatchRate:
 def greedy_runs(loaded: Any, prompts: Sequence[str], new_tokens: int) -> list[GreedyRun]:
     """Each prompt's greedy continuation of `new_tokens` (fewer at EOS) with its hidden states."""
     runs = []
-    for prompt in prompts:
+    for prompt in tqdm(prompts, desc="greedy runs", unit="prompt"):
         ids, continuation, states = greedy_with_hidden(loaded, prompt, new_tokens)
         hidden = tuple(s[0].float() for s in states)
         runs.append(GreedyRun(len(ids), tuple(continuation), hidden))
