@@ -71,7 +71,7 @@ def use_device(device: str) -> None:
         raise UsageError("--device cuda was asked for but torch sees no CUDA device", "run on a GPU or drop --device")
 
 
-def train_heads(args: Any, loaded: Any, layers: list[int]) -> dict[int, Any]:
+def train_heads(args: Any, loaded: Any, layers: list[int]) -> Any:
     """Classifier Y: the trained draft exit per d, through the trained-draft modules."""
     from adaptive_export.calibration.draft_data import training_text
     from adaptive_export.calibration.draft_training import TrainSettings, train_draft_heads
@@ -80,30 +80,29 @@ def train_heads(args: Any, loaded: Any, layers: list[int]) -> dict[int, Any]:
         loaded, requests=args.requests, answer_tokens=args.answer_tokens, docstrings=args.docstrings, seed=0
     )
     settings = TrainSettings(epochs=args.epochs, max_seconds=args.max_seconds)
-    fit = train_draft_heads(loaded, text, layers, forms=(args.form,), settings=settings)
-    print(f"trained heads: {json.dumps({d: fit.report['per_exit'][str(d)]['kept'] for d in layers})}")
-    return fit.heads
+    return train_draft_heads(loaded, text, layers, forms=(args.form,), settings=settings)
 
 
-def classifier(args: Any, loaded: Any, layers: list[int]) -> tuple[Any, dict[int, Any]]:
-    """(classify, stage costs per d) for --classifier N or Y."""
+def classifier(args: Any, loaded: Any, layers: list[int]) -> tuple[Any, dict[int, Any], dict[str, Any]]:
+    """(classify, stage costs per d, the training report) for --classifier N or Y."""
     from adaptive_export.calibration.pipeline_match import own_head, trained_heads
     from adaptive_export.calibration.pipeline_model import stage_costs, trained_classifier_params
 
     if args.classifier == "N":
-        return own_head(loaded), {d: stage_costs(loaded, d) for d in layers}
-    heads = train_heads(args, loaded, layers)
+        return own_head(loaded), {d: stage_costs(loaded, d) for d in layers}, {}
+    fit = train_heads(args, loaded, layers)
     width = loaded.spec.hidden_size
-    costs = {d: stage_costs(loaded, d, trained_classifier_params(heads[d], width)) for d in layers}
-    return trained_heads(loaded, heads), costs
+    costs = {d: stage_costs(loaded, d, trained_classifier_params(fit.heads[d], width)) for d in layers}
+    return trained_heads(loaded, fit.heads), costs, fit.report
 
 
-def match_rows(args: Any, loaded: Any, layers: list[int]) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """One row per (prompt set, d, k): the match rate and the model's latency and compute."""
+def match_rows(args: Any, loaded: Any, layers: list[int]) -> dict[str, Any]:
+    """One row per (prompt set, d, k): the match rate and the model's latency and compute; the tokens
+    per prompt set, and the Y heads' training report."""
     from adaptive_export.calibration.pipeline_match import greedy_runs, match_rates
     from adaptive_export.calibration.pipeline_model import StageCosts, predict
 
-    classify, costs = classifier(args, loaded, layers)
+    classify, costs, training = classifier(args, loaded, layers)
     num_layers = loaded.spec.num_layers
     rows, tokens = [], {}
     for name, prompts in prompt_sets(args.prompts, args.rewrite_prompts).items():
@@ -120,7 +119,7 @@ def match_rows(args: Any, loaded: Any, layers: list[int]) -> tuple[list[dict[str
                 "latency joined": round(model.latency_joined, 3), "compute": round(model.compute, 3),
                 "latency free heads": round(predict(free, rate.rate, rate.k).latency, 3),
             })  # fmt: skip
-    return rows, tokens
+    return {"rows": rows, "tokens": tokens, "training": training}
 
 
 def pipelined_available() -> bool:
@@ -264,7 +263,7 @@ def main() -> None:
                               "num_layers": num_layers, "head_layers": round(head_layers(loaded), 2),
                               "new_tokens": args.new_tokens}  # fmt: skip
     if args.match:
-        report["rows"], report["tokens"] = match_rows(args, loaded, layers)
+        report.update(match_rows(args, loaded, layers))
     if args.timing:
         report["timing"] = timing(args, layers)
     print(json.dumps(report, indent=1))
