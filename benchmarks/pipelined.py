@@ -100,7 +100,7 @@ def match_rows(args: Any, loaded: Any, layers: list[int]) -> dict[str, Any]:
     """One row per (prompt set, d, k): the match rate and the model's latency and compute; the tokens
     per prompt set, and the Y heads' training report."""
     from adaptive_export.calibration.pipeline_match import greedy_runs, match_rates
-    from adaptive_export.calibration.pipeline_model import StageCosts, predict
+    from adaptive_export.calibration.pipeline_model import StageCosts, break_even, predict
 
     classify, costs, training = classifier(args, loaded, layers)
     num_layers = loaded.spec.num_layers
@@ -118,6 +118,7 @@ def match_rows(args: Any, loaded: Any, layers: list[int]) -> dict[str, Any]:
                 "p": round(rate.rate, 3), "latency": round(model.latency, 3),
                 "latency joined": round(model.latency_joined, 3), "compute": round(model.compute, 3),
                 "latency free heads": round(predict(free, rate.rate, rate.k).latency, 3),
+                "p to pay": round(break_even(cost)[0], 3), "p to pay joined": round(break_even(cost)[1], 3),
             })  # fmt: skip
     return {"rows": rows, "tokens": tokens, "training": training}
 

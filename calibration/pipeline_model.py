@@ -62,6 +62,13 @@ def predict(costs: StageCosts, p: float, k: int) -> PipelinePrediction:
     )
 
 
+def break_even(costs: StageCosts) -> tuple[float, float]:
+    """The match rates above which pipelining is faster than plain decoding: (paper-style, joined stages).
+    From the latencies above: p > (s1 + s2 - C) / min(s1, s2) and p > (max(s1, s2) + s1 - C) / s1."""
+    s1, s2, plain = costs.stage1, costs.stage2, costs.plain
+    return (s1 + s2 - plain) / min(s1, s2), (max(s1, s2) + s1 - plain) / s1
+
+
 def head_layers(loaded: Any) -> float:
     """The LM head's cost in decoder layers (V x H parameters over one layer's)."""
     spec = loaded.spec

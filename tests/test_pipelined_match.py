@@ -17,7 +17,7 @@ from adaptive_export.calibration.pipeline_match import (
     topk_hits,
     trained_heads,
 )
-from adaptive_export.calibration.pipeline_model import StageCosts, head_layers, predict, stage_costs
+from adaptive_export.calibration.pipeline_model import StageCosts, break_even, head_layers, predict, stage_costs
 from adaptive_export.graphs.adaptive import DraftHead, GatedExitAdapter
 from adaptive_export.loading.model import load_model
 
@@ -88,6 +88,10 @@ def test_latency_and_compute_model_at_hand_values(tiny_runs: tuple) -> None:
     deep = StageCosts(stage1=20.0, stage2=10.0, plain=30.0)  # d = 2L/3: 1 - p (1 - d/L) paper-style
     assert predict(deep, 0.6, 1).latency == pytest.approx(1 - 0.6 / 3)
     assert predict(deep, 0.6, 1).latency_joined == pytest.approx((20 + 0.4 * 20) / 30)
+    for costs in (even, deep, StageCosts(stage1=23.0, stage2=23.0, plain=38.0)):
+        paper, joined = break_even(costs)  # at the break-even rate the latency is exactly plain's
+        assert predict(costs, paper, 1).latency == pytest.approx(1.0)
+        assert predict(costs, joined, 1).latency_joined == pytest.approx(1.0)
     loaded, _ = tiny_runs
     head, layers = head_layers(loaded), loaded.spec.num_layers
     assert stage_costs(loaded, 2) == StageCosts(2 + head, layers - 2 + head, layers + head)
