@@ -34,19 +34,9 @@ from benchmarks import common
 from benchmarks.speculative import rewrite_prompts
 
 NEW_TOKENS = 32
-MATCH_COLUMNS = [
-    "set",
-    "d",
-    "d/L",
-    "stage1 share",
-    "k",
-    "positions",
-    "p",
-    "latency",
-    "latency joined",
-    "compute",
-    "latency free heads",
-]
+MATCH_COLUMNS = "set d d/L k positions p latency compute".split() + [
+    "stage1 share", "latency joined", "latency free heads", "p to pay", "p to pay joined"
+]  # fmt: skip
 
 
 def prompt_sets(chat_limit: int, rewrite_limit: int | None) -> dict[str, list[str]]:
