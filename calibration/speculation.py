@@ -38,9 +38,11 @@ from adaptive_export.calibration.latency import (
 )
 from adaptive_export.calibration.measure import calibration_prompts, measure_speculation
 from adaptive_export.calibration.verify_cost import CALIBRATION_KEY, measure_verify_costs, priced_with
+from adaptive_export.calibration.verify_exactness import measure_verify_exactness
 from adaptive_export.graphs.drafts.early_exit import ExitPlan
 from adaptive_export.loading.artifacts import ADAPTERS_FILE, adapters_bytes
 from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.manifest_speculation import EXACTNESS_KEY
 
 DEFAULT_CALIB_TOKENS = 32
 
@@ -216,6 +218,8 @@ def finalize_with_latencies(
         calibration["speculation"]["precision"] = measure_precision_acceptance(root, prompts, MAX_DRAFT)
     verify_timed = measure_verify_costs(root, MAX_DRAFT)  # T=k+1 vs T=1 on the decode engine, at the bundle's precision
     calibration["speculation"][CALIBRATION_KEY] = verify_timed.to_json()
+    exactness = measure_verify_exactness(root, MAX_DRAFT)  # does that pass reproduce T=1 steps? (auto reads it)
+    calibration["speculation"][EXACTNESS_KEY] = spec[EXACTNESS_KEY] = exactness.to_json()
     choice = choose_measured(calibration["speculation"], priced_with(as_run, verify_timed), spec.get("exit_layer"))
     best = choice["best"]
     spec.update(

@@ -257,12 +257,16 @@ class Generator:
 
     def _auto_resolved(self, mode: Mode) -> Mode:
         """auto decodes plainly where a verify pass would not reproduce plain steps: `auto` never
-        changes the tokens of `--mode ar` (beyond float ties). On MatMulNBits at accuracy level 4
-        ONNX Runtime's CPU kernels compute a T=k pass differently from k T=1 passes (on SmolLM2's
-        default GGUF-exact bundle the logits differ by up to 0.87: docs/speculation.md), so only
-        fp32 engines and accuracy-1 engines speculate under auto; `--mode spec` still drafts anywhere."""
+        changes the tokens of `--mode ar` (beyond float ties). `build --speculate auto` measures it on
+        the ONNX decode engine (manifest `speculation.verify_exactness`); without that measurement,
+        MatMulNBits at accuracy level 4 counts as inexact (SmolLM2's default GGUF-exact bundle: logits
+        up to 0.98 apart, docs/speculation.md), fp32 and accuracy 1 as exact. `--mode spec` drafts anywhere."""
         if mode is not Mode.AUTO or self.backend.name != "onnx":
             return mode
+        speculation = self.bundle.manifest.speculation
+        measured = speculation.verify_exactness if speculation is not None else None
+        if measured is not None:
+            return mode if measured.exact else Mode.AR
         onnx = self.bundle.manifest.backends.get("onnx")
         exact = onnx is None or onnx.quantize == "none" or onnx.accuracy_level == 1
         return mode if exact else Mode.AR

@@ -12,6 +12,14 @@ from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest_fields import JsonObject, extras, is_int, is_number, need, ordered
 
 _SOURCE_KEYS = ("draft_len", "draft_cost", "verify_cost", "verify_cost_prepacked")
+EXACTNESS_KEY = "verify_exactness"
+# A verify pass is exact when one T=k+1 pass lands within this fraction of the largest |logit| of
+# k+1 T=1 passes over the same tokens. Float reordering alone (fp32, MatMulNBits accuracy 1) stays
+# at 1e-7..1e-6 of it; one int8 rounding that tips the other way at accuracy 4 moves it by 1e-3 and
+# more (docs/speculation.md, "Why accuracy-4 verification differs"): 1e-4 sits between the two.
+EXACT_RELATIVE_DIFF = 1e-4
+_MAX_LOGIT = 1e6
+_MAX_ROWS = 1_000_000  # verify rows compared
 
 
 def _is_cost(value: Any) -> bool:
@@ -63,6 +71,52 @@ class SourceSpeculation:
         return ordered({**values, **self.extra}, self.key_order)
 
 
+def _is_logit_gap(value: Any) -> bool:
+    return is_number(value) and 0 <= value < _MAX_LOGIT
+
+
+@dataclass(frozen=True)
+class VerifyExactness:
+    """Whether the decode engine's verify pass reproduces plain steps, measured at build time: the
+    largest |logit| difference between one T=k+1 pass and k+1 T=1 passes over the same tokens, the
+    largest |logit| of those passes (the scale), how many rows' argmax differed and the largest
+    plain top-1 margin among them. `run --mode auto` drafts only where `exact`."""
+
+    max_logit_diff: float
+    logit_scale: float
+    top1_flips: int
+    worst_flip_margin: float
+
+    @property
+    def exact(self) -> bool:
+        return self.max_logit_diff <= EXACT_RELATIVE_DIFF * self.logit_scale
+
+    @classmethod
+    def from_json(cls, obj: Any) -> VerifyExactness:
+        where = f"speculation.{EXACTNESS_KEY}"
+        need(isinstance(obj, dict), f"{where} must be an object")
+        for key in ("max_logit_diff", "logit_scale", "worst_flip_margin"):
+            need(_is_logit_gap(obj.get(key)), f"{where}.{key} must be a number in [0, {_MAX_LOGIT:g})")
+        flips = obj.get("top1_flips")
+        need(is_int(flips) and 0 <= flips <= _MAX_ROWS, f"{where}.top1_flips is out of range")
+        need(isinstance(obj.get("exact"), bool), f"{where}.exact must be true or false")
+        measured = cls(float(obj["max_logit_diff"]), float(obj["logit_scale"]), flips, float(obj["worst_flip_margin"]))
+        need(
+            obj["exact"] == measured.exact,
+            f"{where}.exact contradicts its max_logit_diff (exact means at most {EXACT_RELATIVE_DIFF:g} x logit_scale)",
+        )
+        return measured
+
+    def to_json(self) -> JsonObject:
+        return {
+            "max_logit_diff": self.max_logit_diff,
+            "logit_scale": self.logit_scale,
+            "top1_flips": self.top1_flips,
+            "worst_flip_margin": self.worst_flip_margin,
+            "exact": self.exact,
+        }
+
+
 def _refuse_renamed_sources(obj: Mapping[str, Any]) -> None:
     """A bundle written before a source's rename names it the old way; its engines carry the
     old role name too, so reading it would mean a second name for everything: rebuild instead."""
@@ -76,12 +130,14 @@ def _refuse_renamed_sources(obj: Mapping[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class Speculation:
-    """The calibrated draft source, whether `run --mode auto` uses it, and each source's
-    measurements; other keys (exit layer, expected speedups, adapter) are kept for tools."""
+    """The calibrated draft source, whether `run --mode auto` uses it, each source's measurements
+    and whether the decode engine's verify pass is exact (None: not measured); other keys (exit
+    layer, expected speedups, adapter) are kept for tools."""
 
     source: str | None = None
     auto_enabled: bool = False
     sources: Mapping[str, SourceSpeculation] = field(default_factory=dict)
+    verify_exactness: VerifyExactness | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     key_order: tuple[str, ...] = ()
 
@@ -102,10 +158,14 @@ class Speculation:
         sources = {
             name: SourceSpeculation.from_json(name, obj[name]) for name in SOURCE_NAMES if obj.get(name) is not None
         }
-        known = ("source", "auto_enabled", *sources)
-        return cls(obj.get("source"), obj.get("auto_enabled", False), sources, extras(obj, known), tuple(obj))
+        exactness = obj.get(EXACTNESS_KEY)
+        measured = None if exactness is None else VerifyExactness.from_json(exactness)
+        known = ("source", "auto_enabled", EXACTNESS_KEY, *sources)
+        return cls(obj.get("source"), obj.get("auto_enabled", False), sources, measured, extras(obj, known), tuple(obj))
 
     def to_json(self) -> JsonObject:
         values: JsonObject = {"source": self.source, "auto_enabled": self.auto_enabled}
         values.update({name: section.to_json() for name, section in self.sources.items()})
+        if self.verify_exactness is not None:
+            values[EXACTNESS_KEY] = self.verify_exactness.to_json()
         return ordered({**values, **self.extra}, self.key_order)

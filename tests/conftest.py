@@ -78,7 +78,9 @@ def make_tokenizer(directory: Path) -> Any:
     return fast
 
 
-def make_tiny_model(directory: Path, variant: str = "gqa_untied", layers: int = 4, seed: int = 0) -> Path:
+def make_tiny_model(
+    directory: Path, variant: str = "gqa_untied", layers: int = 4, seed: int = 0, hidden: int = 64
+) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -89,8 +91,8 @@ def make_tiny_model(directory: Path, variant: str = "gqa_untied", layers: int = 
     config = AutoConfig.for_model(
         model_type,
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         max_position_embeddings=512,
         eos_token_id=tokenizer.eos_token_id,

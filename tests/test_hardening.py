@@ -438,6 +438,8 @@ def test_nan_logits_are_a_usage_error(
 
 
 # ---- integrity: every opened file listed once ---------------------------------------------
+# what `build --speculate auto` measured on SmolLM2's default (accuracy-4) bundle
+EXACTNESS = {"max_logit_diff": 1.197, "logit_scale": 32.1, "top1_flips": 3, "worst_flip_margin": 0.136, "exact": False}
 INTEGRITY_CASES: dict[str, tuple[Callable[[Path], None] | None, Callable[[dict[str, Any]], None] | None, str]] = {
     "weights_unlisted": (None, lambda m: m["files"].pop("onnx/weights.bin"), "not listed"),
     "weights_alias": (
@@ -470,6 +472,31 @@ INTEGRITY_CASES: dict[str, tuple[Callable[[Path], None] | None, Callable[[dict[s
         None,
         lambda m: m.update(speculation={"source": "prompt_lookup", "prompt_lookup": {"draft_len": 10**9}}),
         "draft_len",
+    ),
+    "exactness_claims_exact": (  # SmolLM2's accuracy-4 measurement, claiming a verify pass reproduces plain steps
+        None,
+        lambda m: m.update(speculation={"verify_exactness": {**EXACTNESS, "exact": True}}),
+        "contradicts its max_logit_diff",
+    ),
+    "exactness_not_bool": (
+        None,
+        lambda m: m.update(speculation={"verify_exactness": {**EXACTNESS, "exact": "no"}}),
+        "exact must be true or false",
+    ),
+    "exactness_huge": (
+        None,
+        lambda m: m.update(speculation={"verify_exactness": {**EXACTNESS, "max_logit_diff": 1e300}}),
+        "max_logit_diff must be a number",
+    ),
+    "exactness_negative_scale": (
+        None,
+        lambda m: m.update(speculation={"verify_exactness": {**EXACTNESS, "logit_scale": -32.1}}),
+        "logit_scale",
+    ),
+    "exactness_flips_float": (
+        None,
+        lambda m: m.update(speculation={"verify_exactness": {**EXACTNESS, "top1_flips": 2.5}}),
+        "top1_flips",
     ),
     "max_len_1e12": (None, lambda m: m.update(max_len=10**12), "max_len"),
     "num_layers_1e9": (None, lambda m: m["model"].update(num_layers=10**9), "num_layers"),
