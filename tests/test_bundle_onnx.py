@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,25 +18,42 @@ from tests.conftest import TINY_VARIANTS, make_tiny_model
 PROMPTS = ["What is the capital of France?", "Write a short poem about the sea.", "The quick brown fox"]
 
 
+# the session's tiny bundles (conftest) are this variant built from the same model (max_len 128, not 96):
+# reusing them saves a model, a fused build and a portable one (about 40 s of CPU on 2 cores)
+SESSION_BUNDLES = {("gqa_untied", "ort"): "tiny_bundle", ("gqa_untied", "portable"): "tiny_portable_bundle"}
+
+
+@dataclass(frozen=True)
+class Built:
+    """A variant's bundle and the HF model directory it was built from."""
+
+    bundle: Path
+    model: Path
+
+
 @pytest.fixture(
     scope="module",
     params=[(v, f) for v in sorted(TINY_VARIANTS) for f in ("ort", "portable")],
     ids=lambda p: f"{p[0]}-{p[1]}",
 )
-def variant_bundle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def variant_bundle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Built:
     """Every tiny architecture variant in both ONNX flavours: fused ONNX Runtime ops and portable."""
     from adaptive_export.commands.cli import main
 
     variant, flavour = request.param
+    if (variant, flavour) in SESSION_BUNDLES:
+        return Built(
+            request.getfixturevalue(SESSION_BUNDLES[variant, flavour]), request.getfixturevalue("tiny_model_dir")
+        )
     root = tmp_path_factory.mktemp(variant)
     model = make_tiny_model(root / "model", variant)
     assert main(["build", str(model), "-o", str(root / "bundle"), "--max-len", "96", "--onnx-flavour", flavour]) == 0
-    return root / "bundle"
+    return Built(root / "bundle", model)
 
 
-def test_every_graph_matches_pytorch(variant_bundle: Path) -> None:
-    bundle = load_bundle(variant_bundle)
-    _, parts = load_parts(bundle, str(variant_bundle.parent / "model"))
+def test_every_graph_matches_pytorch(variant_bundle: Built) -> None:
+    bundle = load_bundle(variant_bundle.bundle)
+    _, parts = load_parts(bundle, str(variant_bundle.model))
     backend = make_backend(bundle, "onnx")
     assert set(bundle.manifest.graphs) == {"prefill", "decode_full"}
     for graph in bundle.manifest.graphs:
@@ -44,21 +62,21 @@ def test_every_graph_matches_pytorch(variant_bundle: Path) -> None:
         assert result.max_abs < 1e-4
 
 
-def test_greedy_equals_transformers(variant_bundle: Path) -> None:
-    bundle = load_bundle(variant_bundle)
-    _, parts = load_parts(bundle, str(variant_bundle.parent / "model"))
+def test_greedy_equals_transformers(variant_bundle: Built) -> None:
+    bundle = load_bundle(variant_bundle.bundle)
+    _, parts = load_parts(bundle, str(variant_bundle.model))
     generator = Generator(bundle)
     for prompt in PROMPTS:
         result = greedy_check(generator, parts, bundle.config("full"), prompt, 24)
         assert result.passed and "identical" in result.detail, result.detail
 
 
-def test_weights_stored_once(variant_bundle: Path) -> None:
-    manifest = json.loads((variant_bundle / "manifest.json").read_text())
+def test_weights_stored_once(variant_bundle: Built) -> None:
+    manifest = json.loads((variant_bundle.bundle / "manifest.json").read_text())
     params = {}
     from safetensors.numpy import load_file
 
-    params = load_file(str(variant_bundle.parent / "model" / "model.safetensors"))
+    params = load_file(str(variant_bundle.model / "model.safetensors"))
     unique = {v.tobytes() for v in params.values()}
     param_bytes = sum(len(b) for b in unique)
     weights = manifest["backends"]["onnx"]["weight_bytes"]
@@ -72,7 +90,7 @@ def test_weights_stored_once(variant_bundle: Path) -> None:
     import onnx
 
     for path in onnx_files:
-        model = onnx.load(str(variant_bundle / path), load_external_data=False)
+        model = onnx.load(str(variant_bundle.bundle / path), load_external_data=False)
         inline = [
             i.name
             for i in model.graph.initializer
