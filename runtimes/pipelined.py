@@ -58,8 +58,11 @@ def check_stages(config: ConfigEntry, bundle_path: object) -> None:
 
 
 def stage_threads(threads: int) -> int:
-    """Each stage's intra-op threads: half the run's (0: ONNX Runtime's default, one per core), at least 1."""
-    return max(1, (threads or os.cpu_count() or 2) // 2)
+    """Each stage's intra-op threads: half the run's, at least 1. For threads=0 (ONNX Runtime's
+    default, one per physical core) half the CPUs this process may run on: the same on a machine
+    without SMT (this one), twice ORT's default where each core runs two threads."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (threads or cpus or 2) // 2)
 
 
 @dataclass(frozen=True)
