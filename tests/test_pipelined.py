@@ -134,3 +134,17 @@ def test_pipelined_takes_no_other_draft_source(staged_bundle: Path) -> None:
     generator = Generator(staged_bundle)
     with pytest.raises(UsageError, match="does not apply to --mode pipelined"):
         generator.generate("The quick brown fox", raw=True, max_new_tokens=4, mode="pipelined", draft="precision")
+
+
+def test_stage_sessions_have_their_own_thread_pools(staged_bundle: Path) -> None:
+    """The stages' backend shares the weights and the run guard but not a session: the plain
+    engines keep the run's threads, the stage engines get their own sessions with fewer."""
+    generator = Generator(staged_bundle, threads=2)
+    backend = generator.backend.inner
+    stages = generator.backend.with_threads(1).inner
+    assert stages is generator.backend.with_threads(1).inner and backend.with_threads(2) is backend
+    assert stages.weights is backend.weights and stages.guard is backend.guard
+    draft = generator.bundle.config("full").engines["draft"]
+    assert stages.session(draft) is not backend.session(draft)
+    assert stages.session(draft).get_session_options().intra_op_num_threads == 1
+    assert backend.session(draft).get_session_options().intra_op_num_threads == 2
