@@ -63,7 +63,7 @@ def _finite_float(text: str) -> float:
 
 
 PREPACK_CHOICES = ["auto", "none", "decode", "all"]
-DECODING_MODES = ["ar", "spec", "auto"]
+DECODING_MODES = ["ar", "spec", "auto", "pipelined"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -408,6 +408,9 @@ MODE_HELP = {
     "repeats the context; ar's tokens under greedy decoding, up to near-ties: docs/speculation.md)",
     "ar": "plain decoding",
     "spec": "self-speculative with --draft, ungated",
+    "pipelined": "predictive pipelined decoding: the early-exit draft of the next token runs beside the rest of this "
+    "token's layers, half the threads each (needs a bundle built with --speculate; exact: ar's tokens, up to "
+    "near-ties; docs/pipelined.md)",
 }
 
 

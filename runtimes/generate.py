@@ -29,6 +29,7 @@ from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_draft_len
 from adaptive_export.runtimes.manifest import ConfigEntry
+from adaptive_export.runtimes.pipelined import PipelinedDecoder, check_stages
 from adaptive_export.runtimes.sampling import Sampler, SamplingParams, make_sampler
 from adaptive_export.runtimes.selection import choose_config
 from adaptive_export.runtimes.sequence import SequenceState
@@ -45,6 +46,7 @@ class Mode(enum.Enum):
     AR = "ar"  # plain steps
     SPEC = "spec"  # speculative rounds with the chosen (or calibrated) draft source
     AUTO = "auto"  # speculative rounds, gated: the calibrated source where it pays, else prompt lookup
+    PIPELINED = "pipelined"  # predictive pipelined decoding over the early-exit stages (runtimes/pipelined.py)
 
     @classmethod
     def parse(cls, mode: Mode | str) -> Mode:
@@ -56,8 +58,10 @@ class Mode(enum.Enum):
 
     @property
     def loop(self) -> str:
-        """The loop that runs it, as the stats report it: "ar" (plain steps) or "spec" (rounds)."""
-        return "ar" if self is Mode.AR else "spec"
+        """The loop that runs it, as the stats report it: "ar" (plain steps), "spec" (rounds) or "pipelined"."""
+        if self in (Mode.AR, Mode.PIPELINED):
+            return self.value
+        return "spec"
 
 
 MODES = tuple(mode.value for mode in Mode)
@@ -66,7 +70,7 @@ MODES = tuple(mode.value for mode in Mode)
 @dataclass
 class GenerationStats:
     backend: str
-    mode: str  # Mode.loop: "ar" or "spec"
+    mode: str  # Mode.loop: "ar", "spec" or "pipelined"
     config: str
     kept_layers: list[int]
     skipped_layers: int
@@ -372,6 +376,9 @@ class Generator:
         _speculative_runner), which falls back to plain steps where drafting does not pay."""
         if request.mode is Mode.AR:
             return
+        if request.mode is Mode.PIPELINED:
+            self._check_pipelined(request, config)
+            return
         draft = request.draft
         if draft is not None:
             draft_source(draft)  # a clear error for an unknown name
@@ -379,6 +386,20 @@ class Generator:
             raise UsageError(
                 f"configuration {config.id!r} has no {draft} draft engines",
                 "use --draft prompt_lookup, --mode ar, or rebuild with --speculate",
+            )
+
+    def _check_pipelined(self, request: GenerationRequest, config: ConfigEntry) -> None:
+        """pipelined runs the early-exit engines as its two stages, on ONNX Runtime (two sessions at once)."""
+        if request.draft not in (None, "early_exit"):
+            raise UsageError(
+                f"--draft {request.draft} does not apply to --mode pipelined (its stages are the early-exit engines)",
+                "drop --draft, or use --mode spec",
+            )
+        check_stages(config, self.bundle.root)
+        if self.backend.name != "onnx":
+            raise UsageError(
+                f"--mode pipelined runs two engines at once, which backend {self.backend.name!r} does not",
+                "use --backend onnx, or another --mode",
             )
 
     # ---- decoders ---------------------------------------------------------------------
@@ -393,6 +414,9 @@ class Generator:
         """Tokens after the first: plain steps or speculative rounds (built only if asked for a token)."""
         if request.mode is Mode.AR:
             yield from self._decode_ar(seq, sampler)
+            return
+        if request.mode is Mode.PIPELINED:
+            yield from self._decode_pipelined(seq, stats, request, sampler)
             return
         runner = self._speculative_runner(seq, request)
         runner.warmups = warmups
@@ -420,8 +444,8 @@ class Generator:
         spec` with one, or auto where calibration found that its source pays on this bundle.
         Prompt lookup, auto's source everywhere else, has no engine to create."""
         full = self.bundle.config("full")
-        if request.mode is Mode.AR or self.backend.name != "onnx":
-            return []
+        if request.mode in (Mode.AR, Mode.PIPELINED) or self.backend.name != "onnx":
+            return []  # pipelined runs its stages on sessions of their own (PipelinedDecoder)
         if request.mode is Mode.AUTO:
             spec = self.bundle.manifest.speculation
             if spec is None or not spec.auto_enabled:
@@ -436,6 +460,16 @@ class Generator:
             warmup = DraftWarmup(self.backend, new)
             self.warmups.update(dict.fromkeys(new, warmup))
         return list({id(self.warmups[graph]): self.warmups[graph] for graph in graphs}.values())
+
+    def _decode_pipelined(
+        self, seq: SequenceState, stats: GenerationStats, request: GenerationRequest, sampler: Sampler
+    ) -> Iterator[int]:
+        decoder = PipelinedDecoder(self.backend, seq.config, getattr(self.backend, "threads", 0))
+        try:
+            yield from decoder.tokens(seq, request.max_new_tokens, sampler)
+        finally:
+            decoder.close()
+            stats.speculation = asdict(decoder.stats)
 
     def _decode_ar(self, seq: SequenceState, sampler: Sampler) -> Iterator[int]:
         graph = seq.config.decode

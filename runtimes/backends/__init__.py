@@ -101,6 +101,10 @@ class CheckedBackend(Backend):
     def prepare(self, graph: str) -> None:
         self.inner.prepare(graph)
 
+    def with_threads(self, threads: int) -> CheckedBackend:
+        """The wrapped backend's `with_threads` variant, checked alike (ONNX Runtime only)."""
+        return CheckedBackend(self.inner.with_threads(threads))
+
     def run_named(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.inner.run_named(graph, feeds)
 

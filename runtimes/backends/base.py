@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from adaptive_export.runtimes.bundle import Bundle
+from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.kv_arena import KVArena
 
 
@@ -40,6 +41,15 @@ class Backend(ABC):
 
     def prepare(self, graph: str) -> None:  # noqa: B027 - a backend that loads engines lazily needs nothing here
         """Load the engine ahead of first use (e.g. at start-up), so timings exclude it."""
+
+    def with_threads(self, threads: int) -> Backend:
+        """A backend over the same engines whose sessions each use `threads` intra-op threads and
+        may run one engine while this one runs another (pipelined decoding, runtimes/pipelined.py).
+        Only a backend whose runs are safe side by side implements it (ONNX Runtime)."""
+        raise UsageError(
+            f"backend {self.name!r} cannot run two engines at once (pipelined decoding)",
+            "use --backend onnx, or another --mode",
+        )
 
     def run(self, graph: str, first: np.ndarray, arena: KVArena, start: int) -> StepOutputs:
         """Run `graph` on T new positions at [start:start+T], reading KV rows [0:start]."""

@@ -28,6 +28,7 @@ pool fixes it too, but then every session of the process must use it: one thread
 from __future__ import annotations
 
 import contextlib
+import copy
 import mmap
 import threading
 from collections.abc import Iterable, Iterator
@@ -170,6 +171,25 @@ class OnnxRuntimeBackend(Backend):
         self._fused: dict[str, FusedBinding] = {}
         self._out_buffers: dict[tuple[str, str, tuple[int, ...]], np.ndarray] = {}
         self.guard = RunGuard(self.ort, bundle.manifest, int(self.weights.size))  # memory, time, interrupts
+        self._variants: dict[int, OnnxRuntimeBackend] = {}  # by thread count: sessions of their own (with_threads)
+
+    def with_threads(self, threads: int) -> OnnxRuntimeBackend:
+        """This backend with `threads` intra-op threads per session: pipelined decoding runs two
+        engines at once, each on its own pool (runtimes/pipelined.py). It shares the mapped
+        weights, their OrtValues and the run guard (one memory ceiling), and keeps sessions,
+        IO bindings and output buffers of its own, so the two backends never share a binding.
+        Made once per thread count; its sessions are created on first use, like this one's."""
+        threads = check_threads(threads)
+        if threads == self.threads:
+            return self
+        variant = self._variants.get(threads)
+        if variant is None:
+            variant = copy.copy(self)
+            variant.threads = threads
+            variant._sessions, variant._bindings, variant._fused, variant._out_buffers = {}, {}, {}, {}
+            variant._variants = {}
+            self._variants[threads] = variant
+        return variant
 
     def _default_prepack(self) -> set[str]:
         """Fused fp32 bundles prepack the full-model engine (prefill, plain decoding and
