@@ -26,11 +26,11 @@ MIN_SPEEDUP = 1.05  # as calibration/latency.py: below this, `run --mode auto` k
 class DraftHeadRecipe:
     """How much text and training `--draft-head train` spends (SmolLM2: within 20 minutes on 2 cores)."""
 
-    requests: int = 60
-    answer_tokens: int = 96
-    docstrings: int = 300
+    requests: int = 60  # user requests the model writes itself, then answers (its own text to imitate)
+    answer_tokens: int = 96  # tokens of each answer (a docstring document gets twice as many)
+    docstrings: int = 300  # standard-library docstrings, text the model did not write
     epochs: int = 4
-    max_seconds: float = 120.0
+    max_seconds: float = 120.0  # per (exit, form) trained
     seed: int = 0
 
 

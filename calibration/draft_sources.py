@@ -49,6 +49,13 @@ def simulate_rounds(drafts_at: Any, truth: list[int], k: int, bonus: bool = Fals
     }
 
 
+def latency_candidate(fields: Candidate, round_ms: float, step_ms: float) -> Candidate:
+    """`fields` (source, draft length, tokens per round...) priced by the engines' latencies: a
+    round of `round_ms` emits tokens_per_round tokens where a plain decode step of `step_ms` emits one."""
+    speedup = fields["tokens_per_round"] * step_ms / round_ms
+    return {**fields, "round_ms": round(round_ms, 3), "expected_speedup": round(speedup, 3)}
+
+
 def mean_of(rows: list[dict[str, float]], key: str) -> float:
     return round(float(np.mean([r[key] for r in rows])), 4) if rows else 0.0
 

@@ -7,7 +7,7 @@ own typed options from the command's BuildOptions.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -30,21 +30,30 @@ from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest import Manifest
 
 
+def needs_speculate(flag: str, option: str, speculate: str | None, part: str) -> None:
+    """`--exit-adapter` and `--draft-head` shape the early-exit draft, which only --speculate builds."""
+    if not speculate:
+        raise UsageError(
+            f"{flag} {option} needs --speculate (the {part} belongs to the early-exit draft)",
+            "add --speculate auto, or --speculate E:k",
+        )
+
+
+def check_option_file(option: str, what: str, fix: str) -> None:
+    """A FILE given to a build option must exist: it fails before minutes of loading."""
+    if not Path(option).is_file():
+        raise UsageError(f"{what} file {option!r} does not exist", fix)
+
+
 def check_exit_adapter_option(options: BuildOptions) -> None:
     """`--exit-adapter none|fit|FILE` needs --speculate; a missing FILE fails before minutes of loading."""
     option = options.exit_adapter or "none"
     if option == "none":
         return
-    if not options.speculate:
-        raise UsageError(
-            f"--exit-adapter {option} needs --speculate (the adapter belongs to the early-exit draft)",
-            "add --speculate auto, or --speculate E:k",
-        )
-    if option != "fit" and not Path(option).is_file():
-        raise UsageError(
-            f"exit adapter file {option!r} does not exist",
-            "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build",
-        )
+    needs_speculate("--exit-adapter", option, options.speculate, "adapter")
+    if option != "fit":
+        fix = "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build"
+        check_option_file(option, "exit adapter", fix)
 
 
 def check_draft_head_option(options: BuildOptions) -> None:
@@ -52,21 +61,15 @@ def check_draft_head_option(options: BuildOptions) -> None:
     option = options.draft_head or "none"
     if option == "none":
         return
-    if not options.speculate:
-        raise UsageError(
-            f"--draft-head {option} needs --speculate (the head belongs to the early-exit draft)",
-            "add --speculate auto, or --speculate E:k",
-        )
+    needs_speculate("--draft-head", option, options.speculate, "head")
     if (options.exit_adapter or "none") != "none" or options.draft_vocab:
         raise UsageError(
             f"--draft-head {option} brings its own exit block and vocabulary",
             "drop --exit-adapter and --draft-vocab",
         )
-    if option != "train" and not Path(option).is_file():
-        raise UsageError(
-            f"draft head file {option!r} does not exist",
-            "pass --draft-head train, or a draft head file (samples/smollm2_draft_head.safetensors)",
-        )
+    if option != "train":
+        fix = "pass --draft-head train, or a draft head file (samples/smollm2_draft_head.safetensors)"
+        check_option_file(option, "draft head", fix)
 
 
 def quantized_gguf(model: str) -> Path | None:
@@ -219,15 +222,8 @@ def calibrate_routers(options: BuildOptions, loaded: Any, parts: ModelParts, sta
     """`--routers`: train or load the routers, keep the skip configurations that agree enough."""
     from adaptive_export.calibration.router_pipeline import plan_routers
 
-    router_options = RouterOptions(
-        routers=options.routers,
-        calib=options.calib,
-        max_configs=options.max_configs,
-        router_lambda=options.router_lambda,
-        router_lr=options.router_lr,
-        min_config_agreement=options.min_config_agreement,
-        seed=options.seed,
-    )
+    # RouterOptions' fields are build options of the same names
+    router_options = RouterOptions(**{f.name: getattr(options, f.name) for f in fields(RouterOptions)})
     parts.routers, configs, state.calibration["routers"], router_files = plan_routers(router_options, loaded)
     state.extra_files = {**state.extra_files, **router_files}
     state.plan = BuildPlan(

@@ -52,6 +52,13 @@ def _bounded_int(low: int, high: int) -> Any:
     return parse
 
 
+def _add_int(
+    parser: argparse.ArgumentParser, flag: str, bounds: tuple[int, int], default: int | None, help: str, **more: Any
+) -> None:
+    """An integer option bounded to `bounds`: a value outside is a usage error naming them."""
+    parser.add_argument(flag, type=_bounded_int(*bounds), default=default, help=help, **more)
+
+
 def _finite_float(text: str) -> float:
     try:
         value = float(text)
@@ -146,12 +153,12 @@ def _add_build_output_arguments(build: argparse.ArgumentParser) -> None:
         "packed QKV), KV updated in place, fastest; portable: standard ONNX ops that any runtime parses "
         "(always used when --backend includes tensorrt)",
     )
-    build.add_argument(
+    _add_int(
+        build,
         "--max-len",
-        type=_bounded_int(1, limits.MAX_BUILD_LEN),
-        default=2048,
-        help="KV arena length: prompt + new tokens can never exceed it "
-        f"(default: 2048, at most {limits.MAX_BUILD_LEN})",
+        (1, limits.MAX_BUILD_LEN),
+        2048,
+        f"KV arena length: prompt + new tokens can never exceed it (default: 2048, at most {limits.MAX_BUILD_LEN})",
     )
     build.add_argument(
         "--force",
@@ -174,11 +181,8 @@ def _add_build_router_arguments(build: argparse.ArgumentParser) -> None:
         default=None,
         help="calibration prompts, JSONL with a 'prompt' field per line (default: the built-in sample set in samples/)",
     )
-    build.add_argument(
-        "--max-configs",
-        type=_bounded_int(1, 64),
-        default=3,
-        help="most skip configurations to compile besides the full model (default: 3)",
+    _add_int(
+        build, "--max-configs", (1, 64), 3, "most skip configurations to compile besides the full model (default: 3)"
     )
     build.add_argument(
         "--router-lambda",
@@ -209,7 +213,7 @@ def _add_build_speculation_arguments(build: argparse.ArgumentParser) -> None:
     """Early-exit self-speculation and the weight precision of the engines."""
     build.add_argument(
         "--speculate",
-        default=None,
+        metavar="auto|E:k",
         help="'auto' to calibrate self-speculation (exit layer E, draft length k, exit adapter) and build "
         "draft/verify engines, or 'E:k' to force them",
     )
@@ -269,17 +273,18 @@ def _add_build_draft_arguments(build: argparse.ArgumentParser) -> None:
         "that ends a round's drafting early; FILE reuses a head file (e.g. the shipped samples/"
         "smollm2_draft_head.safetensors); see docs/speculation.md",
     )
-    build.add_argument(
+    _add_int(
+        build,
         "--draft-vocab",
-        type=_bounded_int(0, limits.MAX_VOCAB),
-        default=0,
-        metavar="N",
-        help="VocabTrim: the precision draft's LM head scores only N tokens (the special tokens, then the model's own "
+        (0, limits.MAX_VOCAB),
+        0,
+        "VocabTrim: the precision draft's LM head scores only N tokens (the special tokens, then the model's own "
         "greedy continuations of the calibration prompts by frequency, then the prompts', then the lowest ids), "
         "so a draft step no longer pays the whole head (28M of SmolLM2's 135M parameters, 168M of Gemma 3's 270M). "
         "The verifier keeps the full head, so output is unchanged; a draft is accepted only when the verifier's "
         "token is among the N. Ships the ids as draft_vocab.bin; calibration.json draft_vocab holds the held-out "
         "coverage. Needs --draft-precision. Default: 0 (the full head)",
+        metavar="N",
     )
 
 
@@ -297,12 +302,7 @@ def _add_build_precision_arguments(build: argparse.ArgumentParser) -> None:
         default="fp16",
         help="TensorRT engine precision flag (default: fp16)",
     )
-    build.add_argument(
-        "--quant-block",
-        type=_bounded_int(1, 4096),
-        default=32,
-        help="quantization block size along the input dimension (default: 32)",
-    )
+    _add_int(build, "--quant-block", (1, 4096), 32, "quantization block size along the input dimension (default: 32)")
     build.add_argument(
         "--quant-accuracy",
         type=int,
@@ -374,11 +374,12 @@ def _add_run_decoding_arguments(run: argparse.ArgumentParser) -> None:
         help="draft source for --mode spec (default: the one calibration chose, else prompt_lookup); precision needs "
         "a bundle built with --draft-precision",
     )
-    run.add_argument(
+    _add_int(
+        run,
         "--draft-len",
-        type=_bounded_int(1, limits.MAX_DRAFT_LEN),
-        default=None,
-        help=f"draft tokens per round, 1..{limits.MAX_DRAFT_LEN} (default: calibrated, else 4)",
+        (1, limits.MAX_DRAFT_LEN),
+        None,
+        f"draft tokens per round, 1..{limits.MAX_DRAFT_LEN} (default: calibrated, else 4)",
     )
 
 
@@ -489,12 +490,7 @@ def _add_check_command(sub: Any) -> None:
         default=None,
         help="JSONL prompts ('prompt' field) for the greedy checks (default: built-in prompts)",
     )
-    check.add_argument(
-        "--new-tokens",
-        type=_bounded_int(1, limits.MAX_LEN),
-        default=16,
-        help="greedy tokens compared per prompt (default: 16)",
-    )
+    _add_int(check, "--new-tokens", (1, limits.MAX_LEN), 16, "greedy tokens compared per prompt (default: 16)")
     check.add_argument(
         "--tolerance",
         type=float,
@@ -526,12 +522,8 @@ def _add_bench_command(sub: Any) -> None:
     bench.add_argument(
         "-p", "--prompt", default="Write a short story about a robot who learns to paint.", help="prompt text"
     )
-    bench.add_argument(
-        "--max-new-tokens", type=_bounded_int(1, limits.MAX_LEN), default=32, help="tokens per repetition (default: 32)"
-    )
-    bench.add_argument(
-        "--repeat", type=_bounded_int(1, 1000), default=5, help="timed repetitions after one warm-up (default: 5)"
-    )
+    _add_int(bench, "--max-new-tokens", (1, limits.MAX_LEN), 32, "tokens per repetition (default: 32)")
+    _add_int(bench, "--repeat", (1, 1000), 5, "timed repetitions after one warm-up (default: 5)")
     _add_config_and_mode(bench)
     _add_threads_and_prepack(bench)
     bench.add_argument("--json", action="store_true", help="print JSON")
@@ -539,31 +531,34 @@ def _add_bench_command(sub: Any) -> None:
 
 def _add_serve_command(sub: Any) -> None:
     """`serve`: the bundle behind an OpenAI-compatible HTTP API; decoding and engine options as `run`'s."""
-    serve = sub.add_parser(
-        "serve",
-        help="serve a bundle over an OpenAI-compatible HTTP API (torch-free; needs the serve extra)",
-        description="Serve one bundle at /v1/chat/completions, /v1/completions and /v1/models (OpenAI's API, "
-        "streaming with server-sent events). One generation at a time; see docs/serve.md.",
+    from adaptive_export.commands.serve import MAX_QUEUE
+
+    summary = "serve a bundle over an OpenAI-compatible HTTP API (torch-free; needs the serve extra)"
+    description = (
+        "Serve one bundle at /v1/chat/completions, /v1/completions and /v1/models (OpenAI's API, "
+        "streaming with server-sent events). One generation at a time; see docs/serve.md."
     )
-    serve.add_argument("bundle", help="bundle directory")
+    serve = _add_bundle_command(sub, "serve", summary, description)
     serve.add_argument(
         "--host",
         default="127.0.0.1",
         help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 exposes the model to the network "
         "without authentication, and prints a warning)",
     )
-    serve.add_argument("--port", type=_bounded_int(1, 65535), default=8000, help="TCP port (default: 8000)")
-    serve.add_argument(
+    _add_int(serve, "--port", (1, 65535), 8000, "TCP port (default: 8000)")
+    _add_int(
+        serve,
         "--queue",
-        type=_bounded_int(1, 1024),
-        default=8,
-        help="requests that may wait while one generates (default: 8); more get HTTP 429",
+        (1, MAX_QUEUE),
+        8,
+        "requests that may wait while one generates (default: 8); more get HTTP 429",
     )
-    serve.add_argument(
+    _add_int(
+        serve,
         "--max-tokens",
-        type=_bounded_int(1, 1 << 20),
-        default=256,
-        help="tokens to generate when a request names no max_tokens (default: 256, capped by the bundle's context)",
+        (1, 1 << 20),
+        256,
+        "tokens to generate when a request names no max_tokens (default: 256, capped by the bundle's context)",
     )
     _add_run_decoding_arguments(serve)
     _add_run_engine_arguments(serve)

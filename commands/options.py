@@ -122,17 +122,16 @@ class BenchOptions(Options):
 
 @dataclass(frozen=True)
 class ServeOptions(Options):
-    bundle: str
+    """`serve`'s own options; the bundle, decoding and engine options are `run`'s, in `run` (its
+    prompt and sampling stay at their defaults: each request brings its own)."""
+
+    run: RunOptions
     host: str = "127.0.0.1"
     port: int = 8000
     queue: int = 8
     max_tokens: int = 256
-    config: str = "auto"
-    mode: str = "ar"
-    draft: str | None = None
-    draft_len: int | None = None
-    backend: str = "onnx"
-    provider: str = "cpu"
-    threads: int = 0
-    verify: str = "full"
-    prepack: str = "auto"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **converted: Any) -> ServeOptions:
+        shared = {f.name: getattr(args, f.name) for f in fields(RunOptions) if hasattr(args, f.name)}
+        return super().from_args(args, run=RunOptions(**shared))

@@ -12,6 +12,7 @@ from adaptive_export.commands.options import BenchOptions, InspectOptions, RunOp
 from adaptive_export.loading.prompts import read_prompt_file
 from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.bundle import Bundle, load_bundle
+from adaptive_export.runtimes.generate import Generator
 
 
 def prepack_graphs(bundle: Bundle, choice: str) -> list[str] | None:
@@ -23,18 +24,23 @@ def prepack_graphs(bundle: Bundle, choice: str) -> list[str] | None:
     return [name for name, g in bundle.manifest.graphs.items() if choice == "all" or g.kind == "decode"]
 
 
+def load_generator(options: RunOptions) -> Generator:
+    """The bundle's Generator for the engine options (`run`'s and `serve`'s alike)."""
+    backend_options: dict[str, Any] = {"threads": limits.check_threads(options.threads)}
+    bundle = load_bundle(options.bundle, verify=options.verify)  # loaded (and verified) once
+    if options.backend == "onnx":
+        backend_options.update(provider=options.provider, prepack=prepack_graphs(bundle, options.prepack))
+    return Generator(bundle, backend=options.backend, **backend_options)
+
+
 def cmd_run(options: RunOptions) -> int:
-    from adaptive_export.runtimes import Generator, SamplingParams
+    from adaptive_export.runtimes import SamplingParams
 
     prompt = options.prompt if options.prompt is not None else read_prompt_file(options.prompt_file)
     sampling = SamplingParams(
         temperature=options.temperature, top_k=options.top_k, top_p=options.top_p, seed=options.seed
     )
-    backend_options: dict[str, Any] = {"threads": limits.check_threads(options.threads)}
-    bundle = load_bundle(options.bundle, verify=options.verify)  # loaded (and verified) once
-    if options.backend == "onnx":
-        backend_options.update(provider=options.provider, prepack=prepack_graphs(bundle, options.prepack))
-    generator = Generator(bundle, backend=options.backend, **backend_options)
+    generator = load_generator(options)
     write = None if options.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     result = generator.generate(
         prompt,

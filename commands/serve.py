@@ -8,15 +8,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
 
 from adaptive_export.commands import EXIT_INTERRUPTED, EXIT_OK
 from adaptive_export.commands.options import ServeOptions
-from adaptive_export.commands.run import prepack_graphs
-from adaptive_export.runtimes import limits
-from adaptive_export.runtimes.bundle import load_bundle
+from adaptive_export.commands.run import load_generator
 from adaptive_export.runtimes.errors import UsageError
-from adaptive_export.runtimes.generate import Generator, Mode
+from adaptive_export.runtimes.generate import Mode
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 MAX_QUEUE = 1024
@@ -29,15 +26,6 @@ def check_serve_extra() -> None:
     missing = [name for name in ("starlette", "uvicorn", "pydantic") if importlib.util.find_spec(name) is None]
     if missing:
         raise UsageError(f"serve needs {', '.join(missing)}", "run `pip install 'adaptive-export[serve]'`")
-
-
-def load_generator(options: ServeOptions) -> Generator:
-    """The bundle's Generator, set up exactly as `run` sets it up for the same engine options."""
-    backend_options: dict[str, Any] = {"threads": limits.check_threads(options.threads)}
-    bundle = load_bundle(options.bundle, verify=options.verify)
-    if options.backend == "onnx":
-        backend_options.update(provider=options.provider, prepack=prepack_graphs(bundle, options.prepack))
-    return Generator(bundle, backend=options.backend, **backend_options)
 
 
 def model_name(bundle_dir: str) -> str:
@@ -57,7 +45,7 @@ def check_options(options: ServeOptions) -> None:
         raise UsageError(f"--queue {options.queue} is outside 1..{MAX_QUEUE}", "pass a queue bound such as 8")
     if not 1 <= options.port <= 65535:
         raise UsageError(f"--port {options.port} is not a TCP port", "pass a port in 1..65535")
-    Mode.parse(options.mode)
+    Mode.parse(options.run.mode)
 
 
 def cmd_serve(options: ServeOptions) -> int:
@@ -71,14 +59,15 @@ def cmd_serve(options: ServeOptions) -> int:
     warning = exposure_warning(options.host)
     if warning:
         print(warning, file=sys.stderr)
-    generator = load_generator(options)
-    if options.config != "auto":
-        generator.bundle.config(options.config)  # an unknown id fails now, not on every request
-    settings = DecodingSettings(options.config, options.mode, options.draft, options.draft_len, options.max_tokens)
+    run = options.run
+    generator = load_generator(run)
+    if run.config != "auto":
+        generator.bundle.config(run.config)  # an unknown id fails now, not on every request
+    settings = DecodingSettings(run.config, run.mode, run.draft, run.draft_len, options.max_tokens)
     worker = GenerationWorker(generator, settings, options.queue)
-    app = create_app(worker, model_name(options.bundle))
+    app = create_app(worker, model_name(run.bundle))
     logging.getLogger("adaptive-export").warning(
-        "serving %s on http://%s:%d/v1", model_name(options.bundle), options.host, options.port
+        "serving %s on http://%s:%d/v1", model_name(run.bundle), options.host, options.port
     )
     try:  # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again
         uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning")).run()

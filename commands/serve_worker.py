@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from adaptive_export.commands.serve_api import Completion
 from adaptive_export.runtimes.errors import UsageError
-from adaptive_export.runtimes.generate import GenerationResult, Generator
+from adaptive_export.runtimes.generate import GenerateArguments, GenerationResult, Generator
 from adaptive_export.runtimes.sampling import SamplingParams
 
 log = logging.getLogger("adaptive-export")
@@ -30,6 +30,10 @@ class DecodingSettings:
     draft: str | None = None
     draft_len: int | None = None
     default_max_tokens: int = 256  # when a request names none (capped by the bundle's context)
+
+    def arguments(self) -> GenerateArguments:
+        """The generation arguments these settings choose; each request adds its own."""
+        return GenerateArguments(config=self.config, mode=self.mode, draft=self.draft, draft_len=self.draft_len)
 
 
 @dataclass(frozen=True)
@@ -198,11 +202,8 @@ class GenerationWorker:
             max_new_tokens=spec.max_tokens if spec.max_tokens is not None else min(settings.default_max_tokens, room),
             sampling=spec.sampling,
             stop=spec.stop,
-            config=settings.config,
-            mode=settings.mode,
-            draft=settings.draft,
-            draft_len=settings.draft_len,
             should_stop=job.should_stop,
+            **settings.arguments(),
         )
 
     def _finish(self, job: Job, result: GenerationResult) -> None:

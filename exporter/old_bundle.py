@@ -34,8 +34,8 @@ class RemovalPlan:
 
     files: tuple[str, ...]
     directories: tuple[str, ...]
-    device: int
-    mounts: frozenset[str]
+    device: int  # the old bundle's st_dev: nothing on another device is removed
+    mounts: frozenset[str]  # mount points seen when planning (a bind mount shares st_dev)
 
 
 def mount_points() -> frozenset[str]:

@@ -43,7 +43,7 @@ def _gqa(
     num_heads: int,
     kv_heads: int,
     scale: float,
-    local_window_size: int = -1,
+    local_window_size: int,
 ) -> tuple[FLOAT, FLOAT, FLOAT]:
     out, present_key, present_value = _MSFT.GroupQueryAttention(
         qkv,

@@ -23,26 +23,36 @@ class Routers(nn.Module):
         return torch.sigmoid(x @ self.weight[layer]).mean()
 
 
-class ExitAdapter(nn.Module):
+class _NormedResidual(nn.Module):
+    """What both exit blocks share: an RMS norm of h_E with its own weight (`norm_weight`, the
+    tensor name the bundle's exit_adapters.safetensors uses), the block's output added to h_E."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.norm_weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def normed(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
+
+
+class ExitAdapter(_NormedResidual):
     """Low-rank residual map h_E -> h_E + up(silu(down(norm(h_E)))) before the shared head.
 
     `up` starts at zero, so an untrained adapter is the identity (raw early exit).
     """
 
     def __init__(self, hidden_size: int, rank: int, eps: float) -> None:
-        super().__init__()
-        self.norm_weight = nn.Parameter(torch.ones(hidden_size))
+        super().__init__(hidden_size, eps)
         self.down = nn.Linear(hidden_size, rank, bias=False)
         self.up = nn.Linear(rank, hidden_size, bias=False)
         nn.init.zeros_(self.up.weight)
-        self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
-        return x + self.up(torch.nn.functional.silu(self.down(h)))
+        return x + self.up(torch.nn.functional.silu(self.down(self.normed(x))))
 
 
-class GatedExitAdapter(nn.Module):
+class GatedExitAdapter(_NormedResidual):
     """Gated-MLP residual map h_E -> h_E + down(silu(gate(n)) * up(n)), n = norm(h_E): a decoder
     layer's MLP without its attention, so a trained draft exit costs at most one layer.
 
@@ -52,16 +62,14 @@ class GatedExitAdapter(nn.Module):
     """
 
     def __init__(self, hidden_size: int, width: int, eps: float) -> None:
-        super().__init__()
-        self.norm_weight = nn.Parameter(torch.ones(hidden_size))
+        super().__init__(hidden_size, eps)
         self.gate = nn.Linear(hidden_size, width, bias=False)
         self.up = nn.Linear(hidden_size, width, bias=False)
         self.down = nn.Linear(width, hidden_size, bias=False)
         nn.init.zeros_(self.down.weight)
-        self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
+        h = self.normed(x)
         return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
 
 

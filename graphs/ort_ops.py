@@ -78,7 +78,7 @@ def gqa(
     num_heads: int,
     kv_heads: int,
     scale: float,
-    local_window_size: int = -1,
+    local_window_size: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """qkv [1, T, (nh + 2 kv) hd]; past_* [1, kv, M, hd] hold rows [0, P) with P = total - T.
 

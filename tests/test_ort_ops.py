@@ -23,17 +23,15 @@ def _gqa_node_session(local_window_size: int, scale: float):
         ("cos", TensorProto.FLOAT, [MAX_LEN, HEAD_DIM // 2]),
         ("sin", TensorProto.FLOAT, [MAX_LEN, HEAD_DIM // 2]),
     ]
+    # the attributes exporter/ort_translations.py gives the node: rotary inside, not interleaved
+    attributes = {"num_heads": HEADS, "kv_num_heads": KV_HEADS, "scale": scale, "do_rotary": 1, "rotary_interleaved": 0}
     node = helper.make_node(
         "GroupQueryAttention",
         ["qkv", "", "", "past_key", "past_value", "seqlens_k", "total", "cos", "sin"],
         ["out", "present_key", "present_value"],
         domain="com.microsoft",
-        num_heads=HEADS,
-        kv_num_heads=KV_HEADS,
-        scale=scale,
-        do_rotary=1,
-        rotary_interleaved=0,
         local_window_size=local_window_size,
+        **attributes,
     )
     graph = helper.make_graph(
         [node],

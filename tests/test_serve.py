@@ -37,8 +37,9 @@ uvicorn = serve_extra("uvicorn")
 serve_extra("starlette")
 
 from adaptive_export.commands.cli import build_parser  # noqa: E402
-from adaptive_export.commands.options import ServeOptions  # noqa: E402
-from adaptive_export.commands.serve import exposure_warning, load_generator, model_name  # noqa: E402
+from adaptive_export.commands.options import RunOptions  # noqa: E402
+from adaptive_export.commands.run import load_generator  # noqa: E402
+from adaptive_export.commands.serve import exposure_warning, model_name  # noqa: E402
 from adaptive_export.commands.serve_app import create_app  # noqa: E402
 from adaptive_export.commands.serve_worker import DecodingSettings, GenerationWorker  # noqa: E402
 from adaptive_export.runtimes import Generator, SamplingParams  # noqa: E402
@@ -66,8 +67,7 @@ def wait_for(condition: Callable[[], bool], seconds: float = 60) -> None:
 @contextlib.contextmanager
 def serving(bundle: Path, queue: int, settings: DecodingSettings | None = None) -> Iterator[Served]:
     """uvicorn with the app `serve` builds, on a socket bound here (so the port is known and free)."""
-    options = ServeOptions(bundle=str(bundle), queue=queue)
-    worker = GenerationWorker(load_generator(options), settings or DecodingSettings(), queue)
+    worker = GenerationWorker(load_generator(RunOptions(str(bundle))), settings or DecodingSettings(), queue)
     server = uvicorn.Server(uvicorn.Config(create_app(worker, model_name(str(bundle))), log_level="warning"))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -304,11 +304,11 @@ def test_speculative_mode_reports_acceptance(tiny_bundle: Path, reference: Gener
 
 def test_serve_is_torch_free(tiny_bundle: Path) -> None:
     code = f"""
-from adaptive_export.commands.options import ServeOptions
-from adaptive_export.commands.serve import load_generator
+from adaptive_export.commands.options import RunOptions
+from adaptive_export.commands.run import load_generator
 from adaptive_export.commands.serve_app import create_app
 from adaptive_export.commands.serve_worker import DecodingSettings, GenerationWorker
-app = create_app(GenerationWorker(load_generator(ServeOptions({str(tiny_bundle)!r})), DecodingSettings(), 1), 'tiny')
+app = create_app(GenerationWorker(load_generator(RunOptions({str(tiny_bundle)!r})), DecodingSettings(), 1), 'tiny')
 assert not any(m.split('.')[0] in ('torch', 'transformers') for m in sys.modules), 'torch leaked'
 print('ok')
 """
@@ -329,3 +329,16 @@ def test_serve_help_explains_each_option(capsys: pytest.CaptureFixture[str]) -> 
     text = capsys.readouterr().out
     for option in ("--host", "--port", "--queue", "--max-tokens", "127.0.0.1", "429"):
         assert option in text
+
+
+def test_serve_options_hold_runs_decoding_and_engine_options() -> None:
+    """`serve`'s namespace fills its own options and, through RunOptions, run's decoding and
+    engine options; run's prompt and sampling options stay at their defaults."""
+    from adaptive_export.commands.options import ServeOptions
+
+    argv = ["serve", "b", "--queue", "3", "--mode", "spec", "--draft-len", "2", "--threads", "2", "--verify", "size"]
+    options = ServeOptions.from_args(build_parser().parse_args(argv))
+    assert (options.queue, options.port, options.max_tokens) == (3, 8000, 256)
+    run = options.run
+    assert (run.bundle, run.mode, run.draft_len, run.threads, run.verify) == ("b", "spec", 2, 2, "size")
+    assert (run.config, run.prepack, run.prompt, run.max_new_tokens) == ("auto", "auto", None, 64)

@@ -8,7 +8,13 @@ from typing import Any
 
 import numpy as np
 
-from adaptive_export.calibration.draft_sources import Candidate, DraftMeasure, mean_of, simulate_rounds
+from adaptive_export.calibration.draft_sources import (
+    Candidate,
+    DraftMeasure,
+    latency_candidate,
+    mean_of,
+    simulate_rounds,
+)
 
 EARLY_EXIT_KS = (1, 2, 3, 4, 6, 8)
 
@@ -92,16 +98,8 @@ class EarlyExitMeasure(DraftMeasure):
             if e != exit_layer or k not in latencies["verify_ms"]:
                 continue
             round_ms = k * latencies["draft_ms"] + latencies["verify_ms"][k]
-            out.append(
-                {
-                    "source": "early_exit",
-                    "exit_layer": e,
-                    "draft_len": k,
-                    "tokens_per_round": tokens,
-                    "round_ms": round(round_ms, 3),
-                    "expected_speedup": round(tokens * step / round_ms, 3),
-                }
-            )
+            fields = {"source": "early_exit", "exit_layer": e, "draft_len": k, "tokens_per_round": tokens}
+            out.append(latency_candidate(fields, round_ms, step))
         return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from adaptive_export.calibration.draft_sources import Candidate, MeasuredElsewhere
+from adaptive_export.calibration.draft_sources import Candidate, MeasuredElsewhere, latency_candidate
 
 
 class PrecisionMeasure(MeasuredElsewhere):
@@ -33,17 +33,9 @@ class PrecisionMeasure(MeasuredElsewhere):
             if k + 1 not in latencies["decode_ms"]:
                 continue
             round_ms = k * latencies["precision_draft_ms"] + latencies["decode_ms"][k + 1]
-            tokens = measured_k["tokens_per_round"]
-            out.append(
-                {
-                    "source": "precision",
-                    "draft_len": k,
-                    "tokens_per_round": tokens,
-                    "acceptance": measured_k["acceptance"],
-                    "round_ms": round(round_ms, 3),
-                    "expected_speedup": round(tokens * step / round_ms, 3),
-                }
-            )
+            tokens, acceptance = measured_k["tokens_per_round"], measured_k["acceptance"]
+            fields = {"source": "precision", "draft_len": k, "tokens_per_round": tokens, "acceptance": acceptance}
+            out.append(latency_candidate(fields, round_ms, step))
         return out
 
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from adaptive_export.calibration.draft_sources import MAX_DRAFT, Candidate, DraftMeasure, mean_of, simulate_rounds
+from adaptive_export.calibration.draft_sources import (
+    MAX_DRAFT,
+    Candidate,
+    DraftMeasure,
+    latency_candidate,
+    mean_of,
+    simulate_rounds,
+)
 from adaptive_export.runtimes.drafting.prompt_lookup import lookup_ngram
 
 
@@ -60,15 +67,8 @@ class PromptLookupMeasure(DraftMeasure):
             if k + 1 not in latencies["decode_ms"]:
                 continue
             round_ms = hits * latencies["decode_ms"][k + 1] + (1 - hits) * step
-            out.append(
-                {
-                    "source": "prompt_lookup",
-                    "draft_len": k,
-                    "tokens_per_round": tokens,
-                    "round_ms": round(round_ms, 3),
-                    "expected_speedup": round(tokens * step / round_ms, 3),
-                }
-            )
+            fields = {"source": "prompt_lookup", "draft_len": k, "tokens_per_round": tokens}
+            out.append(latency_candidate(fields, round_ms, step))
         return out
 
 

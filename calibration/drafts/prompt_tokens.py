@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from adaptive_export.calibration.draft_sources import Candidate, MeasuredElsewhere
+from adaptive_export.calibration.draft_sources import Candidate, MeasuredElsewhere, latency_candidate
 
 
 class PromptTokensMeasure(MeasuredElsewhere):
@@ -41,16 +41,9 @@ class PromptTokensMeasure(MeasuredElsewhere):
                 continue
             share = row["draft_round_share"]
             round_ms = share * latencies["decode_ms"][1 + k + m] + (1 - share) * latencies["decode_ms"][1 + m]
-            out.append(
-                {
-                    "source": "prompt_tokens",
-                    "draft_len": k,
-                    "tokens_per_round": row["tokens_per_round"],
-                    "acceptance": row["acceptance"],
-                    "round_ms": round(round_ms, 3),
-                    "expected_speedup": round(row["tokens_per_round"] * step / round_ms, 3),
-                }
-            )
+            tokens, acceptance = row["tokens_per_round"], row["acceptance"]
+            fields = {"source": "prompt_tokens", "draft_len": k, "tokens_per_round": tokens, "acceptance": acceptance}
+            out.append(latency_candidate(fields, round_ms, step))
         return out
 
 

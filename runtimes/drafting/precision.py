@@ -19,10 +19,11 @@ if TYPE_CHECKING:  # the backends import the bundle, which imports this registry
 
 
 class PrecisionDraft(DraftSource):
+    """Drafts from the precision_draft engine, verified (with the bonus row) by the decode engine."""
+
     name = "precision"
     engines = ("precision_draft",)
-    bonus = True
-    gateable = True
+    bonus = gateable = True
 
     def propose(
         self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler

@@ -31,8 +31,7 @@ def lookup_ngram(context: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list
 
 class PromptLookup(DraftSource):
     name = "prompt_lookup"
-    bonus = True
-    gateable = True
+    bonus = gateable = True
     free_proposals = True
 
     def propose(

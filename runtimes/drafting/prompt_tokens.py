@@ -29,8 +29,7 @@ if TYPE_CHECKING:  # the backends import the bundle, which imports this registry
 class PromptTokens(DraftSource):
     name = "prompt_tokens"
     engines = ("prompt_tokens",)
-    bonus = True
-    gateable = True
+    bonus = gateable = True
 
     def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int) -> None:
         super().__init__(backend, config, model, k)
