@@ -88,6 +88,12 @@ class DraftMeasure(ABC):
     ) -> list[Candidate]:
         """Expected speed-ups from the staged engines' measured milliseconds."""
 
+    @staticmethod
+    def wide_verify_costs(measured: dict[str, Any] | None, decode_ms: dict[int, float]) -> dict[str, float] | None:
+        """Its verify pass's cost per draft length in T=1 passes (manifest `verify_cost`), when the pass
+        is wider than prompt lookup's T=k+1 (the source appends inputs); None: it verifies as lookup does."""
+        return None
+
 
 class MeasuredElsewhere(DraftMeasure):
     """A source the greedy HF runs cannot simulate: its measurement lands in measured[name] from

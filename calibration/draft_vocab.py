@@ -54,7 +54,7 @@ def plan_draft_vocab(
             f"use a size such as {min(8192, vocab // 4)}, or drop --draft-vocab for the full head",
         )
     continuations: Counter[int] = Counter()
-    prompt_tokens: Counter[int] = Counter()
+    prompt_ids: Counter[int] = Counter()
     held_out: list[int] = []
     for index, prompt in enumerate(tqdm(prompts, desc="draft vocabulary", unit="prompt", disable=not progress)):
         ids, prompt_len = greedy_sequence(loaded, prompt, CONTINUATION_TOKENS)
@@ -62,9 +62,9 @@ def plan_draft_vocab(
             held_out.extend(ids[prompt_len:])
             continue
         continuations.update(ids[prompt_len:])
-        prompt_tokens.update(ids[:prompt_len])
+        prompt_ids.update(ids[:prompt_len])
     special = getattr(loaded.tokenizer, "all_special_ids", None) or []
-    kept = ranked_ids(special, continuations, prompt_tokens, vocab)[:size]
+    kept = ranked_ids(special, continuations, prompt_ids, vocab)[:size]
     chosen = set(kept)
     report = {
         "size": size,

@@ -17,10 +17,12 @@ milliseconds (calibration/latency.py); everything measured goes to calibration.j
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from adaptive_export.calibration.draft_builds import SourceBuild
 from adaptive_export.calibration.draft_sources import MAX_DRAFT
 from adaptive_export.calibration.drafts import MEASURES
 from adaptive_export.calibration.exit_adapters import (
@@ -76,12 +78,12 @@ class SpeculationOptions:
 
 
 def plan_speculation(
-    options: SpeculationOptions, loaded: Any, parts: Any, prompt_token_rounds: dict[str, Any] | None = None
+    options: SpeculationOptions, loaded: Any, parts: Any, built: Sequence[SourceBuild] = ()
 ) -> tuple[ExitPlan, dict[str, Any], dict[str, Any], dict[str, bytes]]:
     """ExitPlan, manifest `speculation`, calibration.json entries and extra bundle files.
 
-    `prompt_tokens`: trained prompt tokens' simulated rounds (calibration/prompt_tokens.py), a
-    candidate beside the other sources.
+    `built`: the sources made by their own build options (calibration/draft_builds.py), each with
+    its simulated rounds, a candidate beside the other sources.
 
     With `--exit-adapter fit|FILE` the early-exit candidates are the adapters' exits, their
     drafts are simulated through the adapter, and the chosen exit's adapter is shipped.
@@ -105,17 +107,22 @@ def plan_speculation(
             "chosen_by": "forced with --speculate",
         }
         calibration: dict[str, Any] = {"forced": manifest}
-        if prompt_token_rounds is not None:
-            manifest["prompt_tokens"] = {"draft_len": prompt_token_rounds["prompt_tokens"]}
-            calibration["prompt_tokens"] = prompt_token_rounds
+        keep_built_sections(built, manifest, calibration)
         if fit is not None:
             calibration["exit_adapters"] = {**fit.report, "shipped": exit_layer}
         return ExitPlan(exit_layer, k, adapter=adapter), manifest, {"speculation": calibration}, files
-    return _plan_auto(options, loaded, parts, prompt_token_rounds)
+    return _plan_auto(options, loaded, parts, built)
+
+
+def keep_built_sections(built: Sequence[SourceBuild], manifest: dict[str, Any], calibration: dict[str, Any]) -> None:
+    """A chosen speculation keeps the built sources' manifest sections and simulated rounds."""
+    for source in built:
+        manifest[source.name] = source.section
+        calibration[source.name] = source.rounds
 
 
 def _plan_auto(
-    options: SpeculationOptions, loaded: Any, parts: Any, prompt_token_rounds: dict[str, Any] | None
+    options: SpeculationOptions, loaded: Any, parts: Any, built: Sequence[SourceBuild]
 ) -> tuple[ExitPlan, dict[str, Any], dict[str, Any], dict[str, bytes]]:
     """`--speculate auto`: measure every source on the calibration prompts and choose (the
     draft/verify engines are built for the best early exit either way)."""
@@ -130,8 +137,7 @@ def _plan_auto(
     measured = measure_speculation(
         loaded, parts, prompts, DEFAULT_CALIB_TOKENS, adapters=fit.adapters if fit else None, runs=runs
     )
-    if prompt_token_rounds is not None:
-        measured["prompt_tokens"] = prompt_token_rounds
+    measured.update((source.name, source.rounds) for source in built)
     choice = choose(measured, spec)
     early = choice["best_early_exit"]  # draft/verify engines are built for the best early exit either way
     adapter, files = ship_adapter(fit, early["exit_layer"], parts)
@@ -243,13 +249,11 @@ def finalize_with_latencies(
             acceptance=choice["by_source"]["precision"]["acceptance"],
             **verify,
         )
-    if "prompt_tokens" in choice["by_source"]:  # its verify pass also carries the m prompt tokens
-        m = int(calibration["speculation"]["prompt_tokens"]["prompt_tokens"])
+    for name in choice["by_source"]:  # a source whose verify pass is wider than lookup's prices its own
         for key, timed in (("verify_cost", latencies), ("verify_cost_prepacked", prepacked)):
-            decode = timed["decode_ms"]
-            spec["prompt_tokens"][key] = {
-                str(k): round(decode[1 + k + m] / decode[1], 3) for k in range(1, MAX_DRAFT + 1) if 1 + k + m in decode
-            }
+            wide = MEASURES[name].wide_verify_costs(calibration["speculation"].get(name), timed["decode_ms"])
+            if wide is not None:
+                spec[name][key] = wide
     calibration["speculation"].update(
         latencies=latencies, latencies_prepacked=prepacked, latencies_as_run=as_run, measured_choice=choice
     )

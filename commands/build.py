@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from adaptive_export.calibration.draft_builds import SourceBuild
 from adaptive_export.calibration.router_pipeline import THRESHOLD, RouterOptions
 from adaptive_export.calibration.speculation import SpeculationOptions
 from adaptive_export.commands import EXIT_OK
@@ -25,7 +26,6 @@ from adaptive_export.loading.model import check_model_files, load_model
 from adaptive_export.loading.packaged import PACKAGED
 from adaptive_export.loading.prompts import read_prompts
 from adaptive_export.loading.warning_filters import third_party_warnings_hidden
-from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest import Manifest
 
@@ -143,24 +143,15 @@ def check_draft_vocab_option(size: int, draft_precision: str | None) -> None:
         )
 
 
-def check_prompt_tokens_option(option: str) -> str | None:
-    """`--prompt-tokens N|FILE`: N in 1..MAX_PROMPT_TOKENS, or an existing file; 0/none: None."""
-    if option in ("0", "none", ""):
-        return None
-    if option.isdigit():
-        if not 1 <= int(option) <= limits.MAX_PROMPT_TOKENS:
-            raise UsageError(
-                f"--prompt-tokens {option} is outside 1..{limits.MAX_PROMPT_TOKENS}",
-                "train 2 to 4 prompt tokens, e.g. --prompt-tokens 3",
-            )
-        return option
-    if not Path(option).is_file():
-        raise UsageError(
-            f"prompt tokens file {option!r} does not exist",
-            "pass a number of prompt tokens to train (e.g. --prompt-tokens 3), "
-            "or a prompt_tokens.safetensors file written by a previous build",
-        )
-    return option
+def check_draft_options(options: BuildOptions) -> tuple[tuple[str, str], ...]:
+    """The draft sources asked for by their own build options (calibration/drafts/<name>.py BUILD),
+    as (source, value), each value checked before minutes of loading."""
+    from adaptive_export.calibration.drafts import BUILD_STEPS
+
+    asked = tuple((name, value) for name, value in options.draft_options if BUILD_STEPS[name].asked(value))
+    for name, value in asked:
+        BUILD_STEPS[name].check(value)
+    return asked
 
 
 @dataclass(frozen=True)
@@ -171,7 +162,7 @@ class CheckedBuild:
     quantize: str
     native_source: Path | None
     draft_precision: str | None
-    prompt_tokens: str | None
+    draft_builds: tuple[tuple[str, str], ...]  # (source, option value) of the sources asked for by their option
 
 
 @dataclass
@@ -183,14 +174,14 @@ class Calibrated:
     speculation: dict[str, Any] | None = None
     calibration: dict[str, Any] = field(default_factory=dict)
     extra_files: dict[str, bytes] = field(default_factory=dict)
-    prompt_token_rounds: dict[str, Any] | None = None
+    built: list[SourceBuild] = field(default_factory=list)  # the draft sources made by their own option
 
 
 def check_build_options(options: BuildOptions) -> CheckedBuild:
     """Every check that needs no model, so a bad option fails in a second, not after the loading."""
     check_exit_adapter_option(options)
     check_draft_head_option(options)
-    prompt_tokens = check_prompt_tokens_option(options.prompt_tokens)
+    draft_builds = check_draft_options(options)
     preflight(options.backends)  # a backend whose tools are missing fails before any work
     output = Path(options.output)
     protect = tuple(
@@ -201,7 +192,7 @@ def check_build_options(options: BuildOptions) -> CheckedBuild:
             options.routers,
             options.exit_adapter,
             options.draft_head,
-            prompt_tokens,
+            *(value for _, value in draft_builds),
         )
         if p and p not in (*PACKAGED, "train", "fit", "none")
     )
@@ -211,11 +202,11 @@ def check_build_options(options: BuildOptions) -> CheckedBuild:
         from adaptive_export.exporter.quantize import validate_options
 
         validate_options(options.quant_block, options.quant_accuracy)  # before minutes of loading and export
-    if options.calib and (options.routers or options.speculate or prompt_tokens or options.draft_vocab):
+    if options.calib and (options.routers or options.speculate or draft_builds or options.draft_vocab):
         read_prompts(options.calib)  # a bad calibration file fails before minutes of loading
     draft_precision = check_draft_precision(options, quantize)
     check_draft_vocab_option(options.draft_vocab, draft_precision)
-    return CheckedBuild(output, quantize, native_source, draft_precision, prompt_tokens)
+    return CheckedBuild(output, quantize, native_source, draft_precision, draft_builds)
 
 
 def calibrate_routers(options: BuildOptions, loaded: Any, parts: ModelParts, state: Calibrated) -> None:
@@ -243,25 +234,27 @@ def calibrate_draft_vocab(options: BuildOptions, loaded: Any, parts: ModelParts,
     state.plan.draft_vocab = options.draft_vocab
 
 
-def calibrate_prompt_tokens(
-    options: BuildOptions, prompt_tokens: str, loaded: Any, parts: ModelParts, state: Calibrated
+def calibrate_draft_builds(
+    options: BuildOptions, checked: CheckedBuild, loaded: Any, parts: ModelParts, state: Calibrated
 ) -> None:
-    """`--prompt-tokens N|FILE`: train (or load) the prompt tokens; they draft unless --speculate chooses."""
+    """Each draft source asked for by its own option: train (or load) what it drafts with; they
+    draft unless --speculate chooses."""
+    from adaptive_export.calibration.drafts import BUILD_STEPS
     from adaptive_export.calibration.measure import calibration_prompts
-    from adaptive_export.calibration.prompt_tokens import plan_prompt_tokens
 
-    parts.prompt_tokens, state.prompt_token_rounds, prompt_token_files = plan_prompt_tokens(
-        prompt_tokens, loaded, calibration_prompts(options.calib), options.seed
-    )
-    state.plan.prompt_tokens = int(parts.prompt_tokens.shape[0])
-    state.extra_files = {**state.extra_files, **prompt_token_files}
+    for name, value in checked.draft_builds:
+        built = BUILD_STEPS[name].build(value, loaded, calibration_prompts(options.calib), options.seed)
+        parts.draft_tables[name] = built.table
+        state.plan.draft_fields.update(built.draft_fields)
+        state.extra_files = {**state.extra_files, **built.files}
+        state.built.append(built)
     state.speculation = {
         "source": None,
         "auto_enabled": False,
-        "prompt_tokens": {"draft_len": state.plan.prompt_tokens},
-        "chosen_by": "--prompt-tokens",
+        **{built.name: built.section for built in state.built},
+        "chosen_by": ", ".join(built.chosen_by for built in state.built),
     }
-    state.calibration["speculation"] = {"prompt_tokens": state.prompt_token_rounds}
+    state.calibration["speculation"] = {built.name: built.rounds for built in state.built}
 
 
 def calibrate_speculation(options: BuildOptions, loaded: Any, parts: ModelParts, state: Calibrated) -> None:
@@ -272,7 +265,7 @@ def calibrate_speculation(options: BuildOptions, loaded: Any, parts: ModelParts,
         options.speculate, exit_adapter=options.exit_adapter, calib=options.calib, seed=options.seed
     )
     state.plan.exit, state.speculation, measured, adapter_files = plan_speculation(
-        speculation_options, loaded, parts, state.prompt_token_rounds
+        speculation_options, loaded, parts, state.built
     )
     state.calibration.update(measured)
     state.extra_files = {**state.extra_files, **adapter_files}
@@ -281,15 +274,14 @@ def calibrate_speculation(options: BuildOptions, loaded: Any, parts: ModelParts,
 def calibrate_draft_head(options: BuildOptions, loaded: Any, parts: ModelParts, state: Calibrated) -> None:
     """`--speculate ... --draft-head train|FILE`: the trained exit block, its trimmed head and stop threshold."""
     from adaptive_export.calibration.draft_head import plan_draft_head
+    from adaptive_export.calibration.speculation import keep_built_sections
 
     assert options.speculate is not None  # checked with the options
     state.plan.exit, speculation, measured, files = plan_draft_head(
         options.draft_head, options.speculate, loaded, parts
     )
     state.plan.draft_vocab = state.plan.exit.draft_vocab  # the bundle's draft_vocab.bin holds the head's ids
-    if state.prompt_token_rounds is not None:  # --prompt-tokens too: keep that source's section
-        speculation["prompt_tokens"] = {"draft_len": state.plan.prompt_tokens}
-        measured["speculation"]["prompt_tokens"] = state.prompt_token_rounds
+    keep_built_sections(state.built, speculation, measured["speculation"])  # sources built by their own option
     state.speculation = speculation
     state.calibration.update(measured)
     state.extra_files = {**state.extra_files, **files}
@@ -349,8 +341,8 @@ def run_build(options: BuildOptions) -> Manifest:
         calibrate_routers(options, loaded, parts, state)
     if options.draft_vocab:
         calibrate_draft_vocab(options, loaded, parts, state)
-    if checked.prompt_tokens:
-        calibrate_prompt_tokens(options, checked.prompt_tokens, loaded, parts, state)
+    if checked.draft_builds:
+        calibrate_draft_builds(options, checked, loaded, parts, state)
     if options.speculate and (options.draft_head or "none") != "none":
         calibrate_draft_head(options, loaded, parts, state)
     elif options.speculate:

@@ -238,7 +238,7 @@ def _add_build_speculation_arguments(build: argparse.ArgumentParser) -> None:
 
 
 def _add_build_draft_arguments(build: argparse.ArgumentParser) -> None:
-    """Draft sources besides the early exit: a cheaper precision, its trimmed head, prompt tokens."""
+    """Draft sources besides the early exit: a cheaper precision, its trimmed head, each build-time source's option."""
     from adaptive_export.runtimes import limits
 
     build.add_argument(
@@ -252,17 +252,10 @@ def _add_build_draft_arguments(build: argparse.ArgumentParser) -> None:
         "--speculate auto, calibration measures it on the built engines. ONNX Runtime (ort flavour) only. "
         "Default: none",
     )
-    build.add_argument(
-        "--prompt-tokens",
-        default="0",
-        metavar="N|FILE",
-        help="prompt-token drafts (parallel prompt decoding, run --draft prompt_tokens): train N prompt-token "
-        f"embeddings (1..{limits.MAX_PROMPT_TOKENS}; 3 is a good start) on the model's own greedy continuations of "
-        "the calibration prompts, model frozen, fixed --seed; "
-        "the full decode engine embeds them, so every verify pass also guesses the next round's drafts. They ship "
-        "as prompt_tokens.safetensors (N x hidden floats, a few KB); FILE reuses such a file. With --speculate "
-        "auto, calibration measures them beside the other draft sources. Default: 0 (none)",
-    )
+    from adaptive_export.calibration.drafts import BUILD_STEPS
+
+    for step in BUILD_STEPS.values():  # a draft source's own option (calibration/drafts/<name>.py)
+        step.option.add_to(build)
     build.add_argument(
         "--draft-head",
         default="none",

@@ -42,7 +42,8 @@ class BuildOptions(Options):
     draft_head: str = "none"
     quantize: str = "auto"
     draft_precision: str = "none"
-    prompt_tokens: str = "0"
+    # each draft source's own build option (calibration/drafts/<name>.py BUILD), as (source, value)
+    draft_options: tuple[tuple[str, str], ...] = ()
     draft_vocab: int = 0
     coreml_precision: str = "float16"
     trt_precision: str = "fp16"
@@ -55,10 +56,12 @@ class BuildOptions(Options):
     @classmethod
     def from_args(cls, args: argparse.Namespace, **converted: Any) -> BuildOptions:
         """A Hub id MODEL is resolved here (cache, else download) to the local path the build reads and records."""
+        from adaptive_export.calibration.drafts import BUILD_STEPS
         from adaptive_export.loading.model import resolve_model_argument
 
         model = resolve_model_argument(args.model, args.revision, args.gguf_file)
-        return super().from_args(args, backends=parse_backends(args.backend), model=model)
+        draft_options = tuple((name, getattr(args, step.option.dest)) for name, step in BUILD_STEPS.items())
+        return super().from_args(args, backends=parse_backends(args.backend), model=model, draft_options=draft_options)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from adaptive_export.exporter.graph_entry import manifest_graph
 from adaptive_export.exporter.onnx_export import OPSET, export_graph
 from adaptive_export.exporter.tokenizer_export import chat_format, save_tokenizer, special_tokens
 from adaptive_export.exporter.weights import WeightStore, canonicalize_names, externalize
+from adaptive_export.graphs.drafts import engine_roles
 from adaptive_export.graphs.fused_graph import packed_weights
 from adaptive_export.graphs.plan import FULL_CONFIG, BuildPlan
 from adaptive_export.graphs.span_graph import GraphSpec, ModelParts, draft_head
@@ -148,8 +149,7 @@ def _name_weights(store: WeightStore, parts: ModelParts, packed: Any, graphs: li
         store.name_parameters((n, t.detach().numpy()) for n, t in packed.named())
     if parts.routers is not None:
         store.name_parameters([("routers.weight", parts.routers.weight.detach().numpy())])
-    if parts.prompt_tokens is not None:
-        store.name_parameters([("prompt_tokens.table", parts.prompt_tokens.detach().numpy())])
+    store.name_parameters((f"{source}.table", t.detach().numpy()) for source, t in parts.draft_tables.items())
     if parts.draft_vocab is not None:
         rows = next((draft_head(parts, g) for g in graphs if g.draft_vocab), None)
         if rows is not None:
@@ -285,12 +285,12 @@ def draft_vocab_bytes(parts: ModelParts) -> bytes:
 
 
 def _exit_engines(graphs: list[GraphSpec], config_id: str) -> dict[str, str]:
-    """A configuration's draft engines: early exit's draft/verify pair, a precision draft, and
-    its decode graph again as the prompt_tokens engine when that graph embeds prompt tokens."""
+    """A configuration's draft engines: early exit's draft/verify pair, a precision draft, and the
+    roles a draft source's graph piece gives a graph (graphs/drafts/: `engine_role`)."""
     engines: dict[str, str] = {}
     for graph in graphs:
-        if graph.config == config_id and graph.kind == "decode" and graph.prompt_tokens and graph.precision is None:
-            engines["prompt_tokens"] = graph.name
+        if graph.config == config_id:
+            engines.update((role, graph.name) for role in engine_roles(graph))
         if graph.config == config_id and graph.kind in ("draft", "verify"):
             engines[graph.kind] = graph.name
         elif graph.config == config_id and graph.precision is not None:

@@ -138,6 +138,8 @@ class ParityInputs:
 
 def parity_inputs(bundle: Bundle, backend: Any, spec: Any, seed: int) -> tuple[ParityInputs, KVArena]:
     """Random inputs and a random past in an arena of the backend's layout (the engine writes into it)."""
+    from adaptive_export.graphs.drafts import appended_ids
+
     rng = np.random.default_rng(seed)
     model = bundle.model
     past_len, count = 7, (9 if spec.kind == "prefill" else 1 if spec.kind == "draft" else 4)
@@ -148,10 +150,11 @@ def parity_inputs(bundle: Bundle, backend: Any, spec: Any, seed: int) -> tuple[P
         if spec.source == "ids"
         else rng.standard_normal((1, count, model.hidden_size)).astype(np.float32)
     )
-    if spec.prompt_tokens and spec.source == "ids":
-        # the last rows are prompt tokens: their embedding is checked too
-        prompts = min(spec.prompt_tokens, count - 1)
-        first[0, count - prompts :] = model.vocab_size + np.arange(prompts)
+    appended = appended_ids(spec)  # a draft source's trained rows after the vocabulary
+    if appended and spec.source == "ids":
+        # the last rows are those ids: their embedding is checked too
+        rows = min(appended, count - 1)
+        first[0, count - rows :] = model.vocab_size + np.arange(rows)
     # fused engines bind the whole [1, n_kv, max_len, hd] block, so their arena is max_len long
     arena_len = bundle.max_len if spec.flavour == "ort" else past_len + count
     arena = KVArena(bundle.num_layers, arena_len, model.num_kv_heads, model.head_dim, layout=backend.kv_layout)

@@ -26,7 +26,7 @@ from adaptive_export.graphs import ort_ops
 from adaptive_export.graphs.architectures import DEFAULT_ROPE, LayerWeights, architecture
 from adaptive_export.graphs.decoder_layer import DecoderLayer, QKNorm
 from adaptive_export.graphs.layers import Head, Rotary, embed_tokens
-from adaptive_export.graphs.span_graph import GraphSpec, ModelParts, SpanFlow, prompt_table
+from adaptive_export.graphs.span_graph import GraphSpec, ModelParts, SpanFlow, appended_embeddings
 from adaptive_export.graphs.spec import ModelSpec
 
 GELU_TANH_MODULES = ("GELUTanh", "PytorchGELUTanh")  # transformers 5 / 4 names of gelu_pytorch_tanh
@@ -207,7 +207,7 @@ class FusedSpanGraph(SpanFlow):
         self.head = Head(hf, parts.spec, ort_ops.rms_norm)
         self.add_graph_parts(parts, graph)
         self.vocab = parts.spec.vocab_size
-        self.register_buffer("prompts", prompt_table(parts, graph), persistent=False)
+        self.register_buffer("prompts", appended_embeddings(parts, graph), persistent=False)
 
     def tokens(self, x: Tensor) -> Tensor:
         return x[0]

@@ -222,8 +222,8 @@ class DecoderStack(nn.Module):
         self.head = Head(hf_model, spec)
         self.register_buffer("prompts", None, persistent=False)
 
-    def set_prompt_tokens(self, table: Tensor | None) -> None:
-        """Embed ids vocab.. as these prompt tokens (a buffer, so export names it a weight)."""
+    def set_appended_embeddings(self, table: Tensor | None) -> None:
+        """Embed ids vocab.. as these rows, a draft source's trained table (a buffer, so export names it a weight)."""
         self.prompts = table
 
     def embed_ids(self, ids: Tensor) -> Tensor:

@@ -1,6 +1,6 @@
 """The plan of which graphs a bundle holds: prefill, one decode per configuration, and what
 each draft source's graph piece adds (graphs/drafts/<name>.py: draft/verify, precision draft,
-prompt tokens).
+a source's trained embeddings).
 
 Pure data so the runtime and `inspect` can read it back from the manifest.
 """
@@ -35,9 +35,9 @@ class BuildPlan:
     # A draft engine over the same layers and arena at a cheaper weight precision
     # (runtimes/speculative.py, source "precision"); built for the full configuration only.
     precision_draft: str | None = None
-    # Prompt tokens (parallel prompt decoding): the full model's decode graph also embeds this
-    # many trained prompt tokens (runtimes/drafting/prompt_tokens.py); 0: none.
-    prompt_tokens: int = 0
+    # What a draft source's build step decided for its graph piece (graphs/drafts/<name>.py), as
+    # the graph fields the piece sets, by key; unset: the source adds nothing.
+    draft_fields: dict[str, int] = field(default_factory=dict)
     # VocabTrim: the precision draft's head scores only this many token ids (0: all).
     draft_vocab: int = 0
 
@@ -53,6 +53,6 @@ class BuildPlan:
         every = tuple(range(self.num_layers))
         out = [GraphSpec("prefill", "prefill", every, logits="last", router_scores=self.routers)]
         out += [GraphSpec(f"decode_{config.id}", "decode", config.kept, config=config.id) for config in self.configs]
-        for add_graphs in GRAPH_PIECES.values():
-            out = add_graphs(self, out)
+        for piece in GRAPH_PIECES.values():
+            out = piece.add_graphs(self, out)
         return out

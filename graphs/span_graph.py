@@ -12,7 +12,7 @@ which the runtime writes into the arena at [P:P+T]. The ort flavour is graphs/fu
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
@@ -53,13 +53,20 @@ class GraphSpec:
     # ("int8"/"int4": RTN of the float weights; "native4": the GGUF's blocks at accuracy 4),
     # drafting for the bundle's own precision on the same arena. None: the bundle's precision.
     precision: str | None = None
-    # Prompt tokens (kind "decode"): ids vocab..vocab+m-1 embed as the m trained prompt tokens
-    # (calibration/prompt_tokens.py), so the verify pass also guesses the next round's drafts.
-    prompt_tokens: int = 0
+    # Integer fields a draft source's graph piece sets (graphs/drafts/<name>.py; its runtime class
+    # declares and checks them in the manifest), as sorted (key, value) pairs; unset keys are 0.
+    draft_fields: tuple[tuple[str, int], ...] = ()
     # VocabTrim (a precision draft): the head scores only the bundle's `draft_vocab` token ids
     # (draft_vocab.bin), so logits are [.., draft_vocab] and the runtime maps row j to id ids[j].
     # 0: the full vocabulary.
     draft_vocab: int = 0
+
+    def draft_field(self, key: str) -> int:
+        return dict(self.draft_fields).get(key, 0)
+
+    def with_draft_field(self, key: str, value: int) -> GraphSpec:
+        fields = {**dict(self.draft_fields), key: value}
+        return replace(self, draft_fields=tuple(sorted((k, v) for k, v in fields.items() if v)))
 
 
 @dataclass
@@ -70,23 +77,19 @@ class ModelParts:
     spec: ModelSpec
     routers: Routers | None = None
     exit_adapters: dict[int, ExitAdapter] = field(default_factory=dict)
-    prompt_tokens: torch.Tensor | None = None  # the trained [m, hidden] table, in the scaled embedding space
+    # trained tables a draft source's graphs embed, by source name (graphs/drafts/<name>.py)
+    draft_tables: dict[str, torch.Tensor] = field(default_factory=dict)
     draft_vocab: torch.Tensor | None = None  # VocabTrim: the sorted token ids a draft head scores (int64)
     # Derived once per build and shared by its graphs (graphs/fused_graph.packed_weights, draft_head):
     packed_by_max_len: dict[int, PackedWeights] = field(default_factory=dict, repr=False, compare=False)
     draft_heads: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
 
-def prompt_table(parts: ModelParts, graph: GraphSpec) -> torch.Tensor | None:
-    """The prompt-token table a graph embeds (its `prompt_tokens` rows), or a clear error if missing."""
-    if not graph.prompt_tokens:
-        return None
-    if parts.prompt_tokens is None or parts.prompt_tokens.shape[0] != graph.prompt_tokens:
-        raise ValueError(
-            f"graph {graph.name!r} embeds {graph.prompt_tokens} prompt tokens, but the model parts hold "
-            f"{0 if parts.prompt_tokens is None else parts.prompt_tokens.shape[0]}"
-        )
-    return parts.prompt_tokens.detach()
+def appended_embeddings(parts: ModelParts, graph: GraphSpec) -> torch.Tensor | None:
+    """Rows that ids vocab.. embed as (a draft source's trained table; graphs/drafts/), or None."""
+    from adaptive_export.graphs.drafts import appended_embeddings as of_pieces  # the pieces import this module
+
+    return of_pieces(parts, graph)
 
 
 def draft_head(parts: ModelParts, graph: GraphSpec) -> torch.Tensor | None:
@@ -186,7 +189,7 @@ class SpanGraph(DecoderStack, SpanFlow):
             raise ValueError(f"graph {graph.name!r} has no layers")
         super().__init__(parts.hf_model, parts.spec, graph.layers, embed=graph.source == "ids")
         self.add_graph_parts(parts, graph)
-        self.set_prompt_tokens(prompt_table(parts, graph))
+        self.set_appended_embeddings(appended_embeddings(parts, graph))
 
     def tokens(self, x: Tensor) -> Tensor:
         return x

@@ -12,11 +12,12 @@ from adaptive_export.graphs.adaptive import DraftHead, ExitAdapter, GatedExitAda
 from adaptive_export.graphs.span_graph import ModelParts
 from adaptive_export.loading.warning_filters import library_call_warnings_hidden
 from adaptive_export.runtimes.bundle import Bundle
+from adaptive_export.runtimes.drafting import SOURCES
+from adaptive_export.runtimes.drafting.base import TableArtifact
 from adaptive_export.runtimes.errors import UsageError
 
 ROUTERS_FILE = "routers.safetensors"
 ADAPTERS_FILE = "exit_adapters.safetensors"
-PROMPT_TOKENS_FILE = "prompt_tokens.safetensors"
 
 
 def routers_bytes(routers: Routers) -> bytes:
@@ -169,31 +170,29 @@ def load_draft_head(path: str | Path, hidden_size: int, eps: float, num_layers: 
     return DraftHead(layer, form, block, ids.long(), draft_len, stop_below)
 
 
-def prompt_tokens_bytes(table: Any) -> bytes:
+def draft_table_bytes(artifact: TableArtifact, table: Any) -> bytes:
+    """A draft source's trained table as its bundle file (runtimes/drafting/<name>.py declares it)."""
     from safetensors.torch import save
 
-    return save({"prompt_tokens": table.detach().contiguous()})
+    return save({artifact.key: table.detach().contiguous()})
 
 
-def load_prompt_tokens(path: str | Path, hidden_size: int) -> Any:
-    """Prompt tokens [m, hidden] (calibration/prompt_tokens.py), checked against the model."""
-    from adaptive_export.runtimes.limits import MAX_PROMPT_TOKENS
-
-    fix = "train prompt tokens for this model with --prompt-tokens N"
-    missing = f"{fix}, or pass a prompt_tokens.safetensors file written by a previous build"
-    tensors = _read_tensors(path, "prompt tokens file", missing, fix)
-    table = tensors.get("prompt_tokens")
+def load_draft_table(artifact: TableArtifact, path: str | Path, hidden_size: int) -> Any:
+    """A draft source's trained table [1..max_rows, hidden], checked against the model."""
+    missing = f"{artifact.fix}, or pass a {artifact.file} file written by a previous build"
+    tensors = _read_tensors(path, f"{artifact.what} file", missing, artifact.fix)
+    table = tensors.get(artifact.key)
     if (
         table is None
         or table.dim() != 2
         or table.shape[1] != hidden_size
-        or not 1 <= table.shape[0] <= MAX_PROMPT_TOKENS
+        or not 1 <= table.shape[0] <= artifact.max_rows
     ):
         shape = None if table is None else tuple(table.shape)
         raise UsageError(
-            f"prompt tokens file {str(path)!r} holds prompt_tokens of shape {shape}, this model needs "
-            f"(1..{MAX_PROMPT_TOKENS}, {hidden_size})",
-            fix,
+            f"{artifact.what} file {str(path)!r} holds {artifact.key} of shape {shape}, this model needs "
+            f"(1..{artifact.max_rows}, {hidden_size})",
+            artifact.fix,
         )
     return table.float()
 
@@ -236,8 +235,11 @@ def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
         parts.exit_adapters = load_adapters(
             bundle.path(ADAPTERS_FILE), loaded.spec.hidden_size, loaded.spec.rms_norm_eps, loaded.spec.num_layers
         )
-    if PROMPT_TOKENS_FILE in bundle.manifest.files:
-        parts.prompt_tokens = load_prompt_tokens(bundle.path(PROMPT_TOKENS_FILE), loaded.spec.hidden_size)
+    for name, source in SOURCES.items():  # a draft source's trained table, when the bundle ships one
+        if source.table is not None and source.table.file in bundle.manifest.files:
+            parts.draft_tables[name] = load_draft_table(
+                source.table, bundle.path(source.table.file), loaded.spec.hidden_size
+            )
     if bundle.draft_vocab_ids is not None:
         import torch
 

@@ -9,16 +9,11 @@ from adaptive_export.runtimes.bundle import Bundle, load_bundle, parse_manifest,
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.limits import MAX_CALIBRATION_BYTES
 from adaptive_export.runtimes.manifest import GraphEntry
+from adaptive_export.runtimes.manifest_graphs import DRAFT_FIELDS
 
-
-class GraphSummary(TypedDict):
-    kind: str
-    layers: int  # how many
-    config: str | None
-    exit_layer: int | None
-    precision: str | None
-    prompt_tokens: int
-    draft_vocab: int
+# One graph's summary: kind, layers (how many), config, exit_layer, precision, each draft
+# source's graph field (DRAFT_FIELDS, by key), draft_vocab.
+GraphSummary = dict[str, object]
 
 
 class ConfigSummary(TypedDict):
@@ -121,7 +116,7 @@ def _graph_summary(graph: GraphEntry) -> GraphSummary:
         "config": graph.config,
         "exit_layer": graph.exit_layer,
         "precision": graph.precision,
-        "prompt_tokens": graph.prompt_tokens,
+        **graph.draft_fields_json(),
         "draft_vocab": graph.draft_vocab,
     }
 
@@ -159,7 +154,7 @@ def render(info: BundleSummary) -> str:
     for name, g in info["graphs"].items():
         extras = [
             f"{g['precision']} weights" if g.get("precision") else "",
-            f"{g['prompt_tokens']} prompt tokens" if g.get("prompt_tokens") else "",
+            *(f"{g[key]} {key.replace('_', ' ')}" if g.get(key) else "" for _, key in DRAFT_FIELDS),
             f"head over {g['draft_vocab']} tokens" if g.get("draft_vocab") else "",
         ]
         lines.append(f"  {name:24} {g['kind']:8} {g['layers']:3} layers" + "".join(f", {e}" for e in extras if e))

@@ -57,7 +57,6 @@ SPARSE_MAX_RATIO = 4  # ... at least to a quarter of their size (compressed file
 MAX_THREADS_PER_CORE = 4
 MAX_THREADS_CAP = 256
 MAX_DRAFT_LEN = 64
-MAX_PROMPT_TOKENS = 16  # prompt tokens a decode graph may embed
 MAX_PROMPT_FILE_BYTES = 4 << 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024

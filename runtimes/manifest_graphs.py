@@ -1,7 +1,9 @@
 """The manifest's graphs and skip configurations (docs/architecture.md sections 2-4), typed.
 
 A graph entry says what one engine computes, so the runtime knows its I/O without opening it;
-a configuration names the engines of one kept-layer set by role.
+a configuration names the engines of one kept-layer set by role. A draft source's own graph
+fields and engine roles are declared and checked by its runtime class (runtimes/drafting/base.py
+DraftSource: `graph_fields`, `engine_kinds`, `check_graph_field`, `check_engines`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adaptive_export.runtimes import limits
+from adaptive_export.runtimes.drafting import SOURCES
 from adaptive_export.runtimes.manifest_fields import is_int, is_name, is_str_list, need
 
 PRECISIONS = ("int8", "int4", "native4")  # a precision draft's weights (graphs/drafts/precision.py PRECISION_DRAFTS)
@@ -21,8 +24,10 @@ _ROLE_KINDS = {
     "draft": "draft",
     "verify": "verify",
     "precision_draft": "decode",
-    "prompt_tokens": "decode",
+    **{role: kind for source in SOURCES.values() for role, kind in source.engine_kinds.items()},
 }
+# every draft source's integer graph fields, in registry order (the manifest writes each, 0 when unset)
+DRAFT_FIELDS = tuple((source, key) for source in SOURCES.values() for key in source.graph_fields)
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,8 @@ class GraphEntry:
     exit_layer: int | None = None
     flavour: str = "portable"  # "portable" | "ort"
     precision: str | None = None  # a precision draft's weights, one of PRECISIONS
-    prompt_tokens: int = 0  # prompt tokens a decode graph embeds
+    # the draft sources' graph fields that are set (DRAFT_FIELDS), as sorted (key, value) pairs
+    draft_fields: tuple[tuple[str, int], ...] = ()
     draft_vocab: int = 0  # VocabTrim: the token ids a precision draft's head scores (0: all)
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
@@ -75,9 +81,17 @@ class GraphEntry:
             self.exit_layer if self.exit_adapter else None,
             self.logits if self.flavour == "portable" else None,
             self.precision,
-            self.prompt_tokens,
+            self.draft_fields,
             self.draft_vocab,
         )
+
+    def draft_field(self, key: str) -> int:
+        """A draft source's graph field (DRAFT_FIELDS), 0 when unset."""
+        return dict(self.draft_fields).get(key, 0)
+
+    def draft_fields_json(self) -> dict[str, int]:
+        """Every registered draft field by key, 0 when unset: the manifest's and `inspect`'s form."""
+        return {key: self.draft_field(key) for _, key in DRAFT_FIELDS}
 
     def logits_width(self, vocab_size: int) -> int:
         """Columns of the logits: the vocabulary, or a reduced draft head's token count."""
@@ -102,7 +116,7 @@ class GraphEntry:
             "exit_layer": self.exit_layer,
             "flavour": self.flavour,
             "precision": self.precision,
-            "prompt_tokens": self.prompt_tokens,
+            **self.draft_fields_json(),
             "draft_vocab": self.draft_vocab,
             "inputs": list(self.inputs),
             "outputs": list(self.outputs),
@@ -140,14 +154,7 @@ def _graph_fields(name: Any, graph: Any, num_layers: int) -> GraphEntry:
         precision is None or (kind == "decode" and precision in PRECISIONS),
         f"graph {name!r} has a bad precision (a decode graph may have one of {', '.join(PRECISIONS)})",
     )
-    prompt_tokens, draft_vocab = graph.get("prompt_tokens", 0), graph.get("draft_vocab", 0)
-    need(
-        is_int(prompt_tokens)
-        and 0 <= prompt_tokens <= limits.MAX_PROMPT_TOKENS
-        and (kind == "decode" or not prompt_tokens),
-        f"graph {name!r} has a bad prompt_tokens "
-        f"(a decode graph may embed 0..{limits.MAX_PROMPT_TOKENS} prompt tokens)",
-    )
+    draft_fields, draft_vocab = _draft_fields(name, kind, graph), graph.get("draft_vocab", 0)
     need(
         is_int(draft_vocab)
         and 0 <= draft_vocab <= limits.MAX_VOCAB
@@ -161,9 +168,20 @@ def _graph_fields(name: Any, graph: Any, num_layers: int) -> GraphEntry:
     )
     return GraphEntry(
         name, kind, tuple(layers), source, logits, routers, exit_hidden, adapter, graph.get("config"),
-        graph.get("exit_layer"), graph.get("flavour", "portable"), precision, prompt_tokens, draft_vocab,
+        graph.get("exit_layer"), graph.get("flavour", "portable"), precision, draft_fields, draft_vocab,
         tuple(graph["inputs"]), tuple(graph["outputs"]),
     )  # fmt: skip
+
+
+def _draft_fields(name: str, kind: str, graph: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    """The draft sources' graph fields, each checked by its source; the set ones, sorted by key."""
+    values = []
+    for source, key in DRAFT_FIELDS:
+        value = graph.get(key, 0)
+        source.check_graph_field(name, kind, key, value)
+        if value:
+            values.append((key, int(value)))
+    return tuple(sorted(values))
 
 
 def _check_graph_io(graph: GraphEntry) -> None:
@@ -189,7 +207,7 @@ def _check_graph_io(graph: GraphEntry) -> None:
 @dataclass(frozen=True)
 class ConfigEntry:
     """A skip configuration: the layers it keeps and its engines by role (decode, draft and
-    verify, precision_draft, prompt_tokens), each the name of a graph."""
+    verify, precision_draft, and the draft sources' own roles), each the name of a graph."""
 
     id: str
     kept: tuple[int, ...]
@@ -246,11 +264,8 @@ class ConfigEntry:
                 draft.precision in PRECISIONS and sorted(draft.layers) == kept,
                 f"config {self.id!r} has a precision draft that is no draft precision of its decode graph",
             )
-        if "prompt_tokens" in engines:
-            need(
-                engines["prompt_tokens"] == self.decode and graphs[engines["prompt_tokens"]].prompt_tokens > 0,
-                f"config {self.id!r} has a prompt_tokens engine that is not its decode graph with prompt tokens",
-            )
+        for source in SOURCES.values():
+            source.check_engines(self.id, engines, graphs)
 
     def to_json(self) -> dict[str, object]:
         return {"id": self.id, "kept": list(self.kept), "engines": dict(self.engines)}

@@ -1,8 +1,10 @@
 """The draft-source registry (runtimes/drafting/registry.py): every registered name has all
 its parts, one module per layer that needs it (runtime source, calibration measure, and a
-graph piece when it runs engines of its own), every such module is registered, and names
-that no longer mean a source are refused with a pointer to the new name, on the command line
-and in a bundle's manifest."""
+graph piece when it runs engines of its own), every such module is registered, each source's
+declared seams work end to end (its build option on the command line, its graph fields and
+engine roles through the plan, the exporter's role assignment and the manifest's validators,
+its trained table's file), and names that no longer mean a source are refused with a pointer
+to the new name, on the command line and in a bundle's manifest."""
 
 from __future__ import annotations
 
@@ -10,11 +12,20 @@ from pathlib import Path
 
 import pytest
 
+from adaptive_export.calibration.draft_builds import BuildStep
 from adaptive_export.calibration.draft_sources import DraftMeasure
-from adaptive_export.calibration.drafts import MEASURES, measure_of
-from adaptive_export.graphs.drafts import GRAPH_PIECES
+from adaptive_export.calibration.drafts import BUILD_STEPS, MEASURES, measure_of
+from adaptive_export.commands.cli import build_parser
+from adaptive_export.commands.options import BuildOptions
+from adaptive_export.exporter.build import _exit_engines
+from adaptive_export.exporter.graph_entry import manifest_graph
+from adaptive_export.graphs.drafts import GRAPH_PIECES, appended_ids, engine_roles
+from adaptive_export.graphs.plan import BuildPlan
+from adaptive_export.graphs.span_graph import GraphSpec
 from adaptive_export.runtimes.drafting import SOURCE_NAMES, SOURCES, DraftSource
 from adaptive_export.runtimes.drafting.registry import DRAFT_SOURCES
+from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.manifest import ConfigEntry, GraphEntry
 from tests.test_bad_bundles import corrupt_copy, edit_manifest, expect_usage_error
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +60,77 @@ def test_a_source_with_engines_has_a_graph_piece(name: str) -> None:
     """Its engines are graphs some piece must plan; a source without engines plans none."""
     assert (name in GRAPH_PIECES) == bool(SOURCES[name].engines), (name, SOURCES[name].engines)
     if name in GRAPH_PIECES:
-        assert callable(GRAPH_PIECES[name])
+        assert callable(GRAPH_PIECES[name].add_graphs)
+
+
+@pytest.mark.parametrize("name", BUILD_STEPS)
+def test_a_build_option_reaches_the_build_under_its_source(name: str) -> None:
+    """`build <model> -o <out> --<flag> <value>` parses into BuildOptions.draft_options, by source name."""
+    step = BUILD_STEPS[name]
+    assert issubclass(step, BuildStep) and step.option.flag.startswith("--")
+    assert step.option.dest not in {f for f in BuildOptions.__dataclass_fields__}, "it would shadow a build option"
+    args = build_parser().parse_args(["build", "m", "-o", "out", step.option.flag, "3"])
+    assert getattr(args, step.option.dest) == "3" and step.asked("3")
+    assert not step.asked(build_parser().parse_args(["build", "m", "-o", "out"]).__dict__[step.option.dest])
+
+
+def test_build_options_are_unique_across_sources() -> None:
+    flags = [step.option.flag for step in BUILD_STEPS.values()]
+    assert len(set(flags)) == len(flags), flags
+
+
+def planned(name: str) -> list[GraphSpec]:
+    """The graphs of a plan whose draft fields set each of the source's graph fields to 1."""
+    return BuildPlan(num_layers=2, draft_fields={key: 1 for key in SOURCES[name].graph_fields}).graphs()
+
+
+def planned_with_fields(name: str) -> list[GraphEntry]:
+    """The same graphs as manifest entries."""
+    return [manifest_graph(graph) for graph in planned(name)]
+
+
+@pytest.mark.parametrize("name", [n for n in DRAFT_SOURCES if SOURCES[n].graph_fields])
+def test_graph_fields_pass_the_plan_the_manifest_and_its_validator(name: str) -> None:
+    """Each declared graph field is set by the source's graph piece, round-trips through the
+    manifest's JSON and its validator, and the validator refuses a negative value."""
+    entries = planned_with_fields(name)
+    for key in SOURCES[name].graph_fields:
+        carrying = [entry for entry in entries if entry.draft_field(key)]
+        assert carrying, f"the graph piece of {name} sets no graph's {key}"
+        for entry in entries:
+            again = GraphEntry.from_json(entry.name, entry.to_json(), 2)
+            assert again == entry and entry.to_json()[key] == entry.draft_field(key)
+        bad = {**carrying[0].to_json(), key: -1}
+        with pytest.raises(UsageError, match=f"bad {key}"):
+            GraphEntry.from_json(carrying[0].name, bad, 2)
+
+
+@pytest.mark.parametrize("name", [n for n in DRAFT_SOURCES if SOURCES[n].engine_kinds])
+def test_engine_roles_are_assigned_by_the_exporter_and_checked_by_the_manifest(name: str) -> None:
+    """The roles a source declares are among its engines, the exporter gives each to a graph of the
+    declared kind (the graph piece's `engine_role`), and the source's validator accepts the result."""
+    source, graphs = SOURCES[name], {graph.name: graph for graph in planned(name)}
+    engines = {"decode": "decode_full", **_exit_engines(list(graphs.values()), "full")}
+    by_name = {name: manifest_graph(graph) for name, graph in graphs.items()}
+    for role, kind in source.engine_kinds.items():
+        assert role in source.engines and role in engines, (role, engines)
+        assert graphs[engines[role]].kind == kind and role in engine_roles(graphs[engines[role]])
+    config = ConfigEntry.from_json({"id": "full", "kept": [0, 1], "engines": engines}, by_name, 2)
+    assert dict(config.engines) == engines
+
+
+@pytest.mark.parametrize("name", [n for n in DRAFT_SOURCES if SOURCES[n].table is not None])
+def test_a_shipped_table_has_a_build_step_and_a_graph_that_embeds_it(name: str) -> None:
+    """Something must make the table (a build step) and something must embed it (the graph piece's
+    `appended_ids` / `embedding_rows`); the file is a plain bundle file name."""
+    table, piece = SOURCES[name].table, GRAPH_PIECES[name]
+    assert table is not None and name in BUILD_STEPS
+    assert piece.appended_ids is not None and piece.embedding_rows is not None
+    assert table.file.endswith(".safetensors") and "/" not in table.file
+    assert any(
+        appended_ids(graph)
+        for graph in BuildPlan(num_layers=2, draft_fields={k: 1 for k in SOURCES[name].graph_fields}).graphs()
+    )
 
 
 def test_no_per_source_module_is_left_unregistered() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaptive_export.calibration.prompt_tokens import FrozenSequence, simulate_chain
+from adaptive_export.calibration.drafts.prompt_tokens import FrozenSequence, simulate_chain
 from adaptive_export.commands.cli import main
 from adaptive_export.runtimes.errors import UsageError
 from tests.conftest import make_tiny_model
@@ -106,9 +106,11 @@ def test_portable_bundle_embeds_prompt_tokens_and_checks(tmp_path: Path) -> None
 def test_foreign_prompt_tokens_file_is_a_clear_error(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    from adaptive_export.loading.artifacts import load_prompt_tokens
+    from adaptive_export.calibration.drafts.prompt_tokens import TABLE
+    from adaptive_export.loading.artifacts import load_draft_table
 
     path = tmp_path / "p.safetensors"
     save_file({"prompt_tokens": torch.zeros(3, 32)}, str(path))
-    with pytest.raises(UsageError, match=r"shape \(3, 32\), this model needs \(1..16, 64\)"):
-        load_prompt_tokens(path, 64)
+    expected = r"prompt tokens file .* holds prompt_tokens of shape \(3, 32\), this model needs \(1..16, 64\)"
+    with pytest.raises(UsageError, match=expected):
+        load_draft_table(TABLE, path, 64)

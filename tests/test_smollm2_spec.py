@@ -61,8 +61,8 @@ def test_prompt_tokens_runtime_acceptance_matches_calibration(smol_bundle: Path)
     are the rounds calibration simulated in PyTorch: same acceptance within 0.05."""
     import json
 
+    from adaptive_export.calibration.drafts.prompt_tokens import PROMPT_TOKEN_CALIB_TOKENS
     from adaptive_export.calibration.exit_adapters import is_held_out
-    from adaptive_export.calibration.prompt_tokens import PROMPT_TOKEN_CALIB_TOKENS
 
     simulated = json.loads((smol_bundle / "calibration.json").read_text())["speculation"]["prompt_tokens"]
     k = str(simulated["prompt_tokens"])

@@ -154,9 +154,9 @@ def test_prompt_tokens_runtime_acceptance_matches_calibration(spec_bundle: Path)
     """The runtime's prompt-token rounds on the held-out calibration prompts are the ones calibration
     simulated in PyTorch (same greedy tokens, same guesses): acceptance within 0.05, and above 0,
     so prompt-token drafts that silently stopped being accepted (or guessed from the wrong rows) fail."""
+    from adaptive_export.calibration.drafts.prompt_tokens import PROMPT_TOKEN_CALIB_TOKENS
     from adaptive_export.calibration.exit_adapters import is_held_out
     from adaptive_export.calibration.measure import BUILTIN_CALIB
-    from adaptive_export.calibration.prompt_tokens import PROMPT_TOKEN_CALIB_TOKENS
     from adaptive_export.loading.prompts import read_prompts
 
     simulated = json.loads((spec_bundle / "calibration.json").read_text())["speculation"]["prompt_tokens"]["per_k"]["2"]

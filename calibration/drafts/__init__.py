@@ -1,10 +1,13 @@
 """Calibration measures by draft-source name: `calibration/drafts/<name>.py` binds the source's
-`DraftMeasure` subclass to `MEASURE` (the names are runtimes/drafting/registry.py's)."""
+`DraftMeasure` subclass to `MEASURE` (the names are runtimes/drafting/registry.py's) and, for a
+source made at build time by an option of its own, its `BuildStep` to `BUILD`
+(calibration/draft_builds.py). Torch-free at import: the command line reads the build options."""
 
 from __future__ import annotations
 
 from importlib import import_module
 
+from adaptive_export.calibration.draft_builds import BuildStep
 from adaptive_export.calibration.draft_sources import DraftMeasure
 from adaptive_export.runtimes.drafting.registry import DRAFT_SOURCES, calibration_module
 
@@ -19,3 +22,17 @@ def measure_of(name: str) -> type[DraftMeasure]:
 
 # in the registry's order: calibration reports the sources, and breaks ties, in this order
 MEASURES: dict[str, type[DraftMeasure]] = {name: measure_of(name) for name in DRAFT_SOURCES}
+
+
+def build_step_of(name: str) -> type[BuildStep] | None:
+    """The registered name's build step, if the source has one."""
+    step = getattr(import_module(calibration_module(name)), "BUILD", None)
+    if step is None or (isinstance(step, type) and issubclass(step, BuildStep)):
+        return step
+    raise TypeError(f"{calibration_module(name)}.BUILD is not a BuildStep")
+
+
+# the sources made at build time by their own option, in the registry's order
+BUILD_STEPS: dict[str, type[BuildStep]] = {
+    name: step for name in DRAFT_SOURCES if (step := build_step_of(name)) is not None
+}

@@ -11,18 +11,19 @@ same sources under the same names (calibration/drafts/; the registry: runtimes/d
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from adaptive_export.runtimes.kv_arena import KVArena
+from adaptive_export.runtimes.manifest_fields import is_int, need
 from adaptive_export.runtimes.sampling import Sampler
 
 if TYPE_CHECKING:  # the backends import the bundle, which imports this registry
     from adaptive_export.runtimes.backends import Backend, StepOutputs
-    from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
+    from adaptive_export.runtimes.manifest import ConfigEntry, GraphEntry, ModelDims
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,20 @@ class Proposal:
 PLAIN = Proposal([])
 
 
+@dataclass(frozen=True)
+class TableArtifact:
+    """A trained table a source's graphs embed, shipped beside the engines as one safetensors file
+    (`file`, tensor `key`, [1..max_rows, hidden]); loading/artifacts.py saves and loads it, and the
+    reference (`check`) reads it back from a bundle. `what` names it in errors, `fix` says how to
+    make one (the build option)."""
+
+    file: str
+    key: str
+    max_rows: int
+    what: str
+    fix: str
+
+
 class DraftSource(ABC):
     """One way of drafting. Subclasses set the class attributes and implement propose/verify."""
 
@@ -62,6 +77,22 @@ class DraftSource(ABC):
     # proposing costs nothing (no engine runs), so a gated plain round can score a proposal
     # against the tokens plain decoding emits (runtimes/speculative.py)
     free_proposals: ClassVar[bool] = False
+    # What the source adds to the manifest, checked by runtimes/manifest_graphs.py: engine roles
+    # of its own (role -> the graph kind it must be), integer graph fields its graph piece sets
+    # (written as `graphs[].<key>`, 0 when unset) and the trained table it ships, if any.
+    engine_kinds: ClassVar[Mapping[str, str]] = {}
+    graph_fields: ClassVar[tuple[str, ...]] = ()
+    table: ClassVar[TableArtifact | None] = None
+
+    @classmethod
+    def check_graph_field(cls, graph: str, kind: str, key: str, value: Any) -> None:
+        """One of `graph_fields` as a manifest holds it; a source narrows this (kinds, bounds)."""
+        need(is_int(value) and value >= 0, f"graph {graph!r} has a bad {key}")
+
+    @classmethod
+    def check_engines(cls, config: str, engines: Mapping[str, str], graphs: Mapping[str, GraphEntry]) -> None:
+        """A configuration's engines of this source's roles, against the graphs they name."""
+        return None
 
     def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int) -> None:
         self.backend, self.config, self.k = backend, config, k
