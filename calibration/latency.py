@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +111,12 @@ def measure_precision_acceptance(bundle_dir: Path, prompts: list[str], max_k: in
     return {"prompts": min(len(prompts), PRECISION_PROMPTS), "new_tokens": PRECISION_TOKENS, "per_k": per_k}
 
 
-def choose_measured(measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None) -> dict[str, Any]:
+def choose_measured(
+    measured: dict[str, Any],
+    latencies: dict[str, Any],
+    exit_layer: int | None,
+    sources: Collection[str] | None = None,
+) -> dict[str, Any]:
     """Expected speed-up over plain decoding per (source, k) from acceptance x measured latency.
 
     Each source prices its rounds (calibration/drafts/<name>.py): prompt lookup one decode pass
@@ -121,6 +126,8 @@ def choose_measured(measured: dict[str, Any], latencies: dict[str, Any], exit_la
     """
     # the free source (no engines of its own) first: it wins ties
     measures = sorted(MEASURES.values(), key=lambda measure: measure.name != FREE_SOURCE)
+    if sources is not None:  # only these sources may be chosen
+        measures = [measure for measure in measures if measure.name in sources]
     candidates = [c for measure in measures for c in measure.latency_candidates(measured, latencies, exit_layer)]
     best = max(candidates, key=lambda c: c["expected_speedup"])
     by_source = {

@@ -43,8 +43,9 @@ from adaptive_export.calibration.verify_cost import CALIBRATION_KEY, measure_ver
 from adaptive_export.calibration.verify_exactness import measure_verify_exactness
 from adaptive_export.graphs.drafts.early_exit import ExitPlan
 from adaptive_export.loading.artifacts import ADAPTERS_FILE, adapters_bytes
+from adaptive_export.runtimes.drafting import SOURCES
 from adaptive_export.runtimes.errors import UsageError
-from adaptive_export.runtimes.manifest_speculation import EXACTNESS_KEY
+from adaptive_export.runtimes.manifest_speculation import EXACTNESS_KEY, MIN_ROWS_KEY, MULTI_ROW_KEY
 
 DEFAULT_CALIB_TOKENS = 32
 
@@ -168,6 +169,27 @@ def _plan_auto(
     )
 
 
+def choose_two_rows(
+    root: Path, spec: dict[str, Any], measured: dict[str, Any], priced: dict[str, Any], choice: dict[str, Any]
+) -> dict[str, Any]:
+    """Where T=1 steps are not what a verify pass computes: whether two-row steps are (the plain pass
+    carries one guess), and if so whether speculating on them still beats T=1 plain decoding, with
+    every round without drafts priced as a T=2 pass and only sources whose kept rows the decode engine
+    writes. Then the bundle decodes two rows at least (`min_decode_rows`), and that choice is auto's."""
+    two_rows = measure_verify_exactness(root, MAX_DRAFT, plain_rows=2)
+    measured[MULTI_ROW_KEY] = spec[MULTI_ROW_KEY] = two_rows.to_json()
+    if not two_rows.exact:
+        return choice
+    exact_sources = [name for name, source in SOURCES.items() if source.decode_engine_rows]
+    floor_priced = {**priced, "floor_ms": priced["decode_ms"][2]}
+    floor_choice = choose_measured(measured, floor_priced, spec.get("exit_layer"), exact_sources)
+    measured["two_row_choice"] = floor_choice
+    if not floor_choice["auto_enabled"]:
+        return choice
+    spec[MIN_ROWS_KEY] = 2
+    return floor_choice
+
+
 def require_adapter(fit: ExitAdapterFit, exit_layer: int, option: str) -> None:
     if exit_layer not in fit.adapters:
         raise UsageError(
@@ -226,7 +248,10 @@ def finalize_with_latencies(
     calibration["speculation"][CALIBRATION_KEY] = verify_timed.to_json()
     exactness = measure_verify_exactness(root, MAX_DRAFT)  # does that pass reproduce T=1 steps? (auto reads it)
     calibration["speculation"][EXACTNESS_KEY] = spec[EXACTNESS_KEY] = exactness.to_json()
-    choice = choose_measured(calibration["speculation"], priced_with(as_run, verify_timed), spec.get("exit_layer"))
+    priced = priced_with(as_run, verify_timed)
+    choice = choose_measured(calibration["speculation"], priced, spec.get("exit_layer"))
+    if not exactness.exact:
+        choice = choose_two_rows(root, spec, calibration["speculation"], priced, choice)
     best = choice["best"]
     spec.update(
         source=best["source"],

@@ -7,8 +7,10 @@ tokens a drafting round emits, of a drafting round's seconds and of a plain roun
 T=1 step, one token), and drafts while a drafting round's seconds per token are below a plain
 step's. Until both are timed it prices a drafting round with the build's measurement,
 `round_passes` T=1 passes (k draft steps of `draft_cost` passes each, 0 for lookup, plus one
-T=k+1 pass of `verify_cost` passes). A build calibrated on a busy machine, or run on another,
-therefore corrects itself within a few rounds.
+T=k+1 pass of `verify_cost` passes) against a plain round of `plain_passes` (1; a floor round's
+T=2 pass on a bundle that decodes two rows at least, which may emit two tokens: the gate keeps the
+tokens per plain round too). A build calibrated on a busy machine, or run on another, therefore
+corrects itself within a few rounds.
 
 A source whose proposals cost nothing (prompt lookup) is scored on plain rounds too
 (`watch` / `record_plain_token`): its proposal is compared with the tokens plain decoding then
@@ -49,10 +51,12 @@ class DraftingGate:
     this run has timed both kinds of round. `scores_plain_rounds`: the source's proposals are
     free, so plain rounds score them (`watch`, `record_plain_token`)."""
 
-    def __init__(self, round_passes: float, scores_plain_rounds: bool = False) -> None:
+    def __init__(self, round_passes: float, scores_plain_rounds: bool = False, plain_passes: float = 1.0) -> None:
         self.round_passes = round_passes
+        self.plain_passes = plain_passes
         self.scores_plain_rounds = scores_plain_rounds
         self.mean_emitted: float | None = None  # tokens per drafting round
+        self.plain_emitted: float | None = None  # tokens per plain round (1, or 1-2 for floor rounds)
         self.plain_s: float | None = None  # a plain round's seconds
         self.draft_round_s: float | None = None  # a drafting round's seconds
         self.warm: set[bool] = set()  # round kinds (drafting or not) seen once: a first round may create sessions
@@ -98,10 +102,11 @@ class DraftingGate:
         """Whether drafting rounds emitting `emitted` tokens each beat plain steps: a drafting
         round's seconds per token against a plain step's seconds, timed on this run once they
         can be, else the build's costs."""
+        plain_tokens = self.plain_emitted or 1.0
         if self.plain_s is None:
-            return emitted >= self.round_passes
+            return emitted / self.round_passes >= plain_tokens / self.plain_passes
         round_s = self.draft_round_s if self.draft_round_s is not None else self.plain_s * self.round_passes
-        return round_s / emitted < self.plain_s
+        return round_s / emitted < self.plain_s / plain_tokens
 
     # ---- what the runner tells it ------------------------------------------------------
     def record_round(self, drafted: bool, emitted: int, seconds: float) -> None:
@@ -109,6 +114,8 @@ class DraftingGate:
         prompt tokens), the tokens it emitted, its seconds. A kind's first round is not timed."""
         if drafted:
             self.mean_emitted = ema(self.mean_emitted, emitted)
+        else:
+            self.plain_emitted = ema(self.plain_emitted, emitted)
         if drafted not in self.warm:
             self.warm.add(drafted)
             return
@@ -141,7 +148,8 @@ class DraftingGate:
 
     # ---- what it measured --------------------------------------------------------------
     def timed_plain_ms(self) -> float | None:
-        return round(self.plain_s * 1e3, 3) if self.plain_s is not None else None
+        """A plain round's milliseconds per token it emits."""
+        return round(self.plain_s / (self.plain_emitted or 1.0) * 1e3, 3) if self.plain_s is not None else None
 
     def timed_draft_ms_per_token(self) -> float | None:
         if self.draft_round_s is None or not self.mean_emitted:

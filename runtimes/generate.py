@@ -27,13 +27,19 @@ from adaptive_export.runtimes.bundle import Bundle, load_bundle
 from adaptive_export.runtimes.drafting import FREE_SOURCE, SOURCES, draft_source
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.kv_arena import KVArena
-from adaptive_export.runtimes.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_draft_len
+from adaptive_export.runtimes.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_decode_rows, check_draft_len
 from adaptive_export.runtimes.manifest import ConfigEntry
 from adaptive_export.runtimes.pipelined import PipelinedDecoder, check_stages
 from adaptive_export.runtimes.sampling import Sampler, SamplingParams, make_sampler
 from adaptive_export.runtimes.selection import choose_config
 from adaptive_export.runtimes.sequence import SequenceState
-from adaptive_export.runtimes.speculative import DraftWarmup, SpeculativeRunner, default_source, speculation_available
+from adaptive_export.runtimes.speculative import (
+    DraftWarmup,
+    SpeculativeRunner,
+    default_source,
+    min_decode_rows,
+    speculation_available,
+)
 from adaptive_export.runtimes.text import StreamDecoder, TextCodec
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11+
@@ -170,6 +176,7 @@ class Generator:
         bundle: Bundle | str | os.PathLike[str],
         backend: str = "onnx",
         verify: str = "full",
+        decode_rows: int | None = None,
         **backend_options: Any,
     ) -> None:
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, verify=verify)
@@ -190,6 +197,9 @@ class Generator:
         )
         self.backend.prepare("prefill")
         self.backend.prepare(self.bundle.config("full").decode)
+        # rows of every decode pass (manifest `speculation.min_decode_rows`, or the caller's): 2 makes
+        # plain steps floor rounds, so every mode computes the rows a verify pass computes
+        self.decode_rows = min_decode_rows(self.bundle) if decode_rows is None else check_decode_rows(decode_rows)
         self.warmups: dict[str, DraftWarmup] = {}  # draft engine -> the background creation of its session
 
     # ---- public API -------------------------------------------------------------------
@@ -264,8 +274,9 @@ class Generator:
         changes the tokens of `--mode ar` (beyond float ties). `build --speculate auto` measures it on
         the ONNX decode engine (manifest `speculation.verify_exactness`); without that measurement,
         MatMulNBits at accuracy level 4 counts as inexact (SmolLM2's default GGUF-exact bundle: logits
-        up to 0.98 apart, docs/speculation.md), fp32 and accuracy 1 as exact. `--mode spec` drafts anywhere."""
-        if mode is not Mode.AUTO or self.backend.name != "onnx":
+        up to 0.98 apart, docs/speculation.md), fp32 and accuracy 1 as exact. A bundle that decodes two
+        rows at least (`min_decode_rows`) was measured exact for those steps. `--mode spec` drafts anywhere."""
+        if mode is not Mode.AUTO or self.backend.name != "onnx" or self.decode_rows >= 2:
             return mode
         speculation = self.bundle.manifest.speculation
         measured = speculation.verify_exactness if speculation is not None else None
@@ -412,7 +423,7 @@ class Generator:
         warmups: list[DraftWarmup],
     ) -> collections.abc.Generator[int, None, None]:
         """Tokens after the first: plain steps or speculative rounds (built only if asked for a token)."""
-        if request.mode is Mode.AR:
+        if request.mode is Mode.AR and self.decode_rows == 1:
             yield from self._decode_ar(seq, sampler)
             return
         if request.mode is Mode.PIPELINED:
@@ -430,13 +441,28 @@ class Generator:
         configuration), else prompt lookup; lookup and precision drafts are gated, so a prompt
         whose drafts do not pay decodes plainly."""
         draft_len = request.draft_len
+        if request.mode is Mode.AR:  # two rows at least: plain steps are floor rounds (one guess each)
+            return SpeculativeRunner(self.bundle, self.backend, seq.config, FREE_SOURCE, 1, decode_rows=2)
         if request.mode is Mode.AUTO:
-            spec = self.bundle.manifest.speculation
-            if not (spec is not None and spec.auto_enabled and speculation_available(self.bundle, seq.config)):
-                return SpeculativeRunner(self.bundle, self.backend, seq.config, FREE_SOURCE, draft_len, gated=True)
-            # the calibrated source, still gated: a prompt whose drafts stop paying decodes plainly
-            return SpeculativeRunner(self.bundle, self.backend, seq.config, None, draft_len, gated=True)
-        return SpeculativeRunner(self.bundle, self.backend, seq.config, request.draft, draft_len)
+            if not (self._auto_drafts_calibrated(seq.config) and speculation_available(self.bundle, seq.config)):
+                source = FREE_SOURCE
+            else:  # the calibrated source, still gated: a prompt whose drafts stop paying decodes plainly
+                source = None
+            return SpeculativeRunner(
+                self.bundle, self.backend, seq.config, source, draft_len, gated=True, decode_rows=self.decode_rows
+            )
+        return SpeculativeRunner(
+            self.bundle, self.backend, seq.config, request.draft, draft_len, decode_rows=self.decode_rows
+        )
+
+    def _auto_drafts_calibrated(self, config: ConfigEntry) -> bool:
+        """Whether auto drafts with the calibrated source: calibration found that it pays, and on a
+        bundle that decodes two rows at least, its rounds keep only rows of the decode engine."""
+        spec = self.bundle.manifest.speculation
+        if spec is None or not spec.auto_enabled:
+            return False
+        source = SOURCES.get(default_source(self.bundle, config))
+        return source is not None and (self.decode_rows == 1 or source.decode_engine_rows)
 
     def _warm_draft_sessions(self, request: GenerationRequest) -> list[DraftWarmup]:
         """Start creating the sessions of the draft engines this request will draft with, in the
@@ -446,10 +472,8 @@ class Generator:
         full = self.bundle.config("full")
         if request.mode in (Mode.AR, Mode.PIPELINED) or self.backend.name != "onnx":
             return []  # pipelined runs its stages on sessions of their own (PipelinedDecoder)
-        if request.mode is Mode.AUTO:
-            spec = self.bundle.manifest.speculation
-            if spec is None or not spec.auto_enabled:
-                return []
+        if request.mode is Mode.AUTO and not self._auto_drafts_calibrated(full):
+            return []
         name = request.draft if request.mode is Mode.SPEC and request.draft else default_source(self.bundle, full)
         source = SOURCES.get(name)
         if source is None or not source.available(full):

@@ -87,6 +87,13 @@ def check_draft_len(draft_len: object) -> int | None:
     return draft_len
 
 
+def check_decode_rows(rows: object) -> int:
+    """Rows every decode pass runs: 1 (plain T=1 steps) or 2 (floor rounds, runtimes/speculative.py)."""
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows not in (1, 2):
+        raise UsageError(f"decode rows {rows!r} is not 1 or 2", "pass decode_rows=1, 2, or None for the bundle's")
+    return rows
+
+
 def available_memory() -> int | None:
     """MemAvailable from /proc/meminfo in bytes (None where unknown)."""
     try:

@@ -13,6 +13,9 @@ from adaptive_export.runtimes.manifest_fields import JsonObject, extras, is_int,
 
 _SOURCE_KEYS = ("draft_len", "draft_cost", "verify_cost", "verify_cost_prepacked")
 EXACTNESS_KEY = "verify_exactness"
+MULTI_ROW_KEY = "multi_row_exactness"
+MIN_ROWS_KEY = "min_decode_rows"
+MAX_PLAIN_ROWS = 2  # plain passes of the token alone (1) or of the token and one guess (2)
 # A verify pass is exact when one T=k+1 pass lands within this fraction of the largest |logit| of
 # k+1 T=1 passes over the same tokens. Float reordering alone (fp32, MatMulNBits accuracy 1) stays
 # at 1e-7..1e-6 of it; one int8 rounding that tips the other way at accuracy 4 moves it by 1e-3 and
@@ -78,29 +81,35 @@ def _is_logit_gap(value: Any) -> bool:
 @dataclass(frozen=True)
 class VerifyExactness:
     """Whether the decode engine's verify pass reproduces plain steps, measured at build time: the
-    largest |logit| difference between one T=k+1 pass and k+1 T=1 passes over the same tokens, the
+    largest |logit| difference between one T=k+1 pass and k+1 plain passes over the same tokens, the
     largest |logit| of those passes (the scale), how many rows' argmax differed and the largest
-    plain top-1 margin among them. `run --mode auto` drafts only where `exact`."""
+    plain top-1 margin among them. `plain_rows`: the rows of each plain pass, 1 (the token alone) or
+    2 (the token and one guess, whose row is not compared: runtimes/speculative.py's floor rounds).
+    `run --mode auto` drafts only where the plain passes it runs are reproduced (`exact`)."""
 
     max_logit_diff: float
     logit_scale: float
     top1_flips: int
     worst_flip_margin: float
+    plain_rows: int = 1
 
     @property
     def exact(self) -> bool:
         return self.max_logit_diff <= EXACT_RELATIVE_DIFF * self.logit_scale
 
     @classmethod
-    def from_json(cls, obj: Any) -> VerifyExactness:
-        where = f"speculation.{EXACTNESS_KEY}"
+    def from_json(cls, obj: Any, where: str = f"speculation.{EXACTNESS_KEY}") -> VerifyExactness:
         need(isinstance(obj, dict), f"{where} must be an object")
         for key in ("max_logit_diff", "logit_scale", "worst_flip_margin"):
             need(_is_logit_gap(obj.get(key)), f"{where}.{key} must be a number in [0, {_MAX_LOGIT:g})")
         flips = obj.get("top1_flips")
         need(is_int(flips) and 0 <= flips <= _MAX_ROWS, f"{where}.top1_flips is out of range")
         need(isinstance(obj.get("exact"), bool), f"{where}.exact must be true or false")
-        measured = cls(float(obj["max_logit_diff"]), float(obj["logit_scale"]), flips, float(obj["worst_flip_margin"]))
+        rows = obj.get("plain_rows", 1)
+        need(is_int(rows) and 1 <= rows <= MAX_PLAIN_ROWS, f"{where}.plain_rows must be 1 or {MAX_PLAIN_ROWS}")
+        measured = cls(
+            float(obj["max_logit_diff"]), float(obj["logit_scale"]), flips, float(obj["worst_flip_margin"]), rows
+        )
         need(
             obj["exact"] == measured.exact,
             f"{where}.exact contradicts its max_logit_diff (exact means at most {EXACT_RELATIVE_DIFF:g} x logit_scale)",
@@ -114,6 +123,7 @@ class VerifyExactness:
             "top1_flips": self.top1_flips,
             "worst_flip_margin": self.worst_flip_margin,
             "exact": self.exact,
+            **({"plain_rows": self.plain_rows} if self.plain_rows != 1 else {}),
         }
 
 
@@ -130,14 +140,19 @@ def _refuse_renamed_sources(obj: Mapping[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class Speculation:
-    """The calibrated draft source, whether `run --mode auto` uses it, each source's measurements
-    and whether the decode engine's verify pass is exact (None: not measured); other keys (exit
+    """The calibrated draft source, whether `run --mode auto` uses it, each source's measurements,
+    whether the decode engine's verify pass reproduces T=1 steps (`verify_exactness`) and
+    two-row steps (`multi_row_exactness`; None: not measured), and `min_decode_rows`: every decode
+    pass of this bundle runs at least that many rows, so its plain steps are the computation its
+    verify passes make (docs/speculation.md, "Exact speculation at accuracy 4"); other keys (exit
     layer, expected speedups, adapter) are kept for tools."""
 
     source: str | None = None
     auto_enabled: bool = False
     sources: Mapping[str, SourceSpeculation] = field(default_factory=dict)
     verify_exactness: VerifyExactness | None = None
+    multi_row_exactness: VerifyExactness | None = None
+    min_decode_rows: int = 1
     extra: Mapping[str, Any] = field(default_factory=dict)
     key_order: tuple[str, ...] = ()
 
@@ -160,12 +175,36 @@ class Speculation:
         }
         exactness = obj.get(EXACTNESS_KEY)
         measured = None if exactness is None else VerifyExactness.from_json(exactness)
-        known = ("source", "auto_enabled", EXACTNESS_KEY, *sources)
-        return cls(obj.get("source"), obj.get("auto_enabled", False), sources, measured, extras(obj, known), tuple(obj))
+        multi_row = _multi_row_exactness(obj)
+        known = ("source", "auto_enabled", EXACTNESS_KEY, MULTI_ROW_KEY, MIN_ROWS_KEY, *sources)
+        return cls(
+            obj.get("source"), obj.get("auto_enabled", False), sources, measured, multi_row,
+            obj.get(MIN_ROWS_KEY, 1), extras(obj, known), tuple(obj),
+        )  # fmt: skip
 
     def to_json(self) -> JsonObject:
         values: JsonObject = {"source": self.source, "auto_enabled": self.auto_enabled}
         values.update({name: section.to_json() for name, section in self.sources.items()})
         if self.verify_exactness is not None:
             values[EXACTNESS_KEY] = self.verify_exactness.to_json()
+        if self.multi_row_exactness is not None:
+            values[MULTI_ROW_KEY] = self.multi_row_exactness.to_json()
+        if self.min_decode_rows != 1:
+            values[MIN_ROWS_KEY] = self.min_decode_rows
         return ordered({**values, **self.extra}, self.key_order)
+
+
+def _multi_row_exactness(obj: Mapping[str, Any]) -> VerifyExactness | None:
+    """The two-row measurement, and `min_decode_rows`, which may be 2 only where that measurement
+    says a verify pass reproduces two-row steps (a bundle never promises what it did not measure)."""
+    where = f"speculation.{MULTI_ROW_KEY}"
+    found = obj.get(MULTI_ROW_KEY)
+    measured = None if found is None else VerifyExactness.from_json(found, where)
+    need(measured is None or measured.plain_rows == 2, f"{where}.plain_rows must be 2")
+    rows = obj.get(MIN_ROWS_KEY, 1)
+    need(is_int(rows) and 1 <= rows <= MAX_PLAIN_ROWS, f"speculation.{MIN_ROWS_KEY} must be 1 or {MAX_PLAIN_ROWS}")
+    need(
+        rows == 1 or (measured is not None and measured.exact),
+        f"speculation.{MIN_ROWS_KEY} is 2 without an exact {MULTI_ROW_KEY} measurement",
+    )
+    return measured

@@ -19,6 +19,14 @@ draft becomes `pending` and the next round starts from it.
 while drafting pays on this machine, now: the runner asks a `DraftingGate` (runtimes/gate.py)
 before each round and tells it what the round cost and emitted; a round the gate makes plain
 verifies `PLAIN`, a T=1 decode step.
+
+On a bundle whose `min_decode_rows` is 2 a round never verifies one row: ONNX Runtime computes a
+row of a one-row pass differently from the same row of a wider pass, and at accuracy level 4 that
+shows in the tokens, while its passes of two rows and more compute every row alike. So a round
+that would be plain is a floor round instead: one free guess after `pending` (prompt lookup's,
+else `pending` again), verified by a T=2 decode pass. The guess is judged like any draft, so a
+floor round emits one token or two, and plain decoding (`--mode ar`) runs floor rounds too: every
+mode of such a bundle computes the same rows (docs/speculation.md, "Exact speculation at accuracy 4").
 """
 
 from __future__ import annotations
@@ -31,9 +39,19 @@ from dataclasses import dataclass
 from adaptive_export.runtimes.acceptance import Verdict, judge
 from adaptive_export.runtimes.backends import Backend
 from adaptive_export.runtimes.bundle import Bundle
-from adaptive_export.runtimes.drafting import FREE_SOURCE, PLAIN, SOURCES, DraftSource, Proposal, draft_source
+from adaptive_export.runtimes.drafting import (
+    FREE_SOURCE,
+    PLAIN,
+    SOURCES,
+    DraftSource,
+    Proposal,
+    draft_source,
+    lookup_ngram,
+)
+from adaptive_export.runtimes.drafting.prompt_lookup import PromptLookup
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.gate import DraftingGate
+from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.manifest import ConfigEntry
 from adaptive_export.runtimes.sampling import Sampler
 from adaptive_export.runtimes.sequence import SequenceState
@@ -54,6 +72,22 @@ def speculation_available(bundle: Bundle, config: ConfigEntry, source: str | Non
     """Whether the configuration has the engines the source needs (prompt lookup needs none)."""
     found = SOURCES.get(source or default_source(bundle, config))
     return found is not None and found.available(config)
+
+
+def min_decode_rows(bundle: Bundle) -> int:
+    """Rows every decode pass of this bundle runs (manifest `speculation.min_decode_rows`; 1 without)."""
+    speculation = bundle.manifest.speculation
+    return speculation.min_decode_rows if speculation is not None else 1
+
+
+class FloorGuess(PromptLookup):
+    """A floor round's one guess: prompt lookup's next token, else `pending` again (a repeat is as
+    good a guess as any); verified by the decode engine over [pending, guess] (runtimes/drafting/prompt_lookup.py)."""
+
+    def propose(
+        self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
+    ) -> Proposal:
+        return Proposal(lookup_ngram(context, 1) or [pending])
 
 
 def default_source(bundle: Bundle, config: ConfigEntry) -> str:
@@ -98,25 +132,35 @@ class Round:
     emitted: list[int]
     draft_s: float
     verify_s: float
+    floor: bool = False  # a floor round: the source had no drafts, a free guess took their place
 
 
 def speculative_round(
-    drafter: DraftSource, state: SequenceState, context: list[int], k: int, sampler: Sampler
+    drafter: DraftSource,
+    state: SequenceState,
+    context: list[int],
+    k: int,
+    sampler: Sampler,
+    floor: DraftSource | None = None,
 ) -> Round:
     """Draft up to k tokens (k = 0: a plain step), verify them in one pass, apply the acceptance
-    rule, crop the arena to the inputs whose KV is now valid. Emits nothing itself: the caller
-    makes each emitted token `pending` in turn."""
+    rule, crop the arena to the inputs whose KV is now valid. Where the source has no drafts and a
+    `floor` is given, the floor's guess is verified instead of a one-row pass. Emits nothing itself:
+    the caller makes each emitted token `pending` in turn."""
     arena, start = state.arena, state.arena.length
     started = time.perf_counter()
     proposal = drafter.propose(state.pending, context, k, start, arena, sampler) if k >= 1 else PLAIN
+    verifier = drafter
+    if proposal.plain and floor is not None:
+        proposal, verifier = floor.propose(state.pending, context, 1, start, arena, sampler), floor
     drafted = time.perf_counter()
-    verify_rows = drafter.verify(state.pending, proposal, start, arena).logits[0]
+    verify_rows = verifier.verify(state.pending, proposal, start, arena).logits[0]
     verified = time.perf_counter()
     verdict = judge(proposal.tokens, proposal.rows, verify_rows, sampler)
     # crop: the inputs pending, d1..d(accepted) now have valid KV in every kept layer
     arena.length = start + (verdict.accepted + 1 if verdict.token is not None else verdict.accepted)
     emitted = proposal.tokens[: verdict.accepted] + ([verdict.token] if verdict.token is not None else [])
-    return Round(proposal, verdict, emitted, drafted - started, verified - drafted)
+    return Round(proposal, verdict, emitted, drafted - started, verified - drafted, verifier is not drafter)
 
 
 @dataclass
@@ -128,11 +172,17 @@ class RoundCounts:
     accepted: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    floor_rounds: int = 0
+    floor_accepted: int = 0  # floor guesses that were the model's token
 
     def add(self, done: Round) -> None:
         self.rounds += 1
-        self.drafted += len(done.proposal.tokens)
-        self.accepted += done.verdict.accepted
+        if done.floor:
+            self.floor_rounds += 1
+            self.floor_accepted += done.verdict.accepted
+        else:
+            self.drafted += len(done.proposal.tokens)
+            self.accepted += done.verdict.accepted
         self.draft_s += done.draft_s
         self.verify_s += done.verify_s
 
@@ -152,8 +202,10 @@ class SpeculationReport:
     verify_ms: float
     gated: bool
     rounds_without_drafting: int  # rounds the gate made plain
-    timed_plain_ms: float | None  # the gate's running mean of a plain step
+    timed_plain_ms: float | None  # the gate's running mean of a plain round per emitted token
     timed_draft_ms_per_token: float | None  # ... and of a drafting round per emitted token
+    floor_rounds: int  # rounds verified as [pending, guess] where a one-row pass would have been (min_decode_rows 2)
+    floor_accepted: int
 
 
 class SpeculativeRunner:
@@ -168,6 +220,7 @@ class SpeculativeRunner:
         draft_len: int | None = None,
         gated: bool = False,
         warmups: Sequence[DraftWarmup] = (),
+        decode_rows: int = 1,
     ) -> None:
         self.warmups = warmups  # draft sessions being created off the critical path: wait for them before drafting
         self.source = source or default_source(bundle, config)
@@ -182,6 +235,8 @@ class SpeculativeRunner:
         if self.k < 1:
             raise UsageError(f"draft length {self.k} is not positive", "use a draft length of 1 or more")
         self.drafter = source_class(backend, config, bundle.model, self.k)
+        # a round without drafts is a floor round (one guess, T=2) on a bundle that decodes two rows at least
+        self.floor = FloorGuess(backend, config, bundle.model, 1) if decode_rows >= 2 else None
         self.counts = RoundCounts()
         self.gate: DraftingGate | None = None
         if gated and source_class.gateable:
@@ -192,7 +247,8 @@ class SpeculativeRunner:
             )  # a draft engine's T=1 step in T=1 decode passes (lookup: none)
             # a drafting round in T=1 passes by the build's measurement: k draft steps and one T=k+1 pass
             round_passes = self.k * draft_cost + float(costs.get(str(self.k), default_verify_cost(self.k)))
-            self.gate = DraftingGate(round_passes, scores_plain_rounds=source_class.free_proposals)
+            plain_passes = float(costs.get("1", default_verify_cost(1))) if self.floor is not None else 1.0
+            self.gate = DraftingGate(round_passes, source_class.free_proposals, plain_passes)
 
     def tokens(self, state: SequenceState, max_new_tokens: int, sampler: Sampler) -> Iterator[int]:
         """Emitted tokens, round after round; the consumer records each in state.tokens before asking for the next."""
@@ -205,12 +261,16 @@ class SpeculativeRunner:
                 context.append(token)
                 yield token
 
+    def _verified(self, state: SequenceState, k: int, sampler: Sampler, context: list[int]) -> Round:
+        """A round of up to k drafts by the source; without drafts a plain step (T=1), or a floor round."""
+        return speculative_round(self.drafter, state, context, k, sampler, self.floor)
+
     def _round(self, state: SequenceState, k: int, sampler: Sampler, context: list[int]) -> list[int]:
         """One round, gated: the gate may make it a plain step, and learns what it cost."""
         gate = self.gate
         if gate is None:
             self._await_sessions(k)
-            done = speculative_round(self.drafter, state, context, k, sampler)
+            done = self._verified(state, k, sampler, context)
             self.counts.add(done)
             return done.emitted
         started = time.perf_counter()
@@ -220,11 +280,13 @@ class SpeculativeRunner:
             gate.watch(self.drafter.propose(state.pending, context, k, arena.length, arena, sampler).tokens)
         self.counts.draft_s += time.perf_counter() - started
         self._await_sessions(k if drafting else 0)
-        done = speculative_round(self.drafter, state, context, k if drafting else 0, sampler)
+        done = self._verified(state, k if drafting else 0, sampler, context)
         self.counts.add(done)
-        gate.record_round(not done.proposal.plain, len(done.emitted), time.perf_counter() - started)
-        if not done.proposal.tokens:
-            gate.record_plain_token(done.emitted[0])
+        plain = done.proposal.plain or done.floor
+        gate.record_round(not plain, len(done.emitted), time.perf_counter() - started)
+        if plain:  # plain decoding's tokens (a floor round's are too)
+            for token in done.emitted:
+                gate.record_plain_token(token)
         return done.emitted
 
     def _await_sessions(self, k: int) -> None:
@@ -251,4 +313,6 @@ class SpeculativeRunner:
             rounds_without_drafting=gate.skipped if gate is not None else 0,
             timed_plain_ms=gate.timed_plain_ms() if gate is not None else None,
             timed_draft_ms_per_token=gate.timed_draft_ms_per_token() if gate is not None else None,
+            floor_rounds=counts.floor_rounds,
+            floor_accepted=counts.floor_accepted,
         )

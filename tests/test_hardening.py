@@ -440,6 +440,9 @@ def test_nan_logits_are_a_usage_error(
 # ---- integrity: every opened file listed once ---------------------------------------------
 # what `build --speculate auto` measured on SmolLM2's default (accuracy-4) bundle
 EXACTNESS = {"max_logit_diff": 1.197, "logit_scale": 32.1, "top1_flips": 3, "worst_flip_margin": 0.136, "exact": False}
+# SmolLM2's default bundle, two-row plain passes against one T=9 pass: bit-identical rows
+EXACTNESS_TWO_ROWS = {**EXACTNESS, "max_logit_diff": 0.0, "top1_flips": 0, "worst_flip_margin": 0.0, "exact": True}
+EXACTNESS_TWO_ROWS["plain_rows"] = 2
 INTEGRITY_CASES: dict[str, tuple[Callable[[Path], None] | None, Callable[[dict[str, Any]], None] | None, str]] = {
     "weights_unlisted": (None, lambda m: m["files"].pop("onnx/weights.bin"), "not listed"),
     "weights_alias": (
@@ -497,6 +500,31 @@ INTEGRITY_CASES: dict[str, tuple[Callable[[Path], None] | None, Callable[[dict[s
         None,
         lambda m: m.update(speculation={"verify_exactness": {**EXACTNESS, "top1_flips": 2.5}}),
         "top1_flips",
+    ),
+    "two_rows_unmeasured": (  # a bundle may decode two rows at least only where that was measured exact
+        None,
+        lambda m: m.update(speculation={"min_decode_rows": 2}),
+        "without an exact multi_row_exactness",
+    ),
+    "two_rows_measured_inexact": (
+        None,
+        lambda m: m.update(speculation={"min_decode_rows": 2, "multi_row_exactness": {**EXACTNESS, "plain_rows": 2}}),
+        "without an exact multi_row_exactness",
+    ),
+    "two_rows_measured_on_one_row": (
+        None,
+        lambda m: m.update(speculation={"multi_row_exactness": {**EXACTNESS_TWO_ROWS, "plain_rows": 1}}),
+        "plain_rows must be 2",
+    ),
+    "decode_rows_huge": (
+        None,
+        lambda m: m.update(speculation={"min_decode_rows": 10**9, "multi_row_exactness": EXACTNESS_TWO_ROWS}),
+        "min_decode_rows must be 1 or 2",
+    ),
+    "plain_rows_bool": (
+        None,
+        lambda m: m.update(speculation={"verify_exactness": {**EXACTNESS, "plain_rows": True}}),
+        "plain_rows must be 1 or 2",
     ),
     "max_len_1e12": (None, lambda m: m.update(max_len=10**12), "max_len"),
     "num_layers_1e9": (None, lambda m: m["model"].update(num_layers=10**9), "num_layers"),

@@ -59,14 +59,16 @@ class PromptLookupMeasure(DraftMeasure):
         measured: dict[str, Any], latencies: dict[str, Any], exit_layer: int | None
     ) -> list[Candidate]:
         """A round with drafts costs one decode pass at T = k + 1 (drafts plus the bonus position),
-        a round without costs a T = 1 pass."""
+        a round without costs a T = 1 pass, or `floor_ms` where the bundle decodes two rows at least
+        (a floor round, runtimes/speculative.py; its guess counted as never accepted)."""
         step, out = latencies["decode_ms"][1], []
+        no_draft_ms = latencies.get("floor_ms", step)
         hit_rate = measured["prompt_lookup_hit_rate"]
         for k_text, tokens in measured["prompt_lookup_tokens_per_round"].items():
             k, hits = int(k_text), hit_rate.get(k_text, 1.0)
             if k + 1 not in latencies["decode_ms"]:
                 continue
-            round_ms = hits * latencies["decode_ms"][k + 1] + (1 - hits) * step
+            round_ms = hits * latencies["decode_ms"][k + 1] + (1 - hits) * no_draft_ms
             fields = {"source": "prompt_lookup", "draft_len": k, "tokens_per_round": tokens}
             out.append(latency_candidate(fields, round_ms, step))
         return out

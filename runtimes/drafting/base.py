@@ -77,6 +77,10 @@ class DraftSource(ABC):
     # proposing costs nothing (no engine runs), so a gated plain round can score a proposal
     # against the tokens plain decoding emits (runtimes/speculative.py)
     free_proposals: ClassVar[bool] = False
+    # every row a round keeps is written by the configuration's decode engine in one pass of
+    # two rows or more, so on a bundle that decodes two rows at least (`min_decode_rows`) the
+    # round computes what plain decoding computes; False where another engine writes kept rows
+    decode_engine_rows: ClassVar[bool] = True
     # What the source adds to the manifest, checked by runtimes/manifest_graphs.py: engine roles
     # of its own (role -> the graph kind it must be), integer graph fields its graph piece sets
     # (written as `graphs[].<key>`, 0 when unset) and the trained table it ships, if any.

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # the backends import the bundle, which imports this registry
 class EarlyExit(DraftSource):
     name = "early_exit"
     engines = ("draft", "verify")
+    decode_engine_rows = False  # the draft engine writes layers below E, one row per pass
 
     def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int) -> None:
         super().__init__(backend, config, model, k)
