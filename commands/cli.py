@@ -374,6 +374,15 @@ def _add_run_decoding_arguments(run: argparse.ArgumentParser) -> None:
         None,
         f"draft tokens per round, 1..{limits.MAX_DRAFT_LEN} (default: calibrated, else 4)",
     )
+    run.add_argument(
+        "--decode-rows",
+        type=int,
+        choices=(1, 2),
+        default=None,
+        help="rows of every decode pass (default: the bundle's min_decode_rows, else 1). 2: each plain step also "
+        "verifies one free guess, so plain decoding computes the rows a verify pass computes and --mode spec/auto "
+        "give the tokens of --mode ar on accuracy-4 bundles too (docs/speculation.md)",
+    )
 
 
 def _add_run_engine_arguments(run: argparse.ArgumentParser) -> None:

@@ -81,6 +81,7 @@ class RunOptions(Options):
     mode: str = "auto"
     draft: str | None = None
     draft_len: int | None = None
+    decode_rows: int | None = None  # None: the bundle's min_decode_rows
     backend: str = "onnx"
     provider: str = "cpu"
     threads: int = 0

@@ -168,3 +168,19 @@ def test_the_gate_prices_plain_rounds_by_the_tokens_they_emit() -> None:
     gate.record_round(True, 3, 0.020)
     gate.record_round(True, 3, 0.020)
     assert not gate.would_pay(3.0)  # 20 ms / 3 tokens is slower than 10 ms / 2 tokens
+
+
+def test_run_decode_rows_from_the_command_line(accuracy4_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`run --decode-rows 2` makes any accuracy-4 bundle decode two rows at least: auto and spec then
+    give ar's tokens; without it the bundle's own setting (1 here) applies."""
+    capsys.readouterr()
+    runs = {}
+    for mode in ("ar", "auto", "spec"):
+        flags = ["--raw", "--max-new-tokens", "20", "--json", "--mode", mode, "--decode-rows", "2"]
+        assert main(["run", str(accuracy4_bundle), "-p", PROMPTS[1], *flags]) == 0
+        runs[mode] = json.loads(capsys.readouterr().out)
+    assert runs["ar"]["tokens"] == runs["auto"]["tokens"] == runs["spec"]["tokens"]
+    assert runs["ar"]["stats"]["mode"] == "ar" and runs["ar"]["stats"]["floor_rounds"] > 0
+    assert main(["run", str(accuracy4_bundle), "-p", PROMPTS[1], "--raw", "--max-new-tokens", "8", "--json"]) == 0
+    assert "floor_rounds" not in json.loads(capsys.readouterr().out)["stats"]  # T=1 steps: auto decoded plainly
+    assert main(["run", str(accuracy4_bundle), "-p", "x", "--decode-rows", "3"]) == 2
