@@ -43,7 +43,7 @@ def save_tokenizer(tokenizer: Any, path: Path, vocab_size: int) -> None:
     path.write_bytes(data)
 
 
-RENDER_TIMEOUT_S = 2.0  # a real template renders in milliseconds; the whole refusal stays under 10 s of CPU
+RENDER_TIMEOUT_S = 2.0  # a real template renders in milliseconds; a refusal costs this beyond start-up
 RENDER_MEMORY_BYTES = 1 << 30  # what the rendering child may allocate beyond the build's own size
 _CHATS: weakref.WeakKeyDictionary[Any, tuple[Any, dict[str, str]]] = weakref.WeakKeyDictionary()
 

@@ -30,8 +30,9 @@ LIMIT_S = 10.0  # CPU seconds
 WALL_TIMEOUT_S = 45
 
 
-def build_refused(model: Path, tmp_path: Path, *words: str) -> str:
-    """Run `build MODEL` in a child; assert the one-line refusal within LIMIT_S; return the line."""
+def refused_build(model: Path, tmp_path: Path, *words: str, limit_s: float = LIMIT_S) -> tuple[str, float]:
+    """Run `build MODEL` in a child; assert the one-line refusal within `limit_s` CPU seconds; return
+    the line and the CPU seconds it took."""
     out = tmp_path / "bundle"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(
@@ -50,9 +51,14 @@ def build_refused(model: Path, tmp_path: Path, *words: str) -> str:
     assert lines[0].startswith("error: ") and ". Fix: " in lines[0] and "unexpected" not in lines[0], lines[0]
     for word in words:
         assert word in lines[0], lines[0]
-    assert cpu_s < LIMIT_S, f"took {cpu_s:.1f} s of CPU"
+    assert cpu_s < limit_s, f"took {cpu_s:.1f} s of CPU (limit {limit_s:.1f} s)"
     assert not out.exists() and not list(tmp_path.glob(".bundle.*"))
-    return lines[0]
+    return lines[0], cpu_s
+
+
+def build_refused(model: Path, tmp_path: Path, *words: str, limit_s: float = LIMIT_S) -> str:
+    """`refused_build`'s one-line refusal."""
+    return refused_build(model, tmp_path, *words, limit_s=limit_s)[0]
 
 
 @pytest.fixture(scope="module")
@@ -115,14 +121,36 @@ TEMPLATES = {
 }
 
 
-@pytest.mark.parametrize("case", TEMPLATES, ids=list(TEMPLATES))
-def test_hostile_chat_template_is_refused_within_seconds(pristine_model: Path, tmp_path: Path, case: str) -> None:
-    model = model_with(pristine_model, tmp_path)
+# A template's render stops at its deadline (exporter/tokenizer_export.py, RENDER_TIMEOUT_S = 2 s); what
+# a refused build costs beyond that is its start-up (interpreter, torch, transformers: 8-9 s of CPU on a
+# loaded 2-core machine, close to LIMIT_S on its own), so a template case is bounded against a build
+# refused at the same point by a template that fails at once, measured on the same machine and load.
+RENDER_ALLOWANCE_S = 6.0
+
+
+def model_with_template(pristine: Path, tmp_path: Path, template: str) -> Path:
+    model = model_with(pristine, tmp_path)
     settings = json.loads((model / "tokenizer_config.json").read_text())
-    settings["chat_template"] = TEMPLATES[case]
+    settings["chat_template"] = template
     (model / "tokenizer_config.json").write_text(json.dumps(settings))
     (model / "chat_template.jinja").unlink(missing_ok=True)
-    build_refused(model, tmp_path, "chat template")
+    return model
+
+
+@pytest.fixture(scope="module")
+def refusal_start_up_cpu_s(pristine_model: Path, tmp_path_factory: pytest.TempPathFactory) -> float:
+    """CPU seconds of a build refused at the template check by a template that raises on its first render."""
+    tmp_path = tmp_path_factory.mktemp("template_baseline")
+    model = model_with_template(pristine_model, tmp_path, TEMPLATES["raises"])
+    return refused_build(model, tmp_path, "chat template")[1]
+
+
+@pytest.mark.parametrize("case", TEMPLATES, ids=list(TEMPLATES))
+def test_hostile_chat_template_is_refused_within_seconds(
+    pristine_model: Path, tmp_path: Path, case: str, refusal_start_up_cpu_s: float
+) -> None:
+    model = model_with_template(pristine_model, tmp_path, TEMPLATES[case])
+    build_refused(model, tmp_path, "chat template", limit_s=refusal_start_up_cpu_s + RENDER_ALLOWANCE_S)
 
 
 class _Payload:
