@@ -6,7 +6,7 @@ in one process, on the CPU at hand (docs/speculation.md, "Exact speculation at a
 Prints the decode engine's pass of T rows against T=1 (median ms and ratio); whether passes of two
 rows reproduce one T=9 pass and T=1 passes do not (max |logit| difference, fixed pseudo-random
 tokens); and, on the chat prompts of samples/eval_prompts.jsonl and the rewrite prompts of
-samples/spec_prompts.jsonl, greedy, the median TPOT of
+samples/spec_prompts.jsonl (those starting "Rewrite", "Repeat", "Summarize", ...), greedy, the median TPOT of
 - `ar-1row`: plain decoding with T=1 steps (the bundle's plain decoding without min_decode_rows),
 - `ar-2rows`: plain decoding of floor rounds (one free guess per step, T=2),
 - `auto-2rows`: `--mode auto` over floor rounds (gated prompt lookup),
@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, bench_parser, cpu_model, load_prompts, parse_and_pin, print_table
+from benchmarks.speculative import rewrite_prompts
 
-SETS = {"chat": ROOT / "samples" / "eval_prompts.jsonl", "rewrite": ROOT / "samples" / "spec_prompts.jsonl"}
+SETS = {"chat": lambda: load_prompts(ROOT / "samples" / "eval_prompts.jsonl"), "rewrite": rewrite_prompts}
 MODES = {  # name -> (decode rows, generate keyword arguments)
     "ar-1row": (1, {"mode": "ar"}),
     "ar-2rows": (2, {"mode": "ar"}),
@@ -80,13 +81,14 @@ def measure_set(generators: dict[int, Any], name: str, prompts: list[str], token
     for prompt in prompts:
         for mode in MODES:
             run_mode(generators, mode, prompt, tokens)
+        last: dict[str, list[int]] = {}
         for _ in range(repeat):
             for mode in MODES:
-                ms, out, passes = run_mode(generators, mode, prompt, tokens)
+                ms, last[mode], passes = run_mode(generators, mode, prompt, tokens)
                 tpot[mode].append(ms)
                 per_pass[mode].append(passes)
         for mode in MODES:
-            outputs[mode].append(out)
+            outputs[mode].append(last[mode])
     base = statistics.median(tpot["ar-1row"])
     return [mode_row(name, mode, tpot, per_pass, outputs, base) for mode in MODES]
 
@@ -118,8 +120,8 @@ def main() -> None:
     generators = {rows: Generator(bundle, decode_rows=rows, threads=args.threads) for rows in (1, 2)}
     rows = [
         row
-        for name, path in SETS.items()
-        for row in measure_set(generators, name, load_prompts(path, args.prompts), args.tokens, args.repeat)
+        for name, prompts in SETS.items()
+        for row in measure_set(generators, name, prompts()[: args.prompts], args.tokens, args.repeat)
     ]
     print_table([asdict(r) for r in rows], list(ModeRow.__dataclass_fields__))
     if args.json:
