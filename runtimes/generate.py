@@ -442,7 +442,9 @@ class Generator:
         whose drafts do not pay decodes plainly."""
         draft_len = request.draft_len
         if request.mode is Mode.AR:  # two rows at least: plain steps are floor rounds (one guess each)
-            return SpeculativeRunner(self.bundle, self.backend, seq.config, FREE_SOURCE, 1, decode_rows=2)
+            return SpeculativeRunner(
+                self.bundle, self.backend, seq.config, FREE_SOURCE, 1, decode_rows=self.decode_rows
+            )
         if request.mode is Mode.AUTO:
             if not (self._auto_drafts_calibrated(seq.config) and speculation_available(self.bundle, seq.config)):
                 source = FREE_SOURCE

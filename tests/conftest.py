@@ -311,3 +311,27 @@ def router_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, 
     )
     assert main(["build", str(model), "-o", str(root / "plain"), "--max-len", "96"]) == 0
     return model, root / "routed", root / "plain"
+
+
+def assert_sampling_matches_plain(generator: Any, prompt: str, top_k: int, runs: int, **spec: Any) -> None:
+    """Speculation keeps the model's distribution: the 2nd and 3rd sampled tokens of `runs` plain runs
+    (seeds 0..) against `runs` runs with the `spec` arguments (seeds 10,000..), a contingency chi-square
+    per position over the tokens seen at least 5 times (p > 1e-3)."""
+    import numpy as np
+    from scipy.stats import chi2_contingency
+
+    from adaptive_export.runtimes import SamplingParams
+
+    ids = generator.codec.encode(prompt, raw=True)
+
+    def sampled(seed: int, **arguments: Any) -> tuple[int, ...]:
+        params = SamplingParams(temperature=1.0, top_k=top_k, seed=seed)
+        return tuple(generator.generate(ids, max_new_tokens=3, sampling=params, **arguments).tokens[1:3])
+
+    plain = [sampled(seed) for seed in range(runs)]
+    drafted = [sampled(10_000 + seed, **spec) for seed in range(runs)]
+    for position in (0, 1):
+        categories = sorted({t[position] for t in plain + drafted})
+        table = np.array([[sum(t[position] == c for t in side) for c in categories] for side in (plain, drafted)])
+        table = table[:, table.sum(0) >= 5]
+        assert chi2_contingency(table).pvalue > 1e-3, table

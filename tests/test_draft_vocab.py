@@ -15,10 +15,10 @@ import pytest
 
 from adaptive_export.calibration.draft_vocab import ranked_ids
 from adaptive_export.commands.cli import main
-from adaptive_export.runtimes import Generator, SamplingParams
+from adaptive_export.runtimes import Generator
 from adaptive_export.runtimes.bundle import load_bundle
 from adaptive_export.runtimes.errors import UsageError
-from tests.conftest import make_tiny_model
+from tests.conftest import assert_sampling_matches_plain, make_tiny_model
 from tests.test_speculative import PROMPTS, assert_same_or_tie
 
 ROOT = Path(__file__).parents[1]
@@ -101,31 +101,8 @@ def test_trimmed_precision_draft_is_lossless_and_accepted(trimmed_bundle: Path, 
 
 def test_trimmed_draft_sampling_matches_plain_sampling(trimmed_bundle: Path) -> None:
     """The rejection rule with q over the reduced vocabulary keeps the full model's distribution."""
-    from scipy.stats import chi2_contingency
-
     generator = Generator(trimmed_bundle)
-    ids = generator.codec.encode("The quick brown fox", raw=True)
-    params = lambda seed: SamplingParams(temperature=1.0, top_k=8, seed=seed)  # noqa: E731
-    runs = 600
-    ar = [tuple(generator.generate(ids, max_new_tokens=3, sampling=params(s)).tokens[1:3]) for s in range(runs)]
-    spec = [
-        tuple(
-            generator.generate(
-                ids, max_new_tokens=3, sampling=params(10_000 + s), mode="spec", draft="precision", draft_len=2
-            ).tokens[1:3]
-        )
-        for s in range(runs)
-    ]
-    for position in (0, 1):
-        categories = sorted({t[position] for t in ar + spec})
-        table = np.array(
-            [
-                [sum(t[position] == c for t in ar) for c in categories],
-                [sum(t[position] == c for t in spec) for c in categories],
-            ]
-        )
-        table = table[:, table.sum(0) >= 5]
-        assert chi2_contingency(table).pvalue > 1e-3, table
+    assert_sampling_matches_plain(generator, "The quick brown fox", 8, 600, mode="spec", draft="precision", draft_len=2)
 
 
 def test_check_covers_the_trimmed_engine(trimmed_bundle: Path, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from adaptive_export.runtimes import Generator, SamplingParams
 from adaptive_export.runtimes.acceptance import judge
 from adaptive_export.runtimes.drafting import lookup_ngram
 from adaptive_export.runtimes.sampling import Sampler
-from tests.conftest import make_tiny_model
+from tests.conftest import assert_sampling_matches_plain, make_tiny_model
 
 TIE_MARGIN = 1e-3
 PROMPTS = [
@@ -216,31 +216,8 @@ def test_rejection_rule_keeps_the_target_distribution(one_hot_draft: bool) -> No
 @pytest.mark.parametrize("draft", ["early_exit", "precision", "prompt_tokens"])
 def test_spec_sampling_matches_plain_sampling_end_to_end(spec_bundle: Path, draft: str) -> None:
     """Distribution of the 2nd and 3rd generated tokens, AR vs speculation, over seeds."""
-    from scipy.stats import chi2_contingency
-
     generator = Generator(spec_bundle)
-    ids = generator.codec.encode("The quick brown fox", raw=True)
-    params = lambda seed: SamplingParams(temperature=1.0, top_k=4, seed=seed)  # noqa: E731
-    runs = 700
-    ar = [tuple(generator.generate(ids, max_new_tokens=3, sampling=params(s)).tokens[1:3]) for s in range(runs)]
-    spec = [
-        tuple(
-            generator.generate(
-                ids, max_new_tokens=3, sampling=params(10_000 + s), mode="spec", draft=draft, draft_len=2
-            ).tokens[1:3]
-        )
-        for s in range(runs)
-    ]
-    for position in (0, 1):
-        categories = sorted({t[position] for t in ar + spec})
-        table = np.array(
-            [
-                [sum(t[position] == c for t in ar) for c in categories],
-                [sum(t[position] == c for t in spec) for c in categories],
-            ]
-        )
-        table = table[:, table.sum(0) >= 5]
-        assert chi2_contingency(table).pvalue > 1e-3, table
+    assert_sampling_matches_plain(generator, "The quick brown fox", 4, 700, mode="spec", draft=draft, draft_len=2)
 
 
 def test_cli_spec_stats(spec_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:

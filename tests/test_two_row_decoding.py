@@ -11,17 +11,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from adaptive_export.calibration.verify_exactness import measure_verify_exactness
 from adaptive_export.commands.cli import main
-from adaptive_export.runtimes import Generator, SamplingParams
+from adaptive_export.runtimes import Generator
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.gate import DraftingGate
 from adaptive_export.runtimes.limits import check_decode_rows
 from adaptive_export.runtimes.manifest_speculation import Speculation, VerifyExactness
-from tests.conftest import make_tiny_model
+from tests.conftest import assert_sampling_matches_plain, make_tiny_model
 
 # hidden 256 x 4 layers: a verify pass tips an int8 rounding against T=1 steps (tests/test_verify_exactness.py)
 WIDE = {"layers": 4, "hidden": 256, "seed": 3}
@@ -94,24 +93,8 @@ def test_a_one_token_budget_still_decodes_two_rows(accuracy4_bundle: Path) -> No
 def test_sampling_on_two_rows_keeps_the_distribution(accuracy4_bundle: Path) -> None:
     """A floor guess is judged by the rejection rule, so sampled tokens follow the model's own
     distribution: plain (floor rounds) against speculation (lookup, k = 3), 2nd and 3rd tokens."""
-    from scipy.stats import chi2_contingency
-
     generator = Generator(accuracy4_bundle, decode_rows=2)
-    ids = generator.codec.encode("the sea the sea the", raw=True)
-    params = lambda seed: SamplingParams(temperature=1.0, top_k=4, seed=seed)  # noqa: E731
-    runs = 500
-    plain = [tuple(generator.generate(ids, max_new_tokens=3, sampling=params(s)).tokens[1:3]) for s in range(runs)]
-    spec = [
-        tuple(
-            generator.generate(ids, max_new_tokens=3, sampling=params(10_000 + s), mode="spec", draft_len=3).tokens[1:3]
-        )
-        for s in range(runs)
-    ]
-    for position in (0, 1):
-        categories = sorted({t[position] for t in plain + spec})
-        table = np.array([[sum(t[position] == c for t in runs_) for c in categories] for runs_ in (plain, spec)])
-        table = table[:, table.sum(0) >= 5]
-        assert chi2_contingency(table).pvalue > 1e-3, table
+    assert_sampling_matches_plain(generator, "the sea the sea the", 4, 500, mode="spec", draft_len=3)
 
 
 def test_calibration_records_both_measurements(
