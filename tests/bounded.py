@@ -39,6 +39,9 @@ def hook(event, args):
     if event == "open" and args and isinstance(args[0], (str, bytes)) and marker in str(args[0]):
         sys.stderr.write("AUDIT: the sentinel outside the bundle was opened\n")
 sys.addaudithook(hook)
+# what the console script does first (argv[0] here is '-c'): record SIGINT/SIGTERM from now on
+from adaptive_export.commands import defer_signals
+defer_signals()
 WINDOWS = {sentinel_bytes[i:i + 8] for i in range(len(sentinel_bytes) - 7)}
 def scan(values):
     for value in values:
