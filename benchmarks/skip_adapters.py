@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from adaptive_export.calibration.measure import calibration_prompts, greedy_sequence
 from adaptive_export.calibration.router_pipeline import DEFAULT_MIN_AGREEMENT
-from adaptive_export.calibration.routers import GatedModel, continuation_agreement
+from adaptive_export.calibration.routers import GatedModel, continuation_agreement, skipping_logits
 from adaptive_export.calibration.routers import TrainingSequence as Seq
 from adaptive_export.graphs.adaptive import ExitAdapter
 from benchmarks.common import DEFAULT_PROMPTS, ROOT, bench_parser, cpu_model, load_prompts, parse_and_pin, print_table
@@ -61,23 +61,20 @@ class SkipRow:
     train_seconds: float
 
 
-def adapted_logits(model: GatedModel, seq: Seq, kept: set[int], adapters: nn.ModuleDict | None) -> Tensor:
-    """Logits of the continuation rows' predictions (positions prompt_len-1 .. end-1) when
-    decoding skips the layers outside `kept` and adds each kept layer's adapter."""
+def adapted_logits(model: GatedModel, seq: Seq, kept: set[int], adapters: nn.ModuleDict) -> Tensor:
+    """Logits of the continuation rows' predictions (positions prompt_len-1 .. end-1) when decoding
+    skips the layers outside `kept` and adds each kept layer's adapter: calibration/routers.py's
+    `skipping_logits` (the same without adapters), with gradients to the adapters."""
     x, frame, empty = model._start(seq.ids)
     decoding = (torch.arange(len(seq.ids)) >= seq.prompt_len)[:, None]
     for index, layer in enumerate(model.layers):
         out, _, _ = layer(x, empty, empty, *frame[index])
-        if index not in kept:
-            x = torch.where(decoding, x, out)
-        elif adapters is None:
-            x = out
-        else:
-            x = torch.where(decoding, adapters[str(index)](out), out)
+        x = torch.where(decoding, adapters[str(index)](out), out) if index in kept else torch.where(decoding, x, out)
     return model.head(x)[seq.prompt_len - 1 : -1]
 
 
-def agreement(model: GatedModel, seqs: Sequence[Seq], kept: set[int], adapters: nn.ModuleDict | None) -> float:
+def adapted_agreement(model: GatedModel, seqs: Sequence[Seq], kept: set[int], adapters: nn.ModuleDict) -> float:
+    """`continuation_agreement` with the adapters in place."""
     hits = total = 0
     with torch.no_grad():
         for seq in seqs:
@@ -97,9 +94,11 @@ def train_adapters(model: GatedModel, seqs: Sequence[Seq], kept: set[int], rank:
     order = torch.Generator().manual_seed(0)
     for _ in tqdm(range(epochs), desc=f"adapters, {spec.num_layers - len(kept)} skipped", unit="epoch"):
         for index in torch.randperm(len(seqs), generator=order).tolist():
-            with torch.no_grad():  # recomputed, not stored: Gemma 3's 262k-token rows would take GBs
-                teacher = torch.log_softmax(adapted_logits(model, seqs[index], every, None), -1)
-            student = torch.log_softmax(adapted_logits(model, seqs[index], kept, adapters), -1)
+            seq = seqs[index]  # the teacher is recomputed, not stored: Gemma 3's 262k-token rows would take GBs
+            teacher = torch.log_softmax(
+                skipping_logits(model, seq.ids, seq.prompt_len, every)[seq.prompt_len - 1 : -1], -1
+            )
+            student = torch.log_softmax(adapted_logits(model, seq, kept, adapters), -1)
             loss = nn.functional.kl_div(student, teacher, log_target=True, reduction="batchmean")
             optimizer.zero_grad()
             loss.backward()
@@ -125,9 +124,9 @@ def measure(model: GatedModel, train: list[Seq], held: list[Seq], study: Study) 
         seconds = time.perf_counter() - started
         row = SkipRow(
             tuple(sorted(order[:count])),
-            agreement(model, held, kept, None),
-            agreement(model, held, kept, adapters),
-            agreement(model, train, kept, adapters),
+            continuation_agreement(model, held, kept),
+            adapted_agreement(model, held, kept, adapters),
+            adapted_agreement(model, train, kept, adapters),
             seconds,
         )
         tqdm.write(f"{row}")  # a long run shows each skip set as it is measured
