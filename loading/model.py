@@ -101,6 +101,8 @@ def check_model_files(model: str) -> tuple[Path, str | None]:
             check_dimensions(read_gguf_header(path).hf_fields(), model)
         else:
             check_config_json(directory, model, path)
+            if (pickle_error := _pickle_only_error(model, directory)) is not None:
+                raise pickle_error
         if key is not None:
             _CHECKED.add(key)
     return directory, gguf_file
@@ -171,15 +173,22 @@ def load_model(model: str = DEFAULT_MODEL) -> LoadedModel:
     return LoadedModel(hf_model=hf_model, tokenizer=tokenizer, spec=spec, source=source)
 
 
+def _pickle_only_error(model: str, directory: Path) -> UsageError | None:
+    """A directory whose weights are only PyTorch pickles is refused before torch sees it: loading a
+    pickle can run its code, and torch's own advice there (weights_only=False) would."""
+    pickles = sorted(p.name for p in directory.glob("*.bin"))
+    if not pickles or any(directory.glob("*.safetensors")):
+        return None
+    return UsageError(
+        f"cannot load the PyTorch pickle checkpoint {pickles[0]!r} of {model!r} (it is not a plain tensor file)",
+        "convert the checkpoint to safetensors (model.safetensors) with a tool you trust, then build again",
+    )
+
+
 def _weights_error(model: str, directory: Path, gguf_file: str | None, exc: BaseException) -> UsageError:
-    """One line for weights that did not load. A pickle checkpoint's error is not quoted: torch's
-    advice there (weights_only=False) would run the file's code."""
-    pickles = sorted(p.name for p in directory.glob("*.bin")) if gguf_file is None else []
-    if pickles and not any(directory.glob("*.safetensors")):
-        return UsageError(
-            f"cannot load the PyTorch pickle checkpoint {pickles[0]!r} of {model!r} (it is not a plain tensor file)",
-            "convert the checkpoint to safetensors (model.safetensors) with a tool you trust, then build again",
-        )
+    """One line for weights that did not load."""
+    if gguf_file is None and (pickle_error := _pickle_only_error(model, directory)) is not None:
+        return pickle_error
     return UsageError(
         f"cannot load the weights of {model!r}: {_first_line(exc)}",
         "pass a complete model directory (config.json, weights, tokenizer) or .gguf file",
