@@ -186,7 +186,8 @@ def _pickle_only_error(model: str, directory: Path) -> UsageError | None:
 
 
 def _weights_error(model: str, directory: Path, gguf_file: str | None, exc: BaseException) -> UsageError:
-    """One line for weights that did not load."""
+    """One line for weights that did not load. `check_model_files` refuses a pickle-only directory
+    first, but caches by config.json: one whose safetensors went since is caught here, unquoted."""
     if gguf_file is None and (pickle_error := _pickle_only_error(model, directory)) is not None:
         return pickle_error
     return UsageError(
