@@ -47,9 +47,11 @@ def command_line(*args: str) -> list[str]:
 
 def handlers_installed(err: str) -> bool:
     """Whether the child finished importing adaptive_export.commands (which installs the handlers
-    first thing): `-X importtime` reports each module when its import completes."""
+    first thing): `-X importtime` reports each module when its import completes, its name indented
+    by its nesting (the console script imports it under adaptive_export.commands.cli)."""
     return any(
-        line.startswith("import time:") and line.endswith("| adaptive_export.commands") for line in err.splitlines()
+        line.startswith("import time:") and line.rsplit("|", 1)[-1].strip() == "adaptive_export.commands"
+        for line in err.splitlines()
     )
 
 
