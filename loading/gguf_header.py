@@ -56,7 +56,18 @@ class GGUFHeader:
     version: int
     metadata: dict[str, Any]
     array_lengths: dict[str, int]
-    tensor_count: int
+    tensor_types: tuple[int, ...]  # each tensor's GGMLQuantizationType, in file order
+
+    @property
+    def tensor_count(self) -> int:
+        return len(self.tensor_types)
+
+    def has_quantized_tensors(self) -> bool:
+        """Whether any tensor is stored in a quantized format (a grid a build can keep), not F32/F16/BF16."""
+        import gguf
+
+        floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+        return any(kind not in floats for kind in self.tensor_types)
 
     def hf_fields(self) -> dict[str, Any]:
         """The model's dimensions under HF config names (vocab_size from the token list when absent)."""
@@ -136,11 +147,11 @@ def _metadata(cursor: _Cursor, count: int) -> tuple[dict[str, Any], dict[str, in
     return values, lengths
 
 
-def _tensors(cursor: _Cursor, count: int, alignment: int, file_size: int) -> None:
-    """Every tensor's name, shape and type, and its data inside the file."""
+def _tensors(cursor: _Cursor, count: int, alignment: int, file_size: int) -> tuple[int, ...]:
+    """Every tensor's name, shape and type, and its data inside the file; the types."""
     import gguf
 
-    infos, names = [], set()
+    infos, names, kinds = [], set(), []
     for _ in range(count):
         name = cursor.string(MAX_KEY_BYTES, "a tensor name")
         n_dims = cursor.number("<I")
@@ -159,10 +170,12 @@ def _tensors(cursor: _Cursor, count: int, alignment: int, file_size: int) -> Non
         if not all(dims) or dims[0] % block or offset % alignment:
             raise ValueError(f"tensor {name!r} has shape {dims} or offset {offset} its type cannot hold")
         infos.append((name, offset, elements // block * block_bytes))
+        kinds.append(kind)
     start = -(-cursor.at // alignment) * alignment
     for name, offset, size in infos:
         if start + offset + size > file_size:
             raise ValueError(f"the data of tensor {name!r} lies past the end of the file (truncated?)")
+    return tuple(kinds)
 
 
 def _parse(data: mmap.mmap) -> GGUFHeader:
@@ -179,8 +192,8 @@ def _parse(data: mmap.mmap) -> GGUFHeader:
     alignment = metadata.get("general.alignment", 32)
     if not isinstance(alignment, int) or isinstance(alignment, bool) or not 1 <= alignment <= 1 << 16:
         raise ValueError(f"general.alignment {alignment!r} is not in 1..65536")
-    _tensors(cursor, tensor_count, alignment, len(data))
-    return GGUFHeader(version, metadata, lengths, tensor_count)
+    tensor_types = _tensors(cursor, tensor_count, alignment, len(data))
+    return GGUFHeader(version, metadata, lengths, tensor_types)
 
 
 def read_gguf_header(path: Path) -> GGUFHeader:

@@ -13,6 +13,7 @@ from typing import Any
 from adaptive_export.graphs.architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from adaptive_export.graphs.spec import ModelSpec
 from adaptive_export.loading.gguf_header import read_gguf_header
+from adaptive_export.loading.gguf_parses import one_parse_per_file
 from adaptive_export.loading.hub import HubModel, is_hub_id, resolve_hub_model, snapshot_blob
 from adaptive_export.loading.model_checks import check_config_json, check_dimensions, spec_fields
 from adaptive_export.loading.packaged import PACKAGED
@@ -134,10 +135,17 @@ def spec_from_config(config: Any) -> ModelSpec:
 def load_model(model: str = DEFAULT_MODEL) -> LoadedModel:
     """Load weights (fp32, eval) and tokenizer from local files only: never from a hub."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    directory, gguf_file = check_model_files(model)
+    if gguf_file is None:
+        return _load_checked_model(model, directory, None)
+    with one_parse_per_file():  # transformers reads a .gguf four times per load
+        return _load_checked_model(model, directory, gguf_file)
+
+
+def _load_checked_model(model: str, directory: Path, gguf_file: str | None) -> LoadedModel:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    directory, gguf_file = check_model_files(model)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True, **kwargs)

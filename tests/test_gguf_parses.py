@@ -1,0 +1,59 @@
+"""One parse of a .gguf per model load (loading/gguf_parses.py), and the header's tensor types
+that tell a quantized GGUF from a float one without gguf's slow reader."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+
+from adaptive_export.loading.gguf_header import read_gguf_header
+from adaptive_export.loading.gguf_parses import one_parse_per_file
+from tests.conftest import needs_smollm2
+from tests.test_model_input_hardening import write_tiny_gguf
+
+
+def test_a_file_is_parsed_once_per_block_and_again_when_it_changes(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    original = gguf.GGUFReader
+    with one_parse_per_file():
+        first = gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader(path) is first  # str or Path: one key
+        with one_parse_per_file():  # nested: the outer block's readers
+            assert gguf.GGUFReader(str(path)) is first
+        np.testing.assert_array_equal(first.tensors[0].data, original(str(path)).tensors[0].data)
+        write_tiny_gguf(path, block_count=2)
+        os.utime(path, ns=(1, 1))  # a rewrite within the clock's resolution still changes the key
+        second = gguf.GGUFReader(str(path))
+        assert second is not first and second.fields["llama.block_count"].parts[-1][0] == 2
+    assert gguf.GGUFReader is original
+
+
+def test_header_tells_quantized_from_float_files(tmp_path: Path) -> None:
+    header = read_gguf_header(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    assert header.tensor_types == (gguf.GGMLQuantizationType.F32,) * 2 and not header.has_quantized_tensors()
+
+
+@needs_smollm2
+def test_loading_the_packaged_gguf_parses_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers parses the file for the config (twice), the tokenizer and the weights; the
+    shared reader must reach all four (it would not if transformers bound GGUFReader at import)."""
+    from adaptive_export.loading.model import load_model
+    from adaptive_export.loading.packaged import PACKAGED
+
+    assert read_gguf_header(PACKAGED["smollm2"].gguf_path()).has_quantized_tensors()
+    parses: list[str] = []
+    real_reader = gguf.GGUFReader
+
+    def counted(path: Any, mode: Any = "r") -> Any:
+        parses.append(str(path))
+        return real_reader(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    loaded = load_model("smollm2")
+    assert loaded.spec.num_layers == 30 and loaded.tokenizer.encode("Paris")
+    assert parses == [str(PACKAGED["smollm2"].gguf_path())]
