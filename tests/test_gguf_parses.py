@@ -19,8 +19,11 @@ from tests.test_model_input_hardening import write_tiny_gguf
 
 def test_a_file_is_parsed_once_per_block_and_again_when_it_changes(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
-    original = gguf.GGUFReader
+    original, names = gguf.GGUFReader, gguf.get_tensor_name_map
     with one_parse_per_file():
+        name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is name_map
+        assert name_map.get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"
         first = gguf.GGUFReader(str(path))
         assert gguf.GGUFReader(path) is first  # str or Path: one key
         with one_parse_per_file():  # nested: the outer block's readers
@@ -30,7 +33,7 @@ def test_a_file_is_parsed_once_per_block_and_again_when_it_changes(tmp_path: Pat
         os.utime(path, ns=(1, 1))  # a rewrite within the clock's resolution still changes the key
         second = gguf.GGUFReader(str(path))
         assert second is not first and second.fields["llama.block_count"].parts[-1][0] == 2
-    assert gguf.GGUFReader is original
+    assert gguf.GGUFReader is original and gguf.get_tensor_name_map is names
 
 
 def test_header_tells_quantized_from_float_files(tmp_path: Path) -> None:
