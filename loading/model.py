@@ -159,7 +159,9 @@ def _load_checked_model(model: str, directory: Path, gguf_file: str | None) -> L
         check_tokenizer_file(directory / "tokenizer.json", TokenizerRules(spec.vocab_size, _TOKENIZER_FIX))
     log.info("loading %s (%s, %d layers)", model, spec.model_type, spec.num_layers)
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32, **kwargs)
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            directory, config=config, local_files_only=True, dtype=torch.float32, **kwargs
+        )
         hf_model.eval().requires_grad_(False)
     except Exception as exc:  # missing or truncated weights
         raise _weights_error(model, directory, gguf_file, exc) from None
