@@ -60,3 +60,14 @@ def test_loading_the_packaged_gguf_parses_it_once(monkeypatch: pytest.MonkeyPatc
     loaded = load_model("smollm2")
     assert loaded.spec.num_layers == 30 and loaded.tokenizer.encode("Paris")
     assert parses == [str(PACKAGED["smollm2"].gguf_path())]
+
+
+def test_native_quantization_of_a_float_gguf_is_refused_from_its_header(tmp_path: Path) -> None:
+    """`--quantize native` keeps a quantized file's grid; a float GGUF has none (`auto` exports floats)."""
+    from adaptive_export.commands.build import resolve_quantize
+    from adaptive_export.runtimes.errors import UsageError
+
+    model = str(write_tiny_gguf(tmp_path / "float.gguf"))
+    assert resolve_quantize("auto", model, ("onnx",), "ort") == ("none", None)
+    with pytest.raises(UsageError, match="needs a quantized .gguf model"):
+        resolve_quantize("native", model, ("onnx",), "ort")
