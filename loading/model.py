@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,9 +137,7 @@ def load_model(model: str = DEFAULT_MODEL) -> LoadedModel:
     """Load weights (fp32, eval) and tokenizer from local files only: never from a hub."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     directory, gguf_file = check_model_files(model)
-    if gguf_file is None:
-        return _load_checked_model(model, directory, None)
-    with one_parse_per_file():  # transformers reads a .gguf four times per load
+    with one_parse_per_file() if gguf_file else nullcontext():  # transformers reads a .gguf four times
         return _load_checked_model(model, directory, gguf_file)
 
 
