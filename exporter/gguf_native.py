@@ -36,6 +36,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from adaptive_export.loading.gguf_tensors import MappedGGUF
+
 CORRECTION_BLOCK = 32
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 EIGHT_BIT_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
@@ -375,6 +377,8 @@ def transformers_row_permutation(reader: Any, tensor_name: str) -> np.ndarray | 
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
+    if isinstance(reader, MappedGGUF):
+        return reader.metadata.get(key, default)
     field = reader.fields.get(key)
     if field is None:
         return default

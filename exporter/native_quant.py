@@ -33,6 +33,7 @@ from adaptive_export.exporter.gguf_native import (
 )
 from adaptive_export.graphs.fused_graph import PackedWeights
 from adaptive_export.graphs.spec import ModelSpec
+from adaptive_export.loading.gguf_tensors import MappedGGUF
 from adaptive_export.runtimes.errors import UsageError
 
 EMBEDDING = "model.embed_tokens.weight"
@@ -48,12 +49,7 @@ class NativeWeights:
 
     @classmethod
     def from_gguf(cls, path: Path, spec: ModelSpec) -> NativeWeights:
-        import gguf
-
-        try:
-            reader = gguf.GGUFReader(str(path))
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"cannot read GGUF file {str(path)!r}: {exc}", "pass a complete .gguf file") from exc
+        reader = MappedGGUF(path)  # the checked header's tensors, not gguf's reader (which parses every array)
         names = hf_to_gguf_tensor_names(spec.model_type, spec.num_layers, spec.tie_word_embeddings)
         wanted = dict(PackedWeights.sources(spec.num_layers))
         wanted[EMBEDDING] = [EMBEDDING]

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.errors import UsageError
 
@@ -50,17 +52,33 @@ class _Truncated(Exception):
 
 
 @dataclass(frozen=True)
+class TensorLocation:
+    """Where one tensor's data lies in the file, as the checked header gives it."""
+
+    name: str
+    dims: tuple[int, ...]  # ggml order: ne0 (contiguous) first
+    kind: int  # GGMLQuantizationType
+    start: int  # absolute byte offset in the file
+    size: int  # bytes
+
+
+@dataclass(frozen=True)
 class GGUFHeader:
     """What the header says: scalar metadata, the length of each array, and the tensors."""
 
     version: int
     metadata: dict[str, Any]
     array_lengths: dict[str, int]
-    tensor_types: tuple[int, ...]  # each tensor's GGMLQuantizationType, in file order
+    tensors: tuple[TensorLocation, ...]  # in file order
 
     @property
     def tensor_count(self) -> int:
-        return len(self.tensor_types)
+        return len(self.tensors)
+
+    @property
+    def tensor_types(self) -> tuple[int, ...]:
+        """Each tensor's GGMLQuantizationType, in file order."""
+        return tuple(t.kind for t in self.tensors)
 
     def has_quantized_tensors(self) -> bool:
         """Whether any tensor is stored in a quantized format (a grid a build can keep), not F32/F16/BF16."""
@@ -147,11 +165,11 @@ def _metadata(cursor: _Cursor, count: int) -> tuple[dict[str, Any], dict[str, in
     return values, lengths
 
 
-def _tensors(cursor: _Cursor, count: int, alignment: int, file_size: int) -> tuple[int, ...]:
-    """Every tensor's name, shape and type, and its data inside the file; the types."""
+def _tensors(cursor: _Cursor, count: int, alignment: int, file_size: int) -> tuple[TensorLocation, ...]:
+    """Every tensor's name, shape and type, and its data inside the file."""
     import gguf
 
-    infos, names, kinds = [], set(), []
+    infos, names = [], set()
     for _ in range(count):
         name = cursor.string(MAX_KEY_BYTES, "a tensor name")
         n_dims = cursor.number("<I")
@@ -169,13 +187,12 @@ def _tensors(cursor: _Cursor, count: int, alignment: int, file_size: int) -> tup
             elements *= dim
         if not all(dims) or dims[0] % block or offset % alignment:
             raise ValueError(f"tensor {name!r} has shape {dims} or offset {offset} its type cannot hold")
-        infos.append((name, offset, elements // block * block_bytes))
-        kinds.append(kind)
+        infos.append((name, tuple(dims), kind, offset, elements // block * block_bytes))
     start = -(-cursor.at // alignment) * alignment
-    for name, offset, size in infos:
+    for name, _, _, offset, size in infos:
         if start + offset + size > file_size:
             raise ValueError(f"the data of tensor {name!r} lies past the end of the file (truncated?)")
-    return tuple(kinds)
+    return tuple(TensorLocation(name, dims, kind, start + offset, size) for name, dims, kind, offset, size in infos)
 
 
 def _parse(data: mmap.mmap) -> GGUFHeader:
@@ -192,16 +209,32 @@ def _parse(data: mmap.mmap) -> GGUFHeader:
     alignment = metadata.get("general.alignment", 32)
     if not isinstance(alignment, int) or isinstance(alignment, bool) or not 1 <= alignment <= 1 << 16:
         raise ValueError(f"general.alignment {alignment!r} is not in 1..65536")
-    tensor_types = _tensors(cursor, tensor_count, alignment, len(data))
-    return GGUFHeader(version, metadata, lengths, tensor_types)
+    tensors = _tensors(cursor, tensor_count, alignment, len(data))
+    return GGUFHeader(version, metadata, lengths, tensors)
 
 
 def read_gguf_header(path: Path) -> GGUFHeader:
     """The checked header of a .gguf file; a UsageError naming the problem otherwise."""
+    return _checked(path, keep_mapping=False)[0]
+
+
+def map_gguf(path: Path) -> tuple[GGUFHeader, np.ndarray]:
+    """The checked header and the whole file as a read-only byte array, from one mapping: the
+    tensors read through it are the bytes the check saw, even if the path is replaced later."""
+    header, data = _checked(path, keep_mapping=True)
+    assert data is not None
+    return header, data
+
+
+def _checked(path: Path, keep_mapping: bool) -> tuple[GGUFHeader, np.ndarray | None]:
     fd = limits.open_regular(path, "GGUF file")
     try:
-        with open(fd, "rb", closefd=False) as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return _parse(data)
+        with open(fd, "rb", closefd=False) as handle:
+            data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        if not keep_mapping:
+            with data:
+                return _parse(data), None
+        return _parse(data), np.frombuffer(data, np.uint8)  # the array keeps the mapping open
     except _Truncated:
         problem = "it ends in the middle of its header (truncated?)"
     except ValueError as exc:  # an empty file cannot be mapped either

@@ -13,6 +13,8 @@ gguf = pytest.importorskip("gguf")
 from onnx import TensorProto, helper  # noqa: E402
 
 from adaptive_export.exporter import gguf_native as gn  # noqa: E402
+from adaptive_export.loading.gguf_tensors import MappedGGUF  # noqa: E402
+from adaptive_export.runtimes.errors import UsageError  # noqa: E402
 from tests.conftest import needs_smollm2  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -199,6 +201,47 @@ def test_float_and_unsupported_tensors_are_refused(synthetic: gguf.GGUFReader) -
         gn.native_linear(synthetic, ["Q2_K.weight"], [None])
 
 
+# ----------------------------------------------------------------- blocks read through the checked header
+
+
+def assert_same_tensors(mapped: MappedGGUF, reader: gguf.GGUFReader) -> None:
+    """The mapped file lists every tensor gguf's reader lists, with the same type, shape and bytes."""
+    assert [t.name for t in mapped.tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(mapped.tensors, reader.tensors, strict=True):
+        assert ours.tensor_type == theirs.tensor_type
+        assert ours.shape == tuple(int(d) for d in theirs.shape)
+        assert ours.data.tobytes() == np.asarray(theirs.data).tobytes(), ours.name
+        assert not ours.data.flags.writeable
+
+
+def assert_same_linear(a: gn.NativeLinear, b: gn.NativeLinear) -> None:
+    assert (a.bits, a.block_size, a.source_types) == (b.bits, b.block_size, b.source_types)
+    for x, y in ((a.packed, b.packed), (a.scales, b.scales), (a.zero_points, b.zero_points)):
+        assert (x is None and y is None) or np.array_equal(x, y)
+    assert (a.correction is None and b.correction is None) or np.array_equal(a.correction, b.correction)
+
+
+def test_mapped_file_gives_the_blocks_gguf_reads(synthetic: gguf.GGUFReader) -> None:
+    """NativeWeights reads blocks through the checked header (loading/gguf_tensors.py), not gguf's
+    reader: the same bytes, and the same native linears from them, for every format."""
+    mapped = MappedGGUF(Path(synthetic.data.filename))
+    assert_same_tensors(mapped, synthetic)
+    for type_name in EXPECTED:
+        for name in (f"{type_name}.weight", f"{type_name}.tall.weight"):
+            assert_same_linear(gn.native_linear(mapped, [name], [None]), gn.native_linear(synthetic, [name], [None]))
+    with pytest.raises(gn.NotQuantizedError):
+        gn.native_linear(mapped, ["dense.weight"], [None])
+
+
+def test_mapped_file_is_checked_first(synthetic: gguf.GGUFReader, tmp_path: Path) -> None:
+    """A file cut inside its tensor data is refused by the header check before any block is read."""
+    whole = Path(synthetic.data.filename).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[: len(whole) - 100])
+    with pytest.raises(UsageError, match="past the end of the file"):
+        MappedGGUF(cut)
+
+
 # ----------------------------------------------------------------- the real SmolLM2 file
 
 
@@ -222,6 +265,18 @@ def test_smollm2_every_quantized_tensor_is_bit_exact(smol_reader: gguf.GGUFReade
         assert_bits_equal(gn.dequantize_native(nl), gguf.quants.dequantize(t.data, t.tensor_type))
         seen[t.tensor_type.name] = seen.get(t.tensor_type.name, 0) + 1
     assert set(seen) == {"Q4_1", "Q8_0"} and seen["Q4_1"] == 7 * 30
+
+
+@needs_smollm2
+def test_smollm2_mapped_like_gguf_reader(smol_reader: gguf.GGUFReader) -> None:
+    """The real file read through its checked header: the same tensors, and the same row order
+    for the attention projections transformers permutes."""
+    mapped = MappedGGUF(Path(smol_reader.data.filename))
+    assert_same_tensors(mapped, smol_reader)
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_up.weight"):
+        ours, theirs = gn.transformers_row_permutation(mapped, name), gn.transformers_row_permutation(smol_reader, name)
+        assert (ours is None and theirs is None) or np.array_equal(ours, theirs)
+    assert gn.transformers_row_permutation(mapped, "blk.0.attn_q.weight") is not None
 
 
 @pytest.fixture(scope="module")
