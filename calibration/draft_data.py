@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 HELD_OUT_EVERY = 5
 REQUEST_TOKENS = 40
 MIN_DOCSTRING_CHARS = 200
@@ -68,7 +66,7 @@ class TrainingText:
 
 def self_written_requests(loaded: Any, count: int, seed: int, progress: bool = True) -> list[str]:
     """`count` user requests the model writes itself, one per (topic, style) pair, in seeded order."""
-    from adaptive_export.calibration.measure import greedy_sequence
+    from adaptive_export.calibration.greedy import greedy_sequences
 
     asks = [
         f"Write {style} that a user might send to an AI assistant about {topic}. Reply with the request only."
@@ -77,8 +75,9 @@ def self_written_requests(loaded: Any, count: int, seed: int, progress: bool = T
     ]
     random.Random(seed).shuffle(asks)
     requests = []
-    for ask in tqdm(asks[:count], desc="self-written requests", unit="request", disable=not progress):
-        ids, start = greedy_sequence(loaded, ask, REQUEST_TOKENS)
+    for ask, (ids, start) in zip(
+        asks[:count], greedy_sequences(loaded, asks[:count], REQUEST_TOKENS, "self-written requests", progress)
+    ):
         text = loaded.tokenizer.decode(ids[start:], skip_special_tokens=True).strip().strip('"').strip()
         requests.append(text or ask)
     return requests
@@ -86,13 +85,10 @@ def self_written_requests(loaded: Any, count: int, seed: int, progress: bool = T
 
 def self_written_documents(loaded: Any, requests: list[str], new_tokens: int, progress: bool = True) -> list[Document]:
     """Each request in the chat template, followed by the model's greedy answer."""
-    from adaptive_export.calibration.measure import greedy_sequence
+    from adaptive_export.calibration.greedy import greedy_sequences
 
-    docs = []
-    for request in tqdm(requests, desc="self-written answers", unit="answer", disable=not progress):
-        ids, start = greedy_sequence(loaded, request, new_tokens)
-        docs.append(Document(tuple(ids), "self", start))
-    return docs
+    runs = greedy_sequences(loaded, requests, new_tokens, "self-written answers", progress)
+    return [Document(tuple(ids), "self", start) for ids, start in runs]
 
 
 def stdlib_docstrings(count: int, seed: int) -> list[str]:

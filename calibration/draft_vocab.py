@@ -15,8 +15,6 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from tqdm import tqdm
-
 from adaptive_export.runtimes.errors import UsageError
 
 CONTINUATION_TOKENS = 48  # greedy tokens per calibration prompt
@@ -45,7 +43,7 @@ def plan_draft_vocab(
     """(the sorted int64 ids of a `size`-token draft head, calibration.json's 'draft_vocab' entry)."""
     import torch
 
-    from adaptive_export.calibration.measure import greedy_sequence
+    from adaptive_export.calibration.greedy import greedy_sequences
 
     vocab = loaded.spec.vocab_size
     if not 0 < size < vocab:
@@ -56,8 +54,8 @@ def plan_draft_vocab(
     continuations: Counter[int] = Counter()
     prompt_ids: Counter[int] = Counter()
     held_out: list[int] = []
-    for index, prompt in enumerate(tqdm(prompts, desc="draft vocabulary", unit="prompt", disable=not progress)):
-        ids, prompt_len = greedy_sequence(loaded, prompt, CONTINUATION_TOKENS)
+    runs = greedy_sequences(loaded, prompts, CONTINUATION_TOKENS, "draft vocabulary", progress)
+    for index, (ids, prompt_len) in enumerate(runs):
         if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1:
             held_out.extend(ids[prompt_len:])
             continue

@@ -82,12 +82,9 @@ def is_held_out(index: int) -> bool:
 
 def greedy_runs(loaded: Any, prompts: Sequence[str], new_tokens: int, progress: bool = True) -> list[GreedyRun]:
     """The full model's greedy continuation and hidden states for each prompt (computed once, reused)."""
-    from adaptive_export.calibration.measure import greedy_with_hidden
+    from adaptive_export.calibration.greedy import greedy_runs_with_hidden
 
-    return [
-        greedy_with_hidden(loaded, p, new_tokens)
-        for p in tqdm(prompts, desc="greedy continuations", unit="prompt", disable=not progress)
-    ]
+    return list(greedy_runs_with_hidden(loaded, prompts, new_tokens, progress=progress))
 
 
 def cache_split(

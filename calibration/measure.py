@@ -14,7 +14,13 @@ from typing import Any
 from tqdm import tqdm
 
 from adaptive_export.calibration.drafts import MEASURES
-from adaptive_export.loading.prompts import hf_prompt_ids, read_prompts
+from adaptive_export.calibration.greedy import (
+    greedy_continuations,
+    greedy_runs_with_hidden,
+    greedy_sequences,
+    hidden_states,
+)
+from adaptive_export.loading.prompts import read_prompts
 from adaptive_export.runtimes.errors import UsageError
 
 BUILTIN_CALIB = Path(__file__).resolve().parents[1] / "samples" / "calib_prompts.jsonl"
@@ -29,30 +35,16 @@ def calibration_prompts(path: str | None) -> list[str]:
 
 
 def greedy_sequence(loaded: Any, prompt: str, new_tokens: int) -> tuple[list[int], int]:
-    """(prompt ids + the full model's greedy continuation, prompt length)."""
-    ids, cont, _ = greedy_with_hidden(loaded, prompt, new_tokens, hidden=False)
-    return ids + cont, len(ids)
+    """(prompt ids + the full model's greedy continuation, prompt length), a batch of one."""
+    return greedy_sequences(loaded, [prompt], new_tokens, progress=False)[0]
 
 
 def greedy_with_hidden(
     loaded: Any, prompt: str, new_tokens: int, hidden: bool = True
 ) -> tuple[list[int], list[int], Any]:
-    """(prompt ids, greedy continuation, hidden states of prompt+continuation per layer)."""
-    import torch
-
-    tok, model = loaded.tokenizer, loaded.hf_model
-    ids = hf_prompt_ids(tok, prompt)
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=tok.pad_token_id or 0,
-        )
-        full = out[0].tolist()
-        states = model(torch.tensor([full]), output_hidden_states=True).hidden_states if hidden else None
-    return ids, full[len(ids) :], states
+    """(prompt ids, greedy continuation, hidden states of prompt+continuation per layer), a batch of one."""
+    ((ids, cont),) = greedy_continuations(loaded, [prompt], new_tokens, progress=False)
+    return ids, cont, hidden_states(loaded, ids + cont) if hidden else None
 
 
 def measure_speculation(
@@ -71,7 +63,7 @@ def measure_speculation(
 
     measures = [measure(loaded, adapters) for measure in MEASURES.values()]
     if runs is None:
-        runs = (greedy_with_hidden(loaded, prompt, new_tokens) for prompt in prompts)
+        runs = greedy_runs_with_hidden(loaded, prompts, new_tokens)
     for ids, cont, hidden in tqdm(runs, total=len(prompts), desc="calibrate speculation", unit="prompt"):
         if len(cont) < 2:
             continue

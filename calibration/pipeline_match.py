@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
 from adaptive_export.calibration.draft_training import TrimmedDraft
-from adaptive_export.calibration.measure import greedy_with_hidden
+from adaptive_export.calibration.greedy import greedy_runs_with_hidden
 from adaptive_export.graphs.adaptive import DraftHead
 from adaptive_export.graphs.layers import Head
 
@@ -70,12 +69,10 @@ class MatchRate:
 
 def greedy_runs(loaded: Any, prompts: Sequence[str], new_tokens: int) -> list[GreedyRun]:
     """Each prompt's greedy continuation of `new_tokens` (fewer at EOS) with its hidden states."""
-    runs = []
-    for prompt in tqdm(prompts, desc="greedy runs", unit="prompt"):
-        ids, continuation, states = greedy_with_hidden(loaded, prompt, new_tokens)
-        hidden = tuple(s[0].float() for s in states)
-        runs.append(GreedyRun(len(ids), tuple(continuation), hidden))
-    return runs
+    return [
+        GreedyRun(len(ids), tuple(continuation), tuple(s[0].float() for s in states))
+        for ids, continuation, states in greedy_runs_with_hidden(loaded, prompts, new_tokens, "greedy runs")
+    ]
 
 
 def top_candidates(logits: Tensor, k: int, ids: Tensor | None = None) -> Tensor:

@@ -7,10 +7,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from tqdm import tqdm
-
 from adaptive_export.calibration.configs import choose_configs, layers_saved, served_share
-from adaptive_export.calibration.measure import calibration_prompts, greedy_sequence
+from adaptive_export.calibration.greedy import greedy_sequences
+from adaptive_export.calibration.measure import calibration_prompts
 from adaptive_export.calibration.routers import (
     DEFAULT_LAMBDA,
     LEARNING_RATE,
@@ -54,8 +53,8 @@ def plan_routers(options: RouterOptions, loaded: Any) -> tuple[Any, list[SkipCon
     if lam < 0:
         raise UsageError(f"--router-lambda {lam} is negative", "use 0 or a positive sparsity weight such as 0.02")
     sequences = [
-        TrainingSequence(*greedy_sequence(loaded, p, CONTINUATION_TOKENS))
-        for p in tqdm(prompts, desc="calibration continuations", unit="prompt")
+        TrainingSequence(ids, prompt_len)
+        for ids, prompt_len in greedy_sequences(loaded, prompts, CONTINUATION_TOKENS, "calibration continuations")
     ]
     report: dict[str, Any] = {"prompts": len(prompts), "threshold": THRESHOLD}
     routers, report["training"] = routers_and_training(options, loaded, sequences, lam)

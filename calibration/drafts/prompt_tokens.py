@@ -266,13 +266,10 @@ def plan_prompt_tokens(
     """`--prompt-tokens N|FILE`: train N prompt tokens (or load a previous build's file), then
     simulate them on the held-out prompts. Returns the table, calibration.json's 'prompt_tokens' entry and
     the bundle file that ships the table (a few KB of safetensors)."""
-    from adaptive_export.calibration.measure import greedy_with_hidden
+    from adaptive_export.calibration.greedy import greedy_continuations
     from adaptive_export.loading.artifacts import draft_table_bytes, load_draft_table
 
-    runs = [
-        greedy_with_hidden(loaded, p, PROMPT_TOKEN_CALIB_TOKENS, hidden=False)[:2]
-        for p in tqdm(prompts, desc="greedy continuations", unit="prompt", disable=not progress)
-    ]
+    runs = greedy_continuations(loaded, prompts, PROMPT_TOKEN_CALIB_TOKENS, progress=progress)
     if option.isdigit():
         fit = fit_prompt_tokens(loaded, runs, int(option), seed=seed, progress=progress)
         table, report = fit.table, fit.report
