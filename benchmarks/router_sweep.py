@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from adaptive_export.calibration.measure import calibration_prompts, greedy_sequence
+from adaptive_export.calibration.greedy import greedy_sequences
+from adaptive_export.calibration.measure import calibration_prompts
 from adaptive_export.calibration.routers import (
     THRESHOLD,
     GatedModel,
@@ -95,11 +96,11 @@ def main() -> None:
 
     loaded = load_model("smollm2")
     model = GatedModel(loaded).eval()
-    train = [TrainingSequence(*greedy_sequence(loaded, p, 24)) for p in calibration_prompts(None)]
+    train = [TrainingSequence(*run) for run in greedy_sequences(loaded, calibration_prompts(None), 24)]
     if args.single_layers:
         print_single_layer_costs(loaded, model, train)
         return
-    held = [TrainingSequence(*greedy_sequence(loaded, p, 32)) for p in load_prompts(DEFAULT_PROMPTS)]
+    held = [TrainingSequence(*run) for run in greedy_sequences(loaded, load_prompts(DEFAULT_PROMPTS), 32)]
     texts = [
         loaded.tokenizer(p, add_special_tokens=False)["input_ids"]
         for p in load_prompts(ROOT / "samples" / "heldout_text.jsonl")

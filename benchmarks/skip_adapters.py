@@ -2,6 +2,7 @@
 
     python -m benchmarks.skip_adapters [--model smollm2] [--skips 1,2,3,4] [--rank 8] [--epochs 2]
                                        [--spec-prompts 40] [--train-tokens 48] [--order 3,5,7,4]
+                                       [--docstrings 0]
 
 The measurement that decides whether `build --routers train --lora R` (issue #25) is worth its
 graphs, before any graph holds an adapter. Static proxy of the router's choice: skip the k layers
@@ -16,6 +17,10 @@ logits on continuation rows), backbone frozen, Adam, fixed seed.
 
 Training prompts: samples/calib_prompts.jsonl plus the first `--spec-prompts` of
 samples/spec_prompts.jsonl; held-out: samples/eval_prompts.jsonl plus the rest of spec_prompts.
+`--docstrings N` adds N documents of shipped text (calibration/draft_data.py's standard-library
+docstrings, no generation, up to DOCSTRING_TOKENS each): their first DOCSTRING_PROMPT tokens run
+as prompt rows, the rest as decode rows, teacher-forced, so the adapters see far more text than
+the model's few thousand greedy tokens (FiRST fine-tunes on whole datasets).
 The quality floor is build's default (calibration/router_pipeline.py DEFAULT_MIN_AGREEMENT).
 """
 
@@ -29,7 +34,9 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from adaptive_export.calibration.measure import calibration_prompts, greedy_sequence
+from adaptive_export.calibration.draft_data import stdlib_documents
+from adaptive_export.calibration.greedy import greedy_sequences
+from adaptive_export.calibration.measure import calibration_prompts
 from adaptive_export.calibration.router_pipeline import DEFAULT_MIN_AGREEMENT
 from adaptive_export.calibration.routers import GatedModel, continuation_agreement, skipping_logits
 from adaptive_export.calibration.routers import TrainingSequence as Seq
@@ -37,6 +44,8 @@ from adaptive_export.graphs.adaptive import ExitAdapter
 from benchmarks.common import DEFAULT_PROMPTS, ROOT, bench_parser, cpu_model, load_prompts, parse_and_pin, print_table
 
 HELD_OUT_TOKENS = 24
+DOCSTRING_TOKENS = 96
+DOCSTRING_PROMPT = 16
 LEARNING_RATE = 2e-3
 
 
@@ -143,6 +152,7 @@ def main() -> None:
     parser.add_argument("--spec-prompts", type=int, default=40, help="spec_prompts.jsonl prompts added to training")
     parser.add_argument("--train-tokens", type=int, default=48, help="greedy tokens per training continuation")
     parser.add_argument("--order", default="", help="layers in skipping order (default: measured, cheapest first)")
+    parser.add_argument("--docstrings", type=int, default=0, help="standard-library docstrings added to training")
     args = parse_and_pin(parser)
     from adaptive_export.loading.model import load_model
 
@@ -151,12 +161,15 @@ def main() -> None:
     spec_prompts = load_prompts(ROOT / "samples" / "spec_prompts.jsonl")
     train_prompts = calibration_prompts(None) + spec_prompts[: args.spec_prompts]
     held_prompts = load_prompts(DEFAULT_PROMPTS) + spec_prompts[args.spec_prompts :]
-    train = [Seq(*greedy_sequence(loaded, p, args.train_tokens)) for p in tqdm(train_prompts, "train")]
-    held = [Seq(*greedy_sequence(loaded, p, HELD_OUT_TOKENS)) for p in tqdm(held_prompts, "held-out")]
+    train = [Seq(*run) for run in greedy_sequences(loaded, train_prompts, args.train_tokens, "train")]
+    train += shipped_text(loaded, args.docstrings)
+    held = [Seq(*run) for run in greedy_sequences(loaded, held_prompts, HELD_OUT_TOKENS, "held-out")]
     study = Study(_ints(args.skips), args.rank, args.epochs, _ints(args.order))
     rows = measure(model, train, held, study)
+    decode_rows = sum(len(s.ids) - s.prompt_len for s in train)
     print(
-        f"\n{args.model}: {len(train)} training / {len(held)} held-out prompts, rank {args.rank}, {args.epochs} epochs,"
+        f"\n{args.model}: {len(train)} training sequences ({decode_rows} decode rows) / {len(held)} held-out prompts,"
+        f" rank {args.rank}, {args.epochs} epochs,"
     )
     print(f"quality floor {DEFAULT_MIN_AGREEMENT}, {cpu_model()}, {args.threads} threads\n")
     table = [
@@ -172,6 +185,12 @@ def main() -> None:
         for r in rows
     ]
     print_table(table, list(table[0]))
+
+
+def shipped_text(loaded: object, count: int) -> list[Seq]:
+    """`count` docstrings as training sequences: a prompt of DOCSTRING_PROMPT tokens, the rest decode rows."""
+    docs = stdlib_documents(loaded, count, DOCSTRING_TOKENS, seed=0)
+    return [Seq(list(doc.ids), DOCSTRING_PROMPT) for doc in docs if len(doc.ids) > DOCSTRING_PROMPT + 1]
 
 
 def _ints(text: str) -> tuple[int, ...]:
