@@ -55,7 +55,7 @@ def main() -> None:
     pin_threads(args.threads)
     import torch
 
-    from adaptive_export.calibration.measure import greedy_sequence
+    from adaptive_export.calibration.greedy import greedy_sequence
     from adaptive_export.loading.model import load_model
 
     torch.set_num_threads(args.threads)

@@ -44,6 +44,16 @@ def greedy_sequences(
     return [(p + c, len(p)) for p, c in greedy_continuations(loaded, prompts, new_tokens, desc, progress)]
 
 
+def greedy_sequence(loaded: Any, prompt: str, new_tokens: int) -> tuple[list[int], int]:
+    """`greedy_sequences` of one prompt: a batch of one, no padding."""
+    return greedy_sequences(loaded, [prompt], new_tokens, progress=False)[0]
+
+
+def greedy_with_hidden(loaded: Any, prompt: str, new_tokens: int) -> tuple[list[int], list[int], Any]:
+    """`greedy_runs_with_hidden` of one prompt."""
+    return next(greedy_runs_with_hidden(loaded, [prompt], new_tokens, progress=False))
+
+
 def greedy_runs_with_hidden(
     loaded: Any, prompts: Sequence[str], new_tokens: int, desc: str = "greedy continuations", progress: bool = True
 ) -> Iterator[tuple[list[int], list[int], Any]]:

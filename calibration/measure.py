@@ -14,12 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from adaptive_export.calibration.drafts import MEASURES
-from adaptive_export.calibration.greedy import (
-    greedy_continuations,
-    greedy_runs_with_hidden,
-    greedy_sequences,
-    hidden_states,
-)
+from adaptive_export.calibration.greedy import greedy_runs_with_hidden
 from adaptive_export.loading.prompts import read_prompts
 from adaptive_export.runtimes.errors import UsageError
 
@@ -34,19 +29,6 @@ def calibration_prompts(path: str | None) -> list[str]:
     return read_prompts(path)
 
 
-def greedy_sequence(loaded: Any, prompt: str, new_tokens: int) -> tuple[list[int], int]:
-    """(prompt ids + the full model's greedy continuation, prompt length), a batch of one."""
-    return greedy_sequences(loaded, [prompt], new_tokens, progress=False)[0]
-
-
-def greedy_with_hidden(
-    loaded: Any, prompt: str, new_tokens: int, hidden: bool = True
-) -> tuple[list[int], list[int], Any]:
-    """(prompt ids, greedy continuation, hidden states of prompt+continuation per layer), a batch of one."""
-    ((ids, cont),) = greedy_continuations(loaded, [prompt], new_tokens, progress=False)
-    return ids, cont, hidden_states(loaded, ids + cont) if hidden else None
-
-
 def measure_speculation(
     loaded: Any,
     parts: Any,
@@ -57,7 +39,7 @@ def measure_speculation(
 ) -> dict[str, Any]:
     """Simulate every draft source (calibration/drafts/) on the same greedy runs; with
     `adapters` the early-exit candidates are their exits and the drafts go through them
-    (head(adapter(h_E))), as the draft engine computes them. `runs` reuses greedy_with_hidden
+    (head(adapter(h_E))), as the draft engine computes them. `runs` reuses greedy_runs_with_hidden
     results already generated for `prompts`."""
     import torch
 

@@ -215,26 +215,28 @@ def _parse(data: mmap.mmap) -> GGUFHeader:
 
 def read_gguf_header(path: Path) -> GGUFHeader:
     """The checked header of a .gguf file; a UsageError naming the problem otherwise."""
-    return _checked(path, keep_mapping=False)[0]
+    header, data = _checked_mapping(path)
+    data.close()
+    return header
 
 
 def map_gguf(path: Path) -> tuple[GGUFHeader, np.ndarray]:
     """The checked header and the whole file as a read-only byte array, from one mapping: the
     tensors read through it are the bytes the check saw, even if the path is replaced later."""
-    header, data = _checked(path, keep_mapping=True)
-    assert data is not None
-    return header, data
+    header, data = _checked_mapping(path)
+    return header, np.frombuffer(data, np.uint8)  # the array keeps the mapping open
 
 
-def _checked(path: Path, keep_mapping: bool) -> tuple[GGUFHeader, np.ndarray | None]:
+def _checked_mapping(path: Path) -> tuple[GGUFHeader, mmap.mmap]:
     fd = limits.open_regular(path, "GGUF file")
     try:
         with open(fd, "rb", closefd=False) as handle:
             data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        if not keep_mapping:
-            with data:
-                return _parse(data), None
-        return _parse(data), np.frombuffer(data, np.uint8)  # the array keeps the mapping open
+        try:
+            return _parse(data), data
+        except BaseException:
+            data.close()
+            raise
     except _Truncated:
         problem = "it ends in the middle of its header (truncated?)"
     except ValueError as exc:  # an empty file cannot be mapped either

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from adaptive_export.calibration import greedy
-from adaptive_export.calibration.measure import greedy_sequence, greedy_with_hidden
+from adaptive_export.calibration.greedy import greedy_sequence, greedy_with_hidden
 from adaptive_export.loading.model import load_model
 
 PROMPTS = [

@@ -109,7 +109,7 @@ def test_superset_choice_on_handmade_histograms() -> None:
 
 
 def test_training_reacts_to_lambda(router_setup: tuple[Path, Path, Path]) -> None:
-    from adaptive_export.calibration.measure import greedy_sequence
+    from adaptive_export.calibration.greedy import greedy_sequence
     from adaptive_export.calibration.routers import TrainingSequence, train_routers
     from adaptive_export.loading.model import load_model
 
@@ -202,7 +202,7 @@ def test_training_does_not_depend_on_the_size_of_activations(tmp_path: Path) -> 
     to skip) first."""
     from transformers import AutoModelForCausalLM
 
-    from adaptive_export.calibration.measure import greedy_sequence
+    from adaptive_export.calibration.greedy import greedy_sequence
     from adaptive_export.calibration.routers import TrainingSequence, router_scores, train_routers
     from adaptive_export.loading.model import load_model
 
