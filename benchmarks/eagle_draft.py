@@ -12,9 +12,12 @@ pass plus the draft. Both the pass ratio T=2 / T=1 (calibration/verify_cost.py, 
 own decode engine) and the draft (exported to ONNX, timed in ONNX Runtime) are measured here, so
 the expected speed-up over plain decoding needs no cost model:
 
-    speed-up = (1 + acceptance x drafted share) / (drafted share x T2 + (1 - drafted share) x T1 + draft)
+    exact speed-up over T=1 plain decoding = (1 + acceptance) / (T2 / T1 + draft / T1)
 
-over confidence thresholds (a round whose draft is unsure runs T=1). Two blocks, each one decoder
+Every pass is two rows there, as exactness on an accuracy-4 bundle needs (its T=1 and T=2 passes
+round differently; docs/speculation.md "Exact speculation at accuracy 4"). The last columns price
+the same draft where a round whose draft is unsure runs T=1 instead (best confidence threshold):
+exact only where T=1 and T=2 passes agree, as on fp32 bundles. Two blocks, each one decoder
 layer's parameters or fewer (calibration/draft_training.py's gated form), trained by
 self-distillation (KL to the teacher's top-k over a VocabTrim head) on calibration/draft_data.py's
 text (self-written requests and answers, stdlib docstrings; whole documents held out):
@@ -159,16 +162,18 @@ class Measured:
 
 
 def expected_speedup(correct: Tensor, confidence: Tensor, t2: float, draft: float) -> dict[str, float]:
-    """Best threshold: rounds draft when the draft's top-1 probability reaches it (costs in T=1 passes)."""
+    """Over T=1 plain decoding, costs in T=1 passes: every pass two rows (exact at accuracy 4), and the
+    best threshold where a round drafts only when the draft's top-1 probability reaches it."""
+    exact = (1 + float(correct.float().mean())) / (t2 + draft)
     best: dict[str, float] = {}
     for threshold in THRESHOLDS:
         drafted = confidence >= threshold
         tokens = 1 + float((drafted & correct).float().mean())
         cost = float(drafted.float().mean()) * t2 + float((~drafted).float().mean()) + draft
-        if not best or tokens / cost > best["speed-up"]:
+        if not best or tokens / cost > best["speed-up, T=1 where unsure"]:
             best = {"threshold": threshold, "drafted": float(drafted.float().mean()), "tokens/pass": tokens,
-                    "speed-up": tokens / cost}  # fmt: skip
-    return best
+                    "speed-up, T=1 where unsure": tokens / cost}  # fmt: skip
+    return {"exact two-row speed-up": exact, **best}
 
 
 @dataclass(frozen=True)
