@@ -622,19 +622,28 @@ def _interrupted() -> bool:
     return Signals.requested or bool(bundle_writer and bundle_writer.Interrupts.requested)
 
 
+def _error_line(text: str) -> None:
+    """Print the one-line error on a line of its own. A progress bar redraws its line without a
+    newline, and the bar of a loop that an exception left is closed only when its frame is freed,
+    after this line: close the live bars first, so `error: ...` never trails a bar's text."""
+    progress = sys.modules.get("tqdm")
+    for bar in list(getattr(progress.tqdm, "_instances", ()) if progress else ()):
+        bar.close()
+    print(text, file=sys.stderr)
+
+
 def _report_interrupt() -> int:
     """One line for every way an interrupt surfaces (Ctrl-C, SIGTERM, or a library's own exception)."""
-    print("error: interrupted. Fix: run the command again (no partial bundle was left)", file=sys.stderr)
+    _error_line("error: interrupted. Fix: run the command again (no partial bundle was left)")
     return EXIT_INTERRUPTED
 
 
 def _report_unexpected(exc: BaseException) -> int:
     """The backstop's one line: the exception's type and first line, and how to get the traceback."""
     text = (str(exc).strip().splitlines() or [""])[0][:300]
-    print(
+    _error_line(
         f"error: unexpected {type(exc).__name__}{': ' + text if text else ''}. "
-        "Fix: check the inputs; if they are valid, report this with the traceback from ADAPTIVE_EXPORT_TRACEBACK=1",
-        file=sys.stderr,
+        "Fix: check the inputs; if they are valid, report this with the traceback from ADAPTIVE_EXPORT_TRACEBACK=1"
     )
     return EXIT_USAGE
 
@@ -677,7 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         if _interrupted():
             return _report_interrupt()
-        print(exc.one_line(), file=sys.stderr)
+        _error_line(exc.one_line())
         return EXIT_USAGE
     except KeyboardInterrupt:
         return _report_interrupt()

@@ -103,6 +103,20 @@ def test_interrupted_build_keeps_old_bundle_and_leaves_nothing(
     assert not list(target.parent.glob(f".{target.name}.*")), "a partial staging directory was left behind"
 
 
+def test_the_error_line_is_not_appended_to_a_live_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    """A bar redraws its line without a newline, and an interrupted loop's bar closes only when its
+    frame is freed, after the error line: the test above once read `export ONNX: 50%|...error: interrupted`."""
+    from tqdm import tqdm
+
+    from adaptive_export.commands import cli
+
+    bar = tqdm(total=2, desc="export ONNX", unit="graph", mininterval=0)  # on stderr, as the build's bars
+    bar.update(1)
+    assert cli._report_interrupt() == 130
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("error: interrupted"), err
+
+
 def test_killed_build_keeps_old_bundle_and_next_build_cleans_up(
     tiny_model_dir: Path, old_bundle: tuple[Path, str], tmp_path: Path
 ) -> None:
