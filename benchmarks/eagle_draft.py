@@ -55,7 +55,7 @@ from adaptive_export.calibration.draft_training import (
 )
 from adaptive_export.calibration.verify_cost import measure_verify_costs
 from adaptive_export.graphs.layers import Head
-from benchmarks.common import bench_parser, cpu_model, parse_and_pin, print_table
+from benchmarks.common import bench_parser, cpu_model, median_of, parse_and_pin, print_table
 
 DRAFT_TIMING_REPEATS = 200
 
@@ -148,7 +148,7 @@ def draft_ms(draft: TrimmedDraft, width: int, threads: int) -> float:
         started = time.perf_counter()
         session.run(None, feed)
         samples.append((time.perf_counter() - started) * 1e3)
-    return float(np.median(samples))
+    return median_of(samples)
 
 
 @dataclass(frozen=True)
