@@ -17,6 +17,7 @@ MAX_TOLERANCE = 100.0  # `check --tolerance`: a larger factor would no longer ga
 
 def cmd_check(options: CheckOptions) -> int:
     from adaptive_export.exporter.check import run_check, write_report
+    from adaptive_export.runtimes.backends.onnxruntime_backend import available_provider
 
     if not (
         math.isfinite(options.tolerance) and 0 < options.tolerance <= MAX_TOLERANCE
@@ -25,6 +26,7 @@ def cmd_check(options: CheckOptions) -> int:
             f"--tolerance {options.tolerance} must be a finite factor in (0, {MAX_TOLERANCE:g}]",
             "pass a factor such as 1 or 2",
         )
+    available_provider(options.provider)  # before the reference model loads (minutes for a large one)
     prompts = read_prompts(options.prompts) if options.prompts else None
     for option, value in (("--report", options.report), ("--junit", options.junit)):  # fail before minutes of checking
         if value:
@@ -43,6 +45,7 @@ def cmd_check(options: CheckOptions) -> int:
             options.new_tokens,
             options.tolerance,
             expect_precision=options.expect_precision,
+            provider=options.provider,
         )
     try:
         write_report(report, options.report, options.junit)

@@ -387,14 +387,14 @@ def _add_run_decoding_arguments(run: argparse.ArgumentParser) -> None:
 
 def _add_run_engine_arguments(run: argparse.ArgumentParser) -> None:
     """Backend, provider, threads, verification and prepacking of the engines."""
-    from adaptive_export.runtimes.backends import BACKEND_NAMES
+    from adaptive_export.runtimes.backends import BACKEND_NAMES, PROVIDERS
 
     run.add_argument("--backend", default="onnx", help=f"engine backend: {', '.join(BACKEND_NAMES)} (default: onnx)")
     run.add_argument(
         "--provider",
         default="cpu",
-        choices=["cpu", "cuda", "tensorrt"],
-        help="ONNX Runtime execution provider (default: cpu)",
+        choices=list(PROVIDERS),
+        help="ONNX Runtime execution provider (default: cpu; cuda and tensorrt need onnxruntime-gpu and a GPU)",
     )
     run.add_argument(
         "--verify",
@@ -463,6 +463,7 @@ def _add_check_command(sub: Any) -> None:
     from adaptive_export.commands.check import MAX_TOLERANCE
     from adaptive_export.exporter.check_precision import PRECISION_CLASSES
     from adaptive_export.runtimes import limits
+    from adaptive_export.runtimes.backends import PROVIDERS
 
     check = _add_bundle_command(
         sub,
@@ -493,6 +494,13 @@ def _add_check_command(sub: Any) -> None:
         help="JSONL prompts ('prompt' field) for the greedy checks (default: built-in prompts)",
     )
     _add_int(check, "--new-tokens", (1, limits.MAX_LEN), 16, "greedy tokens compared per prompt (default: 16)")
+    check.add_argument(
+        "--provider",
+        default="cpu",
+        choices=list(PROVIDERS),
+        help="ONNX Runtime execution provider the onnx engines are checked on, as `run --provider` runs them "
+        "(default: cpu; cuda needs onnxruntime-gpu and a GPU)",
+    )
     check.add_argument(
         "--tolerance",
         type=float,

@@ -103,6 +103,7 @@ class CheckOptions(Options):
     new_tokens: int = 16
     tolerance: float = 1.0
     expect_precision: str | None = None  # fp32, int8, int4 or gguf: what the engines must be
+    provider: str = "cpu"  # ONNX Runtime's execution provider for the engines
 
 
 @dataclass(frozen=True)

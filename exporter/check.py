@@ -70,6 +70,7 @@ class CheckResult:
 class CheckReport:
     bundle: str
     model: str
+    provider: str = "cpu"  # where ONNX Runtime ran the engines
     results: list[CheckResult] = field(default_factory=list)
 
     @property
@@ -81,6 +82,7 @@ class CheckReport:
             "schema": REPORT_SCHEMA,
             "bundle": self.bundle,
             "model": self.model,
+            "provider": self.provider,
             "passed": self.passed,
             "tolerances": TOLERANCES,
             "tie_margin": TIE_MARGIN,
@@ -549,6 +551,13 @@ class CheckSettings:
     new_tokens: int = 16
     scale_tol: float = 1.0
     progress: bool = True
+    provider: str = "cpu"  # the execution provider of the backends that take one (ONNX Runtime's)
+
+    def backend_options(self, backend_name: str) -> dict[str, str]:
+        """The options that run `backend_name` on this check's provider: none for a backend without providers."""
+        from adaptive_export.runtimes.backends import BACKENDS
+
+        return {"provider": self.provider} if BACKENDS[backend_name].takes_provider else {}
 
 
 def greedy_cases(bundle: Bundle, prompts: tuple[str, ...]) -> list[tuple[dict[str, Any], str, str | None]]:
@@ -604,7 +613,8 @@ def check_backend(
     from adaptive_export.runtimes.generate import Generator
 
     precision = precision or bundle_precision(bundle)
-    backend = make_backend(bundle, backend_name)
+    options = settings.backend_options(backend_name)
+    backend = make_backend(bundle, backend_name, **options)
     graphs = list(bundle.backend_entry(backend_name).graphs)
     if not backend.executes:
         return [
@@ -616,7 +626,7 @@ def check_backend(
             engine_parity(bundle, backend, parts, graph, scale_tol=settings.scale_tol, precision=precision)
             for graph in engines
         ]
-    generator = Generator(bundle, backend=backend_name)
+    generator = Generator(bundle, backend=backend_name, **options)
     draft_engine = bundle.config("full").engines.get("precision_draft")
     if draft_engine is not None:  # the draft's own quality: drafts that rarely agree cost time, not correctness
         rows = quality_rows(generator, references, settings, draft_engine, "precision draft")
@@ -674,6 +684,7 @@ def run_check(
     scale_tol: float = 1.0,
     progress: bool = True,
     expect_precision: str | None = None,
+    provider: str = "cpu",
 ) -> CheckReport:
     """Load the bundle and the reference the user named once, then check what the engines are,
     the tokenizer, and every backend against it. Nothing is taken from the bundle on trust."""
@@ -683,9 +694,9 @@ def run_check(
     bundle = load_bundle(bundle_dir)
     loaded, parts = load_parts(bundle, model)
     precision = bundle_precision(bundle)
-    report = CheckReport(bundle=str(bundle_dir), model=loaded.source)
+    report = CheckReport(bundle=str(bundle_dir), model=loaded.source, provider=provider)
     report.results += bundle_rows(bundle, precision, expect_precision, loaded)
-    settings = CheckSettings(tuple(prompts or BUILTIN_PROMPTS), new_tokens, scale_tol, progress)
+    settings = CheckSettings(tuple(prompts or BUILTIN_PROMPTS), new_tokens, scale_tol, progress, provider)
     references = ReferenceDecodes(parts)
     skipped: dict[str, str] = {}
     for backend_name in bundle.manifest.backends:

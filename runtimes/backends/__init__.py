@@ -28,6 +28,7 @@ class BackendInfo:
     class_name: str  # a runtimes.backends.base.Backend subclass in `module`
     extra: str  # the pip extra that installs what it needs (`pip install adaptive-export[extra]`)
     runs_on: str  # for help texts
+    takes_provider: bool = False  # runs its engines on an execution provider that `--provider` names
 
     def load(self) -> type[Backend]:
         try:
@@ -49,6 +50,7 @@ BACKENDS: dict[str, BackendInfo] = {
             "OnnxRuntimeBackend",
             "gpu",
             "CPU everywhere; CUDA/TensorRT providers",
+            takes_provider=True,
         ),
         BackendInfo("coreml", "adaptive_export.runtimes.backends.coreml_backend", "CoreMLBackend", "coreml", "macOS"),
         BackendInfo(
@@ -57,6 +59,8 @@ BACKENDS: dict[str, BackendInfo] = {
     )
 }
 BACKEND_NAMES = tuple(BACKENDS)
+# ONNX Runtime's execution providers by `--provider` name (`run`, `check`): the names without importing it
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
 
 def make_backend(bundle: Bundle, name: str = "onnx", **options: Any) -> Backend:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from adaptive_export.runtimes.backends import PROVIDERS
 from adaptive_export.runtimes.backends.base import Backend, StepOutputs
 from adaptive_export.runtimes.backends.run_guard import RunGuard, create_session
 from adaptive_export.runtimes.bundle import Bundle, logits_width
@@ -47,8 +48,6 @@ from adaptive_export.runtimes.manifest import GraphEntry, ModelDims
 
 if TYPE_CHECKING:  # names the session types only; imported at run time by _import_ort
     import onnxruntime
-
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
 
 def _import_ort() -> Any:
@@ -134,6 +133,21 @@ class FusedBinding:
         )
 
 
+def available_provider(provider: str) -> str:
+    """ONNX Runtime's name of the `--provider` named, if this installation has it: else one error line,
+    before anything slow (`check` loads its reference model only after this)."""
+    if provider not in PROVIDERS:
+        raise UsageError(f"provider {provider!r} is unknown", f"choose one of: {', '.join(PROVIDERS)}")
+    available = _import_ort().get_available_providers()
+    if PROVIDERS[provider] not in available:
+        raise UsageError(
+            f"ONNX Runtime provider {provider!r} is not available here (have: {', '.join(available)})",
+            "install onnxruntime-gpu (`pip install adaptive-export[gpu]`) on a machine with a GPU, "
+            "or use --provider cpu",
+        )
+    return PROVIDERS[provider]
+
+
 class OnnxRuntimeBackend(Backend):
     name = "onnx"
 
@@ -147,16 +161,7 @@ class OnnxRuntimeBackend(Backend):
     ) -> None:
         super().__init__(bundle)
         self.ort = _import_ort()
-        if provider not in PROVIDERS:
-            raise UsageError(f"provider {provider!r} is unknown", f"choose one of: {', '.join(PROVIDERS)}")
-        available = self.ort.get_available_providers()
-        if PROVIDERS[provider] not in available:
-            raise UsageError(
-                f"ONNX Runtime provider {provider!r} is not available here (have: {', '.join(available)})",
-                "install onnxruntime-gpu (`pip install adaptive-export[gpu]`) on a machine with a GPU, "
-                "or use --provider cpu",
-            )
-        self.provider = PROVIDERS[provider]
+        self.provider = available_provider(provider)
         self.threads = check_threads(threads)
         # engines that alternate within one sequence: draft and verify of any draft source
         self.alternating = any(set(c.engines) - {"decode"} for c in bundle.manifest.configs)
@@ -241,16 +246,37 @@ class OnnxRuntimeBackend(Backend):
             )
             try:
                 with self._releasing(initializers if prepacked else ()):
-                    session = create_session(self.ort, self.guard, model_bytes, options, [self.provider])
+                    session = create_session(self.ort, self.guard, model_bytes, options, [self._provider_spec()])
             except Exception as exc:  # ORT raises its own exception types for invalid models
                 raise UsageError(
                     f"ONNX Runtime cannot load engine {file!r}: {str(exc).splitlines()[0]}",
                     "rebuild the bundle",
                 ) from exc
+            self._refuse_fallback(session, file)
             self._sessions[file] = session
             if prepacked:
                 self._release(initializers)
         return session
+
+    def _provider_spec(self) -> str | tuple[str, dict[str, str]]:
+        """The provider with its options. CUDA computes fp32 MatMuls in TF32 by default on Ampere and
+        newer (10-bit mantissa): on the lent H100 that put fp32 engines 1.5x past check's tolerance
+        against PyTorch. An fp32 bundle runs in fp32; a faster precision is a build's choice."""
+        if self.provider == PROVIDERS["cuda"]:
+            return (self.provider, {"use_tf32": "0"})
+        return self.provider
+
+    def _refuse_fallback(self, session: onnxruntime.InferenceSession, file: str) -> None:
+        """ONNX Runtime's Python API retries on the CPU when a GPU provider fails to start (missing
+        CUDA or cuDNN libraries, say) and only warns: `--provider cuda` must run on CUDA or say why."""
+        started = session.get_providers()
+        if self.provider not in started:
+            raise UsageError(
+                f"ONNX Runtime could not start {self.provider} for engine {file!r} "
+                f"(it fell back to {', '.join(started)})",
+                "install the CUDA/cuDNN (or TensorRT) libraries onnxruntime-gpu needs and check `nvidia-smi`, "
+                "or use --provider cpu",
+            )
 
     @contextlib.contextmanager
     def _releasing(self, names: Iterable[str], every_s: float = 0.02) -> Iterator[None]:

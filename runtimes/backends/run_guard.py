@@ -194,7 +194,7 @@ _ARENA_LOCK = threading.Lock()
 _ARENA_OWNER: list[weakref.ref[RunGuard]] = []  # the guard whose ceiling ONNX Runtime's shared CPU arena has now
 
 
-def create_session(ort: Any, guard: RunGuard, model: bytes, options: Any, providers: list[str]) -> Any:
+def create_session(ort: Any, guard: RunGuard, model: bytes, options: Any, providers: list[Any]) -> Any:
     """An InferenceSession that allocates from the arena capped at the guard's bundle's ceiling.
 
     ONNX Runtime's env allocator is process-wide and a session takes the one registered when it
