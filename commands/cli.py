@@ -387,15 +387,10 @@ def _add_run_decoding_arguments(run: argparse.ArgumentParser) -> None:
 
 def _add_run_engine_arguments(run: argparse.ArgumentParser) -> None:
     """Backend, provider, threads, verification and prepacking of the engines."""
-    from adaptive_export.runtimes.backends import BACKEND_NAMES, PROVIDERS
+    from adaptive_export.runtimes.backends import BACKEND_NAMES
 
     run.add_argument("--backend", default="onnx", help=f"engine backend: {', '.join(BACKEND_NAMES)} (default: onnx)")
-    run.add_argument(
-        "--provider",
-        default="cpu",
-        choices=list(PROVIDERS),
-        help="ONNX Runtime execution provider (default: cpu; cuda and tensorrt need onnxruntime-gpu and a GPU)",
-    )
+    _add_provider(run, "ONNX Runtime execution provider")
     run.add_argument(
         "--verify",
         default="full",
@@ -433,6 +428,18 @@ def _add_config_and_mode(parser: argparse.ArgumentParser, default_mode: str = "a
     )
 
 
+def _add_provider(parser: argparse.ArgumentParser, what: str) -> None:
+    """ONNX Runtime's execution provider: `run`, `bench` and `check` alike."""
+    from adaptive_export.runtimes.backends import PROVIDERS
+
+    parser.add_argument(
+        "--provider",
+        default="cpu",
+        choices=list(PROVIDERS),
+        help=f"{what} (default: cpu; cuda and tensorrt need onnxruntime-gpu and a GPU: docs/backends.md)",
+    )
+
+
 def _add_threads_and_prepack(parser: argparse.ArgumentParser) -> None:
     """ONNX Runtime's threads and weight prepacking: `run` and `bench` alike."""
     parser.add_argument(
@@ -463,7 +470,6 @@ def _add_check_command(sub: Any) -> None:
     from adaptive_export.commands.check import MAX_TOLERANCE
     from adaptive_export.exporter.check_precision import PRECISION_CLASSES
     from adaptive_export.runtimes import limits
-    from adaptive_export.runtimes.backends import PROVIDERS
 
     check = _add_bundle_command(
         sub,
@@ -494,13 +500,7 @@ def _add_check_command(sub: Any) -> None:
         help="JSONL prompts ('prompt' field) for the greedy checks (default: built-in prompts)",
     )
     _add_int(check, "--new-tokens", (1, limits.MAX_LEN), 16, "greedy tokens compared per prompt (default: 16)")
-    check.add_argument(
-        "--provider",
-        default="cpu",
-        choices=list(PROVIDERS),
-        help="ONNX Runtime execution provider the onnx engines are checked on, as `run --provider` runs them "
-        "(default: cpu; cuda needs onnxruntime-gpu and a GPU)",
-    )
+    _add_provider(check, "ONNX Runtime execution provider the onnx engines are checked on, as `run` runs them")
     check.add_argument(
         "--tolerance",
         type=float,
@@ -535,6 +535,7 @@ def _add_bench_command(sub: Any) -> None:
     _add_int(bench, "--max-new-tokens", (1, limits.MAX_LEN), 32, "tokens per repetition (default: 32)")
     _add_int(bench, "--repeat", (1, 1000), 5, "timed repetitions after one warm-up (default: 5)")
     _add_config_and_mode(bench)
+    _add_provider(bench, "ONNX Runtime execution provider")
     _add_threads_and_prepack(bench)
     bench.add_argument("--json", action="store_true", help="print JSON")
 

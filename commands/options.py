@@ -122,6 +122,7 @@ class BenchOptions(Options):
     mode: str = "ar"
     threads: int = 0
     prepack: str = "auto"
+    provider: str = "cpu"
     json: bool = False
 
 

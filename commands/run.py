@@ -101,6 +101,7 @@ def cmd_bench(options: BenchOptions) -> int:
         options.mode,
         limits.check_threads(options.threads),
         prepack_graphs(bundle, options.prepack),
+        options.provider,
     )
     if options.json:
         print(json.dumps(rows))

@@ -21,6 +21,7 @@ class BenchReport(TypedDict):
     mode: str
     repeat: int
     threads: int | str  # "ort-default" for 0
+    provider: str
 
 
 def bench_bundle(
@@ -32,8 +33,9 @@ def bench_bundle(
     mode: str = "ar",
     threads: int = 0,
     prepack: list[str] | None = None,
+    provider: str = "cpu",
 ) -> BenchReport:
-    generator = Generator(directory, threads=threads, prepack=prepack)
+    generator = Generator(directory, threads=threads, prepack=prepack, provider=provider)
     generator.generate(prompt, max_new_tokens=new_tokens, config=config, mode=mode)  # warm-up
     runs = [
         generator.generate(prompt, max_new_tokens=new_tokens, config=config, mode=mode).stats for _ in range(repeat)
@@ -48,4 +50,5 @@ def bench_bundle(
         "mode": runs[-1].mode,
         "repeat": repeat,
         "threads": threads or "ort-default",
+        "provider": provider,
     }

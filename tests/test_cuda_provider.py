@@ -53,20 +53,32 @@ def test_engines_run_on_cuda_and_decode_as_on_the_cpu(flavour: str, request: pyt
     assert on_gpu == Generator(bundle).generate(prompt, max_new_tokens=24, raw=True).tokens
 
 
+@pytest.mark.parametrize("command", ["check", "run", "bench"])
 def test_a_provider_missing_here_is_one_error_line(
-    tiny_bundle: Path, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    command: str, tiny_bundle: Path, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     available = ort.get_available_providers()
     missing = [name for name, provider in PROVIDERS.items() if provider not in available]
     if not missing:
         pytest.skip("this onnxruntime lists every provider")
     report = tmp_path / "r.json"
-    code = main(
-        ["check", str(tiny_bundle), "--model", str(tiny_model_dir), "--provider", missing[0], "--report", str(report)]
-    )
-    err = capsys.readouterr().err.strip().splitlines()
+    rest = {
+        "check": ["--model", str(tiny_model_dir), "--report", str(report)],
+        "run": ["-p", "Hello", "--max-new-tokens", "2"],
+        "bench": ["--repeat", "1", "--max-new-tokens", "2"],
+    }[command]
+    code = main([command, str(tiny_bundle), "--provider", missing[0], *rest])
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ONNX Runtime provider"), err
-    assert "Fix: " in err[0] and not report.exists()
+    assert "Fix: " in err[0] and not report.exists() and not captured.out
+
+
+@needs_cuda
+def test_bench_on_cuda_reports_the_provider(tiny_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", str(tiny_bundle), "--provider", "cuda", "--repeat", "2", "--max-new-tokens", "8", "--json"])
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and row["provider"] == "cuda" and row["new_tokens"] == 8 and row["tpot_ms"] > 0
 
 
 @pytest.mark.skipif(
