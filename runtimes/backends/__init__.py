@@ -59,7 +59,7 @@ BACKENDS: dict[str, BackendInfo] = {
     )
 }
 BACKEND_NAMES = tuple(BACKENDS)
-# ONNX Runtime's execution providers by `--provider` name (`run`, `check`): the names without importing it
+# ONNX Runtime's execution providers by `--provider` name (`run`, `bench`, `check`), named without importing it
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
 
