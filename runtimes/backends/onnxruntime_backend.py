@@ -50,6 +50,12 @@ if TYPE_CHECKING:  # names the session types only; imported at run time by _impo
     import onnxruntime
 
 
+# Options each provider starts with. CUDA computes fp32 MatMuls in TF32 by default on Ampere and newer
+# (10-bit mantissa): on the lent H100 that put fp32 engines 1.5x past check's tolerance against PyTorch.
+# An fp32 bundle runs in fp32; a faster precision is a build's choice.
+PROVIDER_OPTIONS: dict[str, dict[str, str]] = {PROVIDERS["cuda"]: {"use_tf32": "0"}}
+
+
 def _import_ort() -> Any:
     try:
         import onnxruntime
@@ -246,7 +252,8 @@ class OnnxRuntimeBackend(Backend):
             )
             try:
                 with self._releasing(initializers if prepacked else ()):
-                    session = create_session(self.ort, self.guard, model_bytes, options, [self._provider_spec()])
+                    provider = (self.provider, PROVIDER_OPTIONS.get(self.provider, {}))
+                    session = create_session(self.ort, self.guard, model_bytes, options, [provider])
             except Exception as exc:  # ORT raises its own exception types for invalid models
                 raise UsageError(
                     f"ONNX Runtime cannot load engine {file!r}: {str(exc).splitlines()[0]}",
@@ -257,14 +264,6 @@ class OnnxRuntimeBackend(Backend):
             if prepacked:
                 self._release(initializers)
         return session
-
-    def _provider_spec(self) -> str | tuple[str, dict[str, str]]:
-        """The provider with its options. CUDA computes fp32 MatMuls in TF32 by default on Ampere and
-        newer (10-bit mantissa): on the lent H100 that put fp32 engines 1.5x past check's tolerance
-        against PyTorch. An fp32 bundle runs in fp32; a faster precision is a build's choice."""
-        if self.provider == PROVIDERS["cuda"]:
-            return (self.provider, {"use_tf32": "0"})
-        return self.provider
 
     def _refuse_fallback(self, session: onnxruntime.InferenceSession, file: str) -> None:
         """ONNX Runtime's Python API retries on the CPU when a GPU provider fails to start (missing
