@@ -1,6 +1,7 @@
-"""Resolve a MODEL argument (HF directory, .gguf file, a packaged name: `smollm2`, `gemma3`, or a
-Hugging Face Hub id `org/name`, loading/hub.py) and load it for export. A local path wins over a
-Hub id of the same spelling."""
+"""Resolve a MODEL argument (HF directory, .gguf file, a packaged name of loading/packaged.py:
+`smollm2`, `gemma3`, `qwen2.5-coder-0.5b`, `qwen2.5-coder-1.5b`, or a Hugging Face Hub id
+`org/name`, loading/hub.py) and load it for export. A local path wins over a Hub id of the
+same spelling."""
 
 from __future__ import annotations
 
