@@ -23,12 +23,17 @@ from adaptive_export.exporter.tokenizer_export import chat_format
 from adaptive_export.graphs.plan import BuildPlan
 from adaptive_export.graphs.span_graph import ModelParts
 from adaptive_export.loading.gguf_header import read_gguf_header
-from adaptive_export.loading.model import check_model_files, load_model
+from adaptive_export.loading.lean_model import load_lean_model
+from adaptive_export.loading.memory_plan import build_need, ensure_fits
+from adaptive_export.loading.model import check_model_files, load_model, model_fields
+from adaptive_export.loading.model_checks import SIZING_KEYS
 from adaptive_export.loading.packaged import PACKAGED
 from adaptive_export.loading.prompts import read_prompts
 from adaptive_export.loading.warning_filters import third_party_warnings_hidden
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest import Manifest
+
+LEAN_QUANTIZE = ("native", "none")  # the precisions whose weights the lean build writes tensor by tensor
 
 
 def needs_speculate(flag: str, option: str, speculate: str | None, part: str) -> None:
@@ -324,9 +329,29 @@ def export_options(options: BuildOptions, checked: CheckedBuild, state: Calibrat
     )
 
 
+def builds_lean(options: BuildOptions, checked: CheckedBuild) -> bool:
+    """Whether the build only exports (nothing trains or measures on the torch model), from a .gguf,
+    to ONNX Runtime engines whose weights it can stream: then the model's weights are never loaded
+    whole (exporter/lean_export.py). Re-quantization (int8/int4) and CoreML/TensorRT read them all."""
+    calibrates = options.routers or options.speculate or options.draft_vocab or checked.draft_builds
+    exports_only = not calibrates and checked.draft_precision is None and (options.draft_head or "none") == "none"
+    _, gguf_file = check_model_files(options.model)
+    streams = options.backends == ("onnx",) and checked.quantize in LEAN_QUANTIZE
+    return exports_only and gguf_file is not None and streams
+
+
+def ensure_build_fits(options: BuildOptions, streams: bool) -> None:
+    """The build's peak memory from the model's dimensions, refused before any work if it cannot fit."""
+    fields = model_fields(options.model)
+    if all(fields.get(key) is not None for key in SIZING_KEYS):  # a partial config: transformers' defaults
+        ensure_fits(build_need(fields, streams))
+
+
 def run_build(options: BuildOptions) -> Manifest:
     checked = check_build_options(options)
-    loaded = load_model(options.model)
+    streams = builds_lean(options, checked)
+    ensure_build_fits(options, streams)
+    loaded = load_lean_model(options.model) if streams else load_model(options.model)
     chat_format(
         loaded.tokenizer
     )  # the model's own template, rendered bounded: a hostile one fails here, not after export

@@ -15,6 +15,19 @@ from adaptive_export.runtimes.errors import UsageError
 MAX_TOLERANCE = 100.0  # `check --tolerance`: a larger factor would no longer gate anything
 
 
+def ensure_check_fits(model: str | None) -> None:
+    """check's fp32 reference must fit in memory: refused before it loads, not killed while it does."""
+    from adaptive_export.loading.memory_plan import check_need, ensure_fits
+    from adaptive_export.loading.model import model_fields
+    from adaptive_export.loading.model_checks import SIZING_KEYS
+
+    if model is None:
+        return  # check itself says the reference is required
+    fields = model_fields(model)
+    if all(fields.get(key) is not None for key in SIZING_KEYS):
+        ensure_fits(check_need(fields))
+
+
 def cmd_check(options: CheckOptions) -> int:
     from adaptive_export.exporter.check import run_check, write_report
     from adaptive_export.runtimes.backends.onnxruntime_backend import available_provider
@@ -27,6 +40,7 @@ def cmd_check(options: CheckOptions) -> int:
             "pass a factor such as 1 or 2",
         )
     available_provider(options.provider)  # before the reference model loads (minutes for a large one)
+    ensure_check_fits(options.model)
     prompts = read_prompts(options.prompts) if options.prompts else None
     for option, value in (("--report", options.report), ("--junit", options.junit)):  # fail before minutes of checking
         if value:

@@ -14,13 +14,15 @@ from tqdm import tqdm
 
 from adaptive_export.exporter.backends import COMPILERS, needs_portable_onnx
 from adaptive_export.exporter.graph_entry import manifest_graph
+from adaptive_export.exporter.lean_export import LazyWeights, export_lean_graph, fake_names, placeholder_array
 from adaptive_export.exporter.onnx_export import OPSET, export_graph
 from adaptive_export.exporter.tokenizer_export import chat_format, save_tokenizer, special_tokens
-from adaptive_export.exporter.weights import WeightStore, canonicalize_names, externalize
+from adaptive_export.exporter.weights import WeightStore, canonicalize_names, externalize, externalize_tensor
 from adaptive_export.graphs.drafts import engine_roles
 from adaptive_export.graphs.fused_graph import packed_weights
 from adaptive_export.graphs.plan import FULL_CONFIG, BuildPlan
 from adaptive_export.graphs.span_graph import GraphSpec, ModelParts, draft_head
+from adaptive_export.loading.lean_model import LeanModel, is_fake
 from adaptive_export.loading.model import LoadedModel
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest import (
@@ -97,8 +99,11 @@ def export_onnx(
     quant_options: dict[str, int] | None = None,
     max_len: int = DEFAULT_MAX_LEN,
     native_source: Path | None = None,
+    lazy: LazyWeights | None = None,
 ) -> BackendEntry:
-    """Export every graph to root/onnx with one shared weights file (optionally weight-quantized)."""
+    """Export every graph to root/onnx with one shared weights file (optionally weight-quantized).
+    With `lazy` (the memory-lean build), the parts' large weights are fake and read from the file
+    only where the bundle keeps them as floats (exporter/lean_export.py)."""
     folder = root / "onnx"
     folder.mkdir()
     flavour, quant_options = graphs[0].flavour, quant_options or {}
@@ -106,15 +111,21 @@ def export_onnx(
     native = _native_weights(parts, quantize, flavour, native_source)
     engines: dict[str, EngineEntry] = {}
     written: dict[tuple[Any, ...], EngineEntry] = {}
+    names = fake_names(parts, packed) if lazy is not None else {}
     with WeightStore(folder / WEIGHTS_FILE) as store:
         _name_weights(store, parts, packed, graphs)
+        read = (lambda init: placeholder_array(init, lazy)) if lazy is not None else None
+
+        def emit(inits: list[onnx.TensorProto]) -> list[onnx.TensorProto]:  # each linear's blocks, written at once
+            return [externalize_tensor(init, store, WEIGHTS_FILE) for init in inits]
+
         for graph in tqdm(graphs, desc="export ONNX", unit="graph", disable=not progress):
             key = manifest_graph(graph).engine_key()
             if key not in written:
-                model = export_graph(parts, graph, packed)
+                model = export_lean_graph(parts, graph, packed, names) if lazy else export_graph(parts, graph, packed)
                 canonicalize_names(model, store)
-                model = _apply_precision(model, graph, quantize, quant_options, native)
-                externalize(model, store, WEIGHTS_FILE)
+                model = _apply_precision(model, graph, quantize, quant_options, native, emit if lazy else None)
+                externalize(model, store, WEIGHTS_FILE, read)
                 onnx.save(model, str(folder / f"{graph.name}.onnx"))
                 external = (i.name for i in model.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL)
                 written[key] = EngineEntry(file=f"onnx/{graph.name}.onnx", initializers=tuple(sorted(external)))
@@ -144,9 +155,10 @@ def _native_weights(parts: ModelParts, quantize: str, flavour: str, native_sourc
 
 def _name_weights(store: WeightStore, parts: ModelParts, packed: Any, graphs: list[GraphSpec]) -> None:
     """Every tensor an engine may take from the weights file, under its canonical name."""
-    store.name_parameters((n, p.detach().numpy()) for n, p in parts.hf_model.named_parameters())
+    real = [(n, p) for n, p in parts.hf_model.named_parameters() if not is_fake(p)]  # fakes: named by identity
+    store.name_parameters((n, p.detach().numpy()) for n, p in real)
     if packed is not None:
-        store.name_parameters((n, t.detach().numpy()) for n, t in packed.named())
+        store.name_parameters((n, t.detach().numpy()) for n, t in packed.named() if not is_fake(t))
     if parts.routers is not None:
         store.name_parameters([("routers.weight", parts.routers.weight.detach().numpy())])
     store.name_parameters((f"{source}.table", t.detach().numpy()) for source, t in parts.draft_tables.items())
@@ -159,7 +171,12 @@ def _name_weights(store: WeightStore, parts: ModelParts, packed: Any, graphs: li
 
 
 def _apply_precision(
-    model: onnx.ModelProto, graph: GraphSpec, quantize: str, quant_options: dict[str, int], native: Any
+    model: onnx.ModelProto,
+    graph: GraphSpec,
+    quantize: str,
+    quant_options: dict[str, int],
+    native: Any,
+    emit: Any = None,
 ) -> onnx.ModelProto:
     """The bundle's weight precision, or a precision draft's: int8/int4 re-quantize the float
     weights (accuracy 4: int8 activations, ORT's fast CPU kernels); native4 is the GGUF's own
@@ -172,7 +189,7 @@ def _apply_precision(
             )
         from adaptive_export.exporter.native_quant import apply_native
 
-        apply_native(model, native, 4)
+        apply_native(model, native, 4, emit)
         if graph.draft_vocab:  # the reduced head is no GGUF tensor: int8 at accuracy 4, like a float bundle's draft
             from adaptive_export.exporter.quantize import quantize as quantize_model
 
@@ -185,7 +202,7 @@ def _apply_precision(
     if native is not None:
         from adaptive_export.exporter.native_quant import apply_native
 
-        apply_native(model, native, quant_options.get("accuracy_level", 4))
+        apply_native(model, native, quant_options.get("accuracy_level", 4), emit)
         return model
     if quantize != "none":
         from adaptive_export.exporter.quantize import quantize as quantize_model
@@ -211,10 +228,11 @@ def build_bundle(
     parts = parts or ModelParts(loaded.hf_model, loaded.spec)
     flavour = "portable" if needs_portable_onnx(options.backends) else options.onnx_flavour
     graphs = flavoured(plan.graphs(), flavour)
+    lazy = LazyWeights(loaded.weights, loaded.spec.num_layers) if isinstance(loaded, LeanModel) else None
     with staging_dir(options.output, options.force) as root:
         onnx_entry = export_onnx(
             root, parts, graphs, options.progress, options.quantize, options.quant_options, options.max_len,
-            options.native_source,
+            options.native_source, lazy,
         )  # fmt: skip
         save_tokenizer(loaded.tokenizer, root / "tokenizer.json", loaded.spec.vocab_size)
         manifest = _manifest(loaded, plan, options, graphs, onnx_entry)

@@ -184,30 +184,39 @@ def _tensor(reader: Any, name: str) -> Any:
     return index[name]
 
 
-def _decode_tensor(reader: Any, name: str) -> _Decoded:
+def _decode_tensor(reader: Any, name: str, rows: Any = None) -> _Decoded:
+    """The tensor's codes, scales and mins, of all rows or of `rows` (a slice or index array, in
+    that order: a row permutation and a chunk are the same selection of whole rows' blocks)."""
     tensor = _tensor(reader, name)
     type_name = tensor.tensor_type.name
     if type_name in FLOAT_TYPES:
         raise NotQuantizedError(
             f"GGUF tensor {name!r} is {type_name}, not quantized: export it as floats (no native grid to keep)"
         )
-    shape = [int(s) for s in tensor.shape]  # ggml order: ne0 (= K, contiguous) first
-    if len(shape) != 2:
-        raise ValueError(f"GGUF tensor {name!r} has shape {shape}; a linear weight is 2-D")
-    k, n = shape
+    k, n = _linear_shape(tensor, name)
     import gguf
 
     qk, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
-    data = np.asarray(tensor.data).reshape(n * (k // qk), type_size)
-    codes, scale, bs, minimum, bits = _decode_blocks(type_name, data)
+    data = np.asarray(tensor.data).reshape(n, k // qk, type_size)
+    data = data[rows] if rows is not None else data
+    count = data.shape[0]
+    codes, scale, bs, minimum, bits = _decode_blocks(type_name, data.reshape(count * (k // qk), type_size))
     return _Decoded(
-        codes.reshape(n, k),
-        scale.reshape(n, k // bs),
+        codes.reshape(count, k),
+        scale.reshape(count, k // bs),
         bs,
-        None if minimum is None else minimum.reshape(n, k // CORRECTION_BLOCK),
+        None if minimum is None else minimum.reshape(count, k // CORRECTION_BLOCK),
         bits,
         type_name,
     )
+
+
+def _linear_shape(tensor: Any, name: str) -> tuple[int, int]:
+    """(K, N) of a 2-D GGUF tensor (ggml order: ne0 = K, contiguous, first)."""
+    shape = [int(s) for s in tensor.shape]
+    if len(shape) != 2:
+        raise ValueError(f"GGUF tensor {name!r} has shape {shape}; a linear weight is 2-D")
+    return shape[0], shape[1]
 
 
 def _bits_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -257,26 +266,6 @@ def _negative_zeros(n: int, k: int) -> np.ndarray:
     return np.full((n, k // CORRECTION_BLOCK), -0.0, np.float32)
 
 
-def _permuted_parts(
-    reader: Any, tensor_names: list[str], row_permutations: list[np.ndarray | None] | None
-) -> list[_Decoded]:
-    """The decoded tensors, each with its rows permuted as W[perm]."""
-    if row_permutations is None:
-        row_permutations = [None] * len(tensor_names)
-    if len(row_permutations) != len(tensor_names) or not tensor_names:
-        raise ValueError("native_linear needs one row permutation (or None) per tensor name")
-    parts = [_decode_tensor(reader, name) for name in tensor_names]
-    for part, perm, name in zip(parts, row_permutations, tensor_names):
-        if perm is not None:
-            perm = np.asarray(perm)
-            if sorted(perm.tolist()) != list(range(part.codes.shape[0])):
-                raise ValueError(f"row permutation for {name!r} is not a permutation of its {part.codes.shape[0]} rows")
-            part.codes, part.scale = part.codes[perm], part.scale[perm]
-            if part.minimum is not None:
-                part.minimum = part.minimum[perm]
-    return parts
-
-
 def _promote(
     p: _Decoded, bits: int, block_size: int, has_min: bool, k: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
@@ -297,6 +286,25 @@ def _promote(
     return p.codes, scale, c, zp
 
 
+# the grid each GGUF type converts to: (bits, block size, has a per-block min)
+TYPE_GRIDS = {
+    "Q4_0": (4, 32, False), "Q4_1": (4, 32, True), "Q4_K": (4, 32, True),
+    "Q5_0": (8, 32, False), "Q5_1": (8, 32, True), "Q5_K": (8, 32, True),
+    "Q8_0": (8, 32, False), "Q6_K": (8, 16, False),
+}  # fmt: skip
+CHUNK_ELEMENTS = 1 << 24  # rows are converted in chunks of about this many weights (int16 codes: 32 MB)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One tensor of a stacked linear, read from its header: name, GGUF type, rows N, row order."""
+
+    name: str
+    type_name: str
+    n: int
+    rows: np.ndarray | None
+
+
 def native_linear(
     reader: Any, tensor_names: list[str], row_permutations: list[np.ndarray | None] | None = None
 ) -> NativeLinear:
@@ -305,36 +313,78 @@ def native_linear(
     All tensors must share K. Mixed formats are promoted losslessly: bits = the widest, block
     size = the smallest (a 32-block scale repeats over two 16-blocks), and a tensor without a
     min gets a zero correction when another has one. Raises NotQuantizedError for F32/F16/BF16
-    tensors and UnsupportedGGUFTypeError for other formats (Q2_K, Q3_K, IQ*...).
+    tensors and UnsupportedGGUFTypeError for other formats (Q2_K, Q3_K, IQ*...). Rows are
+    converted in chunks into the preallocated result, so a 151,936-row table costs its result
+    plus one chunk, not several int16 copies of itself.
     """
-    parts = _permuted_parts(reader, tensor_names, row_permutations)
-    k = parts[0].codes.shape[1]
-    if any(p.codes.shape[1] != k for p in parts):
-        raise ValueError(f"tensors {tensor_names} do not share the input dimension K")
-    bits = max(p.bits for p in parts)
-    block_size = min(p.block_size for p in parts)
-    has_min = any(p.minimum is not None for p in parts)
+    parts, k = _parts(reader, tensor_names, row_permutations)
+    grids = [TYPE_GRIDS[p.type_name] for p in parts]
+    bits, block_size = max(g[0] for g in grids), min(g[1] for g in grids)
+    has_min = any(g[2] for g in grids)
+    total = sum(p.n for p in parts)
+    packed = np.empty((total, k // block_size, block_size * bits // 8), np.uint8)
+    scales = np.empty((total, k // block_size), np.float32)
+    zero_points = np.empty((total, k // block_size), np.uint8)
+    correction = np.empty((k // CORRECTION_BLOCK, total), np.float32) if has_min else None
+    chunk, start = max(1, CHUNK_ELEMENTS // k), 0
+    for part in parts:
+        for first in range(0, part.n, chunk):
+            selected = (
+                np.arange(first, min(first + chunk, part.n)) if part.rows is None else part.rows[first : first + chunk]
+            )
+            decoded = _decode_tensor(reader, part.name, selected)
+            stored, scale, corr, zp = _promote(decoded, bits, block_size, has_min, k)
+            if stored.min() < 0 or stored.max() >= (1 << bits):
+                raise AssertionError("internal: codes out of range for the chosen bit width")
+            rows = slice(start + first, start + first + len(selected))
+            packed[rows], scales[rows], zero_points[rows] = _pack(stored, bits, block_size), scale, zp
+            if correction is not None:
+                correction[:, rows] = corr.T
+        start += part.n
     zero_point = 1 << (bits - 1)
-
-    promoted = [_promote(p, bits, block_size, has_min, k) for p in parts]
-    stored_parts, scale_parts, corr_parts, zp_parts = (list(column) for column in zip(*promoted))
-    stored = np.concatenate(stored_parts, axis=0)
-    scales = np.ascontiguousarray(np.concatenate(scale_parts, axis=0), dtype=np.float32)
-    correction = np.ascontiguousarray(np.concatenate(corr_parts, axis=0).T, dtype=np.float32) if has_min else None
-    zero_points = np.concatenate(zp_parts, axis=0)
-    if stored.min() < 0 or stored.max() >= (1 << bits):
-        raise AssertionError("internal: codes out of range for the chosen bit width")
     return NativeLinear(
         bits=bits,
         block_size=block_size,
-        n=stored.shape[0],
+        n=total,
         k=k,
-        packed=_pack(stored, bits, block_size),
+        packed=packed,
         scales=scales,
         correction=correction,
         source_types=tuple(p.type_name for p in parts),
         zero_points=None if (zero_points == zero_point).all() else zero_points,
     )
+
+
+def _parts(
+    reader: Any, tensor_names: list[str], row_permutations: list[np.ndarray | None] | None
+) -> tuple[list[_Part], int]:
+    """The stacked tensors' types, row counts and row orders, checked, and their shared K."""
+    if row_permutations is None:
+        row_permutations = [None] * len(tensor_names)
+    if len(row_permutations) != len(tensor_names) or not tensor_names:
+        raise ValueError("native_linear needs one row permutation (or None) per tensor name")
+    parts, widths = [], set()
+    for name, perm in zip(tensor_names, row_permutations):
+        tensor = _tensor(reader, name)
+        type_name = tensor.tensor_type.name
+        if type_name in FLOAT_TYPES:
+            raise NotQuantizedError(
+                f"GGUF tensor {name!r} is {type_name}, not quantized: export it as floats (no native grid to keep)"
+            )
+        if type_name not in TYPE_GRIDS:
+            raise UnsupportedGGUFTypeError(
+                f"GGUF type {type_name} is not supported (supported: {', '.join(FOUR_BIT_TYPES + EIGHT_BIT_TYPES)})"
+            )
+        k, n = _linear_shape(tensor, name)
+        widths.add(k)
+        if perm is not None:
+            perm = np.asarray(perm)
+            if sorted(perm.tolist()) != list(range(n)):
+                raise ValueError(f"row permutation for {name!r} is not a permutation of its {n} rows")
+        parts.append(_Part(name, type_name, n, perm))
+    if len(widths) != 1:
+        raise ValueError(f"tensors {tensor_names} do not share the input dimension K")
+    return parts, widths.pop()
 
 
 def dequantize_native(nl: NativeLinear) -> np.ndarray:

@@ -12,6 +12,7 @@ stored once. The fp32 reference model is the same file dequantized, so at accura
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,10 @@ import onnx
 from onnx import helper
 
 from adaptive_export.exporter.gguf_native import (
+    EIGHT_BIT_TYPES,
+    FLOAT_TYPES,
+    FOUR_BIT_TYPES,
     NativeLinear,
-    NotQuantizedError,
-    UnsupportedGGUFTypeError,
     blocksum_nodes,
     gather_block_quantized_nodes,
     hf_to_gguf_tensor_names,
@@ -40,12 +42,21 @@ EMBEDDING = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 
 
+# GGUF types with a per-block min: their MatMulNBits form carries a correction term
+TYPES_WITH_MIN = ("Q4_1", "Q4_K", "Q5_1", "Q5_K")
+
+
 @dataclass
 class NativeWeights:
-    """Every linear of the fused graphs as the GGUF's own blocks, converted once per build."""
+    """Every quantized linear of the fused graphs as the GGUF's own blocks, converted when a graph
+    asks for it (one linear at a time: a 1.5B model's blocks are 1 GB, its build's budget 3 GB).
 
-    linears: dict[str, NativeLinear] = field(default_factory=dict)  # graph initializer name -> blocks
-    bits: set[int] = field(default_factory=set)
+    `sources` maps a graph initializer name to the GGUF tensors it stacks (quantized ones only);
+    `types` gives their GGUF type names, from which bits and the accuracy-1 rule follow unconverted."""
+
+    reader: Any
+    sources: dict[str, list[str]] = field(default_factory=dict)
+    types: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
     def from_gguf(cls, path: Path, spec: ModelSpec) -> NativeWeights:
@@ -55,28 +66,56 @@ class NativeWeights:
         wanted[EMBEDDING] = [EMBEDDING]
         if not spec.tie_word_embeddings:
             wanted[LM_HEAD] = [LM_HEAD]
-        out = cls()
+        kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+        out = cls(reader)
         for packed, hf_names in wanted.items():
             gguf_names = [names[n] for n in hf_names]
-            try:
-                linear = native_linear(
-                    reader, gguf_names, [transformers_row_permutation(reader, n) for n in gguf_names]
-                )
-            except NotQuantizedError:
+            types = tuple(kinds.get(n, "") for n in gguf_names)
+            if any(t in FLOAT_TYPES for t in types):
                 continue  # a float tensor in a quantized file stays float, as the file has it
-            except UnsupportedGGUFTypeError as exc:
+            unsupported = [n for n, t in zip(gguf_names, types) if t not in FOUR_BIT_TYPES + EIGHT_BIT_TYPES]
+            if unsupported:
                 raise UsageError(
-                    f"GGUF tensor {gguf_names[0]!r} uses a format native quantization does not read: {exc}",
+                    f"GGUF tensor {unsupported[0]!r} uses a format native quantization does not read "
+                    f"({kinds.get(unsupported[0], 'missing')})",
                     "build with --quantize int4 or int8 (re-quantization) or --quantize none",
-                ) from exc
-            out.linears[packed] = linear
-            out.bits.add(linear.bits)
-        if not out.linears:
+                )
+            out.sources[packed], out.types[packed] = gguf_names, types
+        if not out.sources:
             raise UsageError(
                 f"{str(path)!r} holds no quantized tensors, so there is no native grid to keep",
                 "build it with --quantize none, int8 or int4",
             )
         return out
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.sources
+
+    def linear(self, name: str) -> NativeLinear:
+        """The blocks of one graph initializer, converted anew at each call (a tied table's two
+        uses sit at the graph's two ends: keeping it would hold it while every layer converts)."""
+        gguf_names = self.sources[name]
+        permutations = [transformers_row_permutation(self.reader, n) for n in gguf_names]
+        linear = native_linear(self.reader, gguf_names, permutations)
+        for gguf_name in gguf_names:
+            self.reader.release(gguf_name)
+        return linear
+
+    def bits_of(self, name: str) -> int:
+        return 4 if all(t in FOUR_BIT_TYPES for t in self.types[name]) else 8
+
+    def without_slow_at_accuracy_1(self) -> NativeWeights:
+        """Accuracy 1 keeps the float weights of 8-bit blocks without a min (see SLOW_AT_ACCURACY_1)."""
+        keep = [
+            n
+            for n, types in self.types.items()
+            if not (self.bits_of(n) == SLOW_AT_ACCURACY_1 and not any(t in TYPES_WITH_MIN for t in types))
+        ]
+        return NativeWeights(self.reader, {n: self.sources[n] for n in keep}, {n: self.types[n] for n in keep})
+
+    @property
+    def bits(self) -> set[int]:
+        return {self.bits_of(name) for name in self.sources}
 
     @property
     def dtype(self) -> str:
@@ -90,26 +129,26 @@ class NativeWeights:
 # accuracy 1 those tensors keep the float graph's weights, which are that dequantization.
 SLOW_AT_ACCURACY_1 = 8
 
+Emit = Callable[[list[onnx.TensorProto]], list[onnx.TensorProto]]
 
-def apply_native(model: onnx.ModelProto, weights: NativeWeights, accuracy_level: int) -> None:
+
+def apply_native(model: onnx.ModelProto, weights: NativeWeights, accuracy_level: int, emit: Emit | None = None) -> None:
     """Replace float linears (MatMul, the LM head's Gemm) and the embedding Gather with the
-    GGUF's blocks; one block-sum per activation serves every linear that reads it."""
+    GGUF's blocks; one block-sum per activation serves every linear that reads it. `emit` sees
+    each linear's new initializers as they are made and returns what to keep in their place (the lean
+    build writes them out at once and keeps external references)."""
     if accuracy_level == 1:
-        weights = NativeWeights(
-            {
-                name: linear
-                for name, linear in weights.linears.items()
-                if not (linear.bits == SLOW_AT_ACCURACY_1 and linear.correction is None)
-            },
-            weights.bits,
-        )
+        weights = weights.without_slow_at_accuracy_1()
     nodes: list[onnx.NodeProto] = []
     added: list[onnx.TensorProto] = []
     blocksums: dict[str, str] = {}
     for node in model.graph.node:
+        start = len(added)
         replaced = _replacement(node, weights, accuracy_level, blocksums, nodes, added)
         if not replaced:
             nodes.append(node)
+        elif emit is not None:
+            added[start:] = emit(added[start:])
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     used = {name for node in nodes for name in node.input}
@@ -134,16 +173,16 @@ def _replacement(
     if (
         node.op_type == "Gather"
         and node.input[0] == EMBEDDING
-        and EMBEDDING in weights.linears
+        and EMBEDDING in weights
         and _attrs(node).get("axis", 0) == 0
     ):
         new, inits = gather_block_quantized_nodes(
-            node.input[1], node.output[0], "token_embd", weights.linears[EMBEDDING]
+            node.input[1], node.output[0], "token_embd", weights.linear(EMBEDDING)
         )
         nodes.extend(new)
         added.extend(inits)
         return True
-    if node.op_type == "MatMul" and node.input[1] in weights.linears:
+    if node.op_type == "MatMul" and node.input[1] in weights:
         x, name = node.input[0], node.input[1]
     elif (
         node.op_type == "Gemm"
@@ -151,12 +190,12 @@ def _replacement(
         and node.input[1] in (EMBEDDING, LM_HEAD)
         and _attrs(node) == {"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 1}
     ):
-        x, name = node.input[0], (LM_HEAD if node.input[1] == LM_HEAD and LM_HEAD in weights.linears else EMBEDDING)
-        if name not in weights.linears:
+        x, name = node.input[0], (LM_HEAD if node.input[1] == LM_HEAD and LM_HEAD in weights else EMBEDDING)
+        if name not in weights:
             return False
     else:
         return False
-    linear = weights.linears[name]
+    linear = weights.linear(name)
     prefix = "token_embd" if name == EMBEDDING else name
     blocksum = None
     if linear.correction is not None:

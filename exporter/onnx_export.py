@@ -6,6 +6,7 @@ import contextlib
 import io
 import logging
 import warnings
+from typing import Any
 
 import onnx
 import torch
@@ -46,7 +47,13 @@ def _fused_inputs(
 
 
 def export_graph(parts: ModelParts, graph: GraphSpec, packed: PackedWeights | None = None) -> onnx.ModelProto:
-    """Export with torch.export (dynamo), the exporter that keeps parameter names stable.
+    """The graph as an ONNX model with its weights inside (see `trace_graph`)."""
+    return trace_graph(parts, graph, packed).model_proto
+
+
+def trace_graph(parts: ModelParts, graph: GraphSpec, packed: PackedWeights | None = None) -> Any:
+    """Export with torch.export (dynamo), the exporter that keeps parameter names stable; returns
+    torch's ONNXProgram (its `model` is the onnx_ir model, FakeTensor weights still unread).
 
     The "ort" flavour needs the build's PackedWeights and translates graphs/ort_ops.py to
     ONNX Runtime's fused contrib ops; the portable flavour uses standard ops only.
@@ -86,4 +93,4 @@ def export_graph(parts: ModelParts, graph: GraphSpec, packed: PackedWeights | No
             verbose=False,
             custom_translation_table=translations,
         )
-    return program.model_proto
+    return program

@@ -9,14 +9,14 @@ builds); graphs then refer to it as ONNX external data by name, offset and lengt
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 # Initializers below this size (shape vectors, scalars) stay inside each graph.
 MIN_SHARED_BYTES = 1024
@@ -62,7 +62,11 @@ class WeightStore:
             self.canonical_names.setdefault(content_key(array), name)
 
     def add(self, array: np.ndarray, preferred: str = "") -> StoredTensor:
-        key = content_key(array)
+        return self.add_bytes(np.ascontiguousarray(array).tobytes(), array.dtype.str, tuple(array.shape), preferred)
+
+    def add_bytes(self, data: bytes, dtype: str, shape: tuple[int, ...], preferred: str = "") -> StoredTensor:
+        """`add` for a tensor already serialized (an initializer's raw_data): no copy of its bytes."""
+        key = f"{dtype}:{shape}:{hashlib.sha256(data).hexdigest()}"
         stored = self.tensors.get(key)
         if stored is not None:
             return stored
@@ -70,12 +74,11 @@ class WeightStore:
         padding = (-self._offset) % ALIGNMENT
         self._file.write(b"\0" * padding)
         self._offset += padding
-        data = np.ascontiguousarray(array).tobytes()
         name = self.canonical_names.get(key) or preferred or f"const.{key.rsplit(':', 1)[1][:16]}"
         if name in self._names:  # same name, other content (e.g. two quantizations): keep both
             name = f"{name}.{key.rsplit(':', 1)[1][:12]}"
         self._names.add(name)
-        stored = StoredTensor(name, array.dtype.str, tuple(array.shape), self._offset, len(data))
+        stored = StoredTensor(name, dtype, shape, self._offset, len(data))
         self._file.write(data)
         self._offset += len(data)
         self.tensors[key] = stored
@@ -101,6 +104,8 @@ def canonicalize_names(model: onnx.ModelProto, store: WeightStore) -> None:
     later passes (quantization) derive stable names (`<param>.T_Q4`) in every graph."""
     renames = {}
     for init in model.graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            continue  # the lean build's placeholders are named after their parameter already
         array = numpy_helper.to_array(init)
         if array.nbytes >= MIN_SHARED_BYTES:
             name = store.canonical_names.get(content_key(array))
@@ -109,26 +114,68 @@ def canonicalize_names(model: onnx.ModelProto, store: WeightStore) -> None:
     rename_initializers(model, renames)
 
 
-def externalize(model: onnx.ModelProto, store: WeightStore, location: str) -> None:
-    """Move the graph's large initializers into the store and point the graph at them."""
+ReadPlaceholder = Callable[[onnx.TensorProto], np.ndarray]
+
+
+def externalize(model: onnx.ModelProto, store: WeightStore, location: str, lazy: ReadPlaceholder | None = None) -> None:
+    """Move the graph's large initializers into the store and point the graph at them (the lean
+    build's placeholders read through `lazy`, one at a time)."""
     renames: dict[str, str] = {}
     for init in model.graph.initializer:
-        array = numpy_helper.to_array(init)
+        if _stored_in(init, location):
+            continue
+        array = _initializer_array(init, lazy)
         if array.nbytes < MIN_SHARED_BYTES:
             continue
         stored = store.add(array, init.name)
+        del array
         if init.name != stored.name:
             renames[init.name] = stored.name
-        init.ClearField("raw_data")
-        for fld in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
-            init.ClearField(fld)
+        _point_at(init, stored, location)
         init.name = stored.name
-        init.data_location = onnx.TensorProto.EXTERNAL
-        del init.external_data[:]
-        for key, value in (("location", location), ("offset", str(stored.offset)), ("length", str(stored.length))):
-            entry = init.external_data.add()
-            entry.key, entry.value = key, value
     rename_initializers(model, renames)
+
+
+def _point_at(init: onnx.TensorProto, stored: StoredTensor, location: str) -> None:
+    """Make `init` external data at the stored tensor's place in the weights file."""
+    init.ClearField("raw_data")
+    for fld in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+        init.ClearField(fld)
+    init.data_location = onnx.TensorProto.EXTERNAL
+    del init.external_data[:]
+    for key, value in (("location", location), ("offset", str(stored.offset)), ("length", str(stored.length))):
+        entry = init.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def _stored_in(init: onnx.TensorProto, location: str) -> bool:
+    return init.data_location == onnx.TensorProto.EXTERNAL and any(
+        e.key == "location" and e.value == location for e in init.external_data
+    )
+
+
+def externalize_tensor(init: onnx.TensorProto, store: WeightStore, location: str) -> onnx.TensorProto:
+    """One initializer into the store now, under its own name (the lean build writes each linear's
+    blocks as they are made); returns a new external TensorProto to use instead, which the graph's
+    later `externalize` leaves. New, not cleared: protobuf keeps a cleared field's bytes in the
+    message's arena until the message goes, so a cleared tensor would still hold its weights."""
+    raw = init.raw_data  # protobuf hands out a copy at each access: take it once
+    if len(raw) < MIN_SHARED_BYTES:
+        return init
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type)).str
+    stored = store.add_bytes(raw, dtype, tuple(init.dims), init.name)
+    del raw
+    external = onnx.TensorProto(name=init.name, data_type=init.data_type, dims=init.dims)
+    _point_at(external, stored, location)
+    return external
+
+
+def _initializer_array(init: onnx.TensorProto, lazy: ReadPlaceholder | None) -> np.ndarray:
+    if init.data_location != onnx.TensorProto.EXTERNAL:
+        return numpy_helper.to_array(init)
+    if lazy is None:
+        raise ValueError(f"initializer {init.name!r} is external, and no reader for it was given")
+    return lazy(init)
 
 
 def _dedupe_initializers(model: onnx.ModelProto) -> None:

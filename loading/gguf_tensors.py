@@ -9,6 +9,7 @@ blocks are read through it: one mapping, checked before any byte of tensor data 
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,3 +41,16 @@ class MappedGGUF:
             MappedTensor(t.name, gguf.GGMLQuantizationType(t.kind), t.dims, data[t.start : t.start + t.size])
             for t in header.tensors
         ]
+        self._extents = {t.name: (t.start, t.size) for t in header.tensors}
+        view = data.base  # np.frombuffer keeps a memoryview of the mmap
+        self._mapping = getattr(view, "obj", None) if isinstance(view, memoryview) else None
+
+    def release(self, name: str) -> None:
+        """Drop a tensor's pages from this process's resident memory once it has been converted: the
+        file stays mapped (a later read faults them in again), but a build's peak RSS does not grow by
+        the whole file (1.1 GB for Qwen2.5-Coder-1.5B) while it streams the tensors one by one."""
+        if not isinstance(self._mapping, mmap.mmap) or name not in self._extents or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start, size = self._extents[name]
+        first = start - start % mmap.PAGESIZE  # a read-only file mapping: a dropped page is read again on
+        self._mapping.madvise(mmap.MADV_DONTNEED, first, start + size - first)  # its next touch

@@ -111,6 +111,19 @@ def check_model_files(model: str) -> tuple[Path, str | None]:
     return directory, gguf_file
 
 
+def model_fields(model: str) -> dict[str, Any]:
+    """The model's dimensions under HF config names, from its checked GGUF header or config.json
+    (a multimodal config's text_config where it keeps them), without loading anything."""
+    from adaptive_export.loading.model_checks import read_config_json
+
+    directory, gguf_file = check_model_files(model)
+    if gguf_file:
+        return read_gguf_header(snapshot_blob(directory / gguf_file)).hf_fields()
+    config = read_config_json(directory, model, snapshot_blob(directory / "config.json"))
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config
+
+
 def spec_from_config(config: Any) -> ModelSpec:
     """Check the architecture (graphs/architectures) and read the dimensions the static graphs are built from."""
     model_type = getattr(config, "model_type", None)
@@ -144,20 +157,14 @@ def load_model(model: str = DEFAULT_MODEL) -> LoadedModel:
 
 def _load_checked_model(model: str, directory: Path, gguf_file: str | None) -> LoadedModel:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    try:
-        config = AutoConfig.from_pretrained(directory, local_files_only=True, **kwargs)
-    except Exception as exc:  # transformers and gguf raise many types for truncated or foreign files
-        raise UsageError(
-            f"cannot read the model config of {model!r}: {_first_line(exc)}",
-            "pass a complete model directory or .gguf file",
-        ) from None
+    config = load_config(model, directory, gguf_file)
     spec = spec_from_config(config)
     if gguf_file is None and (directory / "tokenizer.json").is_file():  # the runtime's rules, before parsing
         check_tokenizer_file(directory / "tokenizer.json", TokenizerRules(spec.vocab_size, _TOKENIZER_FIX))
     log.info("loading %s (%s, %d layers)", model, spec.model_type, spec.num_layers)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(
             directory, config=config, local_files_only=True, dtype=torch.float32, **kwargs
@@ -165,6 +172,30 @@ def _load_checked_model(model: str, directory: Path, gguf_file: str | None) -> L
         hf_model.eval().requires_grad_(False)
     except Exception as exc:  # missing or truncated weights
         raise _weights_error(model, directory, gguf_file, exc) from None
+    tokenizer = load_tokenizer(model, directory, gguf_file)
+    source = model_source(model, directory, gguf_file)
+    return LoadedModel(hf_model=hf_model, tokenizer=tokenizer, spec=spec, source=source)
+
+
+def load_config(model: str, directory: Path, gguf_file: str | None) -> Any:
+    """The model's transformers config, from config.json or the GGUF metadata."""
+    from transformers import AutoConfig
+
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        return AutoConfig.from_pretrained(directory, local_files_only=True, **kwargs)
+    except Exception as exc:  # transformers and gguf raise many types for truncated or foreign files
+        raise UsageError(
+            f"cannot read the model config of {model!r}: {_first_line(exc)}",
+            "pass a complete model directory or .gguf file",
+        ) from None
+
+
+def load_tokenizer(model: str, directory: Path, gguf_file: str | None) -> Any:
+    """The model's tokenizer through transformers, a Rust panic or missing file as one error line."""
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         with rust_stderr_quiet(keep_output=True):
             tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
@@ -177,10 +208,16 @@ def _load_checked_model(model: str, directory: Path, gguf_file: str | None) -> L
         ) from None
     if tokenizer is None or isinstance(tokenizer, bool):
         raise UsageError(f"model {model!r} has no tokenizer", "pass a model directory with its tokenizer files")
-    # recorded in the manifest; absolute, so `check` never resolves it against another directory
-    # (a Hub snapshot's .gguf is a link into the cache's blobs: the name stays, its folder is resolved)
-    source = model if model in PACKAGED else str(directory.resolve() / gguf_file if gguf_file else directory.resolve())
-    return LoadedModel(hf_model=hf_model, tokenizer=tokenizer, spec=spec, source=source)
+    return tokenizer
+
+
+def model_source(model: str, directory: Path, gguf_file: str | None) -> str:
+    """What the manifest records: the packaged name, else an absolute path, so `check` never
+    resolves it against another directory (a Hub snapshot's .gguf is a link into the cache's
+    blobs: the name stays, its folder is resolved)."""
+    if model in PACKAGED:
+        return model
+    return str(directory.resolve() / gguf_file if gguf_file else directory.resolve())
 
 
 def _pickle_only_error(model: str, directory: Path) -> UsageError | None:

@@ -95,7 +95,14 @@ def check_decode_rows(rows: object) -> int:
 
 
 def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where unknown)."""
+    """The bytes this process may still use (None where unknown): the least of the machine's
+    MemAvailable, what the cgroup's memory.max leaves, and the soft RLIMIT_DATA / RLIMIT_AS
+    (a container or `ulimit` kills or refuses before the machine runs out)."""
+    known = [b for b in (_meminfo_available(), _cgroup_headroom(), _rlimit_bytes()) if b is not None]
+    return min(known) if known else None
+
+
+def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as handle:
             for line in handle:
@@ -104,6 +111,33 @@ def available_memory() -> int | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+def _cgroup_headroom() -> int | None:
+    """cgroup v2 memory.max minus memory.current of this process's group ('max': no limit)."""
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as handle:
+            group = next((line.strip().split("::", 1)[1] for line in handle if line.startswith("0::")), None)
+        if group is None:
+            return None
+        folder = Path("/sys/fs/cgroup") / group.lstrip("/")
+        limit = (folder / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int((folder / "memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _rlimit_bytes() -> int | None:
+    """The soft data / address-space limit of this process (`ulimit -d` / `-v`)."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    limits = [resource.getrlimit(kind)[0] for kind in (resource.RLIMIT_DATA, resource.RLIMIT_AS)]
+    finite = [limit for limit in limits if limit != resource.RLIM_INFINITY]
+    return min(finite) if finite else None
 
 
 def check_arena_bytes(nbytes: int) -> None:

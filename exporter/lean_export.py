@@ -1,0 +1,101 @@
+"""The memory-lean export: graphs traced over FakeTensor weights, weights streamed from the file.
+
+`build` of a .gguf into ONNX Runtime engines needs the model's fp32 weights only to trace the
+graphs and to write weights.bin. Traced over FakeTensors (loading/lean_model.py), each graph's
+large initializers arrive with a shape and no data; they become placeholders named after the
+model parameter they are (by identity, not content: fakes have none), and `LazyWeights` reads
+each from the file only if the bundle keeps it as floats. A GGUF-exact build replaces every
+quantized linear with the file's blocks (exporter/native_quant.py), converted and written one
+at a time, so no placeholder of a quantized tensor is ever read. Peak memory: torch, the
+graph, and one tensor (measured in docs/quantization.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+
+from adaptive_export.exporter.onnx_export import trace_graph
+from adaptive_export.graphs.fused_graph import PackedWeights
+from adaptive_export.graphs.span_graph import GraphSpec, ModelParts
+from adaptive_export.loading.gguf_weights import GGUFWeights
+from adaptive_export.loading.lean_model import is_fake
+
+# the location a placeholder initializer names until its bytes are written to weights.bin
+LAZY_LOCATION = "<lazy>"
+
+
+@dataclass
+class LazyWeights:
+    """A placeholder's bytes, computed from the file when the bundle keeps the tensor as floats:
+    a model parameter as transformers loads it, or a packed tensor (QKV, gate/up) stacked from them."""
+
+    weights: GGUFWeights
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        self._packed = PackedWeights.sources(self.num_layers)
+
+    def array(self, name: str) -> np.ndarray:
+        if name in self._packed:  # PackedWeights' rule: the sources stacked along N, transposed
+            stacked = np.concatenate([self.weights.array(n) for n in self._packed[name]], axis=0)
+            return np.ascontiguousarray(stacked.T)
+        return self.weights.array(name)
+
+
+def fake_names(parts: ModelParts, packed: PackedWeights | None) -> dict[int, str]:
+    """Each fake tensor's canonical name (what the weight store would name it by content)."""
+    names: dict[int, str] = {}
+    for name, tensor in parts.hf_model.named_parameters():
+        names.setdefault(id(tensor), name)
+    for name, tensor in packed.named() if packed is not None else ():
+        names.setdefault(id(tensor), name)
+    return {key: name for key, name in names.items()}
+
+
+def export_lean_graph(
+    parts: ModelParts, graph: GraphSpec, packed: PackedWeights | None, names: dict[int, str]
+) -> onnx.ModelProto:
+    """Trace over fake weights; each fake initializer becomes an external placeholder that names
+    its parameter and records its size, so nothing reads it unless the bundle keeps it."""
+    import onnx_ir as ir
+
+    program = trace_graph(parts, graph, packed)
+    renames: dict[str, str] = {}
+    for value in list(program.model.graph.initializers.values()):
+        tensor = getattr(value.const_value, "raw", None)
+        if tensor is None or not is_fake(tensor):
+            continue
+        name = names.get(id(tensor))
+        if name is None:
+            raise ValueError(f"initializer {value.name!r} of graph {graph.name!r} is no model weight")
+        nbytes = tensor.numel() * tensor.element_size()
+        dtype = value.const_value.dtype
+        value.const_value = ir.ExternalTensor(LAZY_LOCATION, 0, nbytes, dtype, shape=value.shape, name=name)
+        renames[value.name] = name
+    proto = ir.serde.serialize_model(program.model)
+    _rename(proto, renames)
+    return proto
+
+
+def _rename(model: onnx.ModelProto, renames: dict[str, str]) -> None:
+    from adaptive_export.exporter.weights import rename_initializers
+
+    rename_initializers(model, renames)
+
+
+def is_placeholder(init: onnx.TensorProto) -> bool:
+    return init.data_location == onnx.TensorProto.EXTERNAL and any(
+        e.key == "location" and e.value == LAZY_LOCATION for e in init.external_data
+    )
+
+
+def placeholder_array(init: onnx.TensorProto, lazy: Any) -> np.ndarray:
+    """A placeholder's bytes from the file, checked against the shape the graph traced."""
+    array = lazy.array(init.name)
+    if tuple(array.shape) != tuple(init.dims):
+        raise ValueError(f"tensor {init.name!r} reads as {array.shape} from the file, the graph has {tuple(init.dims)}")
+    return array

@@ -1,0 +1,80 @@
+"""How much memory a build or a `check` will take, known before it starts.
+
+A build the machine cannot hold used to end in the kernel's OOM killer minutes in (`Killed`,
+no error line). The peak follows from the model's dimensions and the path the build takes:
+- the streaming build (loading/lean_model.py, exporter/lean_export.py) holds torch, the
+  tokenizer and one converted tensor: a base plus a multiple of the largest table;
+- the full load (calibration, re-quantization, CoreML/TensorRT) holds the fp32 model, its
+  packed copy and each graph's ONNX proto: a multiple of the fp32 weights;
+- `check` holds transformers' fp32 reference, loaded from the file, and the bundle's engines.
+The coefficients are measured peaks (docs/quantization.md, "What a build costs"), with margin.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from adaptive_export.loading.model_checks import fp32_weight_bytes
+from adaptive_export.runtimes import limits
+from adaptive_export.runtimes.errors import UsageError
+
+GiB = 1 << 30
+MiB = 1 << 20
+SKIP_VARIABLE = "ADAPTIVE_EXPORT_SKIP_MEMORY_CHECK"  # "1": start anyway (the estimate is an upper bound)
+
+# measured peak RSS, 2-core Zen 3 (docs/quantization.md): streaming build SmolLM2 0.94 GB,
+# Qwen2.5-Coder-0.5B 1.8 GB, 1.5B see docs; full load 2.4 GB (SmolLM2), 9.1 GB (0.5B)
+STREAM_BASE = 800 * MiB
+STREAM_PER_TABLE_ELEMENT = 9  # bytes per element of the largest table (vocab x hidden)
+FULL_BASE = 400 * MiB
+FULL_PER_FP32_BYTE = 4.8  # the fp32 model, its packed copy, the traced proto and its quantization
+CHECK_BASE = 1200 * MiB
+CHECK_PER_FP32_BYTE = 2.4  # transformers' dequantized state dict and the model it fills
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What a piece of work will hold at its peak, and how to make it smaller."""
+
+    what: str
+    peak_bytes: int
+    fix: str
+
+
+def build_need(fields: Mapping[str, Any], streams: bool) -> MemoryNeed:
+    """A build's peak from the model's dimensions (HF config names) and its path."""
+    head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
+    if streams:
+        table = fields["vocab_size"] * fields["hidden_size"]
+        peak = STREAM_BASE + STREAM_PER_TABLE_ELEMENT * table
+        return MemoryNeed("the build", peak, "close other programs or build on a machine with more memory")
+    peak = FULL_BASE + int(FULL_PER_FP32_BYTE * fp32_weight_bytes(fields, head_dim))
+    fix = (
+        "build from the .gguf with only the default export options (no calibration, --quantize auto|native|none, "
+        "--backend onnx): that build streams the weights; or use a machine with more memory"
+    )
+    return MemoryNeed("the build", peak, fix)
+
+
+def check_need(fields: Mapping[str, Any]) -> MemoryNeed:
+    """`check`'s peak: transformers' fp32 reference of the model plus the bundle's engines."""
+    head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
+    peak = CHECK_BASE + int(CHECK_PER_FP32_BYTE * fp32_weight_bytes(fields, head_dim))
+    return MemoryNeed("check (the fp32 reference model)", peak, "run check on a machine with more memory")
+
+
+def ensure_fits(need: MemoryNeed) -> None:
+    """Refuse work the machine cannot hold, before it starts (set ADAPTIVE_EXPORT_SKIP_MEMORY_CHECK=1
+    to try anyway)."""
+    if os.environ.get(SKIP_VARIABLE) == "1":
+        return
+    available = limits.available_memory()
+    if available is not None and need.peak_bytes > available:
+        raise UsageError(
+            f"{need.what} needs about {need.peak_bytes / GiB:.1f} GiB of memory at its peak, "
+            f"and {available / GiB:.1f} GiB are available",
+            f"{need.fix} (or set {SKIP_VARIABLE}=1 to start anyway)",
+        )
