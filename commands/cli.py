@@ -542,7 +542,7 @@ def _add_bench_command(sub: Any) -> None:
 
 def _add_serve_command(sub: Any) -> None:
     """`serve`: the bundle behind an OpenAI-compatible HTTP API; decoding and engine options as `run`'s."""
-    from adaptive_export.commands.serve import MAX_QUEUE
+    from adaptive_export.commands.serve import MAX_CONNECTIONS, MAX_QUEUE
 
     summary = "serve a bundle over an OpenAI-compatible HTTP API (torch-free; needs the serve extra)"
     description = (
@@ -570,6 +570,21 @@ def _add_serve_command(sub: Any) -> None:
         (1, 1 << 20),
         256,
         "tokens to generate when a request names no max_tokens (default: 256, capped by the bundle's context)",
+    )
+    _add_int(
+        serve,
+        "--max-connections",
+        (1, MAX_CONNECTIONS),
+        100,
+        "connections open at once (default: 100); over it the longest-idle one is closed, or 503 when all are busy",
+    )
+    serve.add_argument(
+        "--read-timeout",
+        type=_finite_float,
+        default=10.0,
+        metavar="S",
+        help="seconds a client has to send a request's headers, and then its body (default: 10); slower ones are "
+        "closed (408)",
     )
     _add_run_decoding_arguments(serve)
     _add_run_engine_arguments(serve)

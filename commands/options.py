@@ -136,6 +136,8 @@ class ServeOptions(Options):
     port: int = 8000
     queue: int = 8
     max_tokens: int = 256
+    max_connections: int = 100
+    read_timeout: float = 10.0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **converted: Any) -> ServeOptions:

@@ -15,12 +15,13 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive
 
 from adaptive_export.commands import serve_api as api
+from adaptive_export.commands.serve_guard import ConnectionLimits, EventLog, accept_error_handler
 from adaptive_export.commands.serve_worker import Done, Failed, GenerationWorker, Job, JobSpec, Piece
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.sampling import SamplingParams
@@ -61,7 +62,9 @@ def error(status: int, message: str, param: str | None = None) -> JSONResponse:
     kinds = {404: "not_found_error", 429: "rate_limit_error"}
     kind = kinds.get(status, "invalid_request_error" if status < 500 else "server_error")
     code = {429: "queue_full"}.get(status)
-    return JSONResponse(api.error_body(message, kind, param, code), status_code=status)
+    # after a 408 the rest of the body may still be on its way: the connection cannot be reused
+    headers = {"connection": "close"} if status == 408 else None
+    return JSONResponse(api.error_body(message, kind, param, code), status_code=status, headers=headers)
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -76,16 +79,34 @@ def job_spec(body: api.ChatRequest | api.CompletionRequest, prompt: str, raw: bo
     return JobSpec(prompt, raw, body.token_budget(), sampling, body.stop_strings())
 
 
-async def read_body(request: Request) -> bytes:
+class ClientGone(Exception):
+    """The client closed its connection before its request's body had arrived: nobody to answer."""
+
+
+async def read_body(request: Request, timeout: float) -> bytes:
     """The body, refused past MAX_BODY_BYTES (a prompt longer than any bundle's context fits well within).
-    The rest of an oversized body is read and dropped, so the client, still sending, gets the 413."""
-    body, size = bytearray(), 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= api.MAX_BODY_BYTES:
-            body += chunk
-    if size > api.MAX_BODY_BYTES:
+    The rest of an oversized body is read and dropped, so the client, still sending, gets the 413.
+    A body still incomplete after `timeout` seconds gets 408 (a slow client holds no connection for
+    ever); a client that leaves mid-body is ClientGone, one log line rather than a traceback."""
+    received = [0]
+    try:
+        body = await asyncio.wait_for(_receive_body(request, received), timeout)
+    except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
+        raise api.BadRequest(f"the request body did not arrive within {timeout:g} s", status=408) from None
+    except ClientDisconnect:
+        raise ClientGone(f"{received[0]} bytes into the body") from None
+    if received[0] > api.MAX_BODY_BYTES:
         raise api.BadRequest(f"the body exceeds {api.MAX_BODY_BYTES} bytes", status=413)
+    return body
+
+
+async def _receive_body(request: Request, received: list[int]) -> bytes:
+    """The body's first MAX_BODY_BYTES; received[0] counts every byte that came."""
+    body = bytearray()
+    async for chunk in request.stream():
+        received[0] += len(chunk)
+        if received[0] <= api.MAX_BODY_BYTES:
+            body += chunk
     return bytes(body)
 
 
@@ -99,18 +120,19 @@ async def watch_disconnect(receive: Receive, job: Job) -> None:
 class Endpoints:
     """The routes of one served model."""
 
-    def __init__(self, worker: GenerationWorker, model: str) -> None:
+    def __init__(self, worker: GenerationWorker, model: str, read_timeout: float) -> None:
         self.worker, self.model, self.created = worker, model, int(time.time())
+        self.read_timeout = read_timeout
 
     async def models(self, request: Request) -> Response:
         return JSONResponse(api.models_response(self.model, self.created))
 
     async def chat(self, request: Request) -> Response:
-        body = api.parse_body(api.ChatRequest, await read_body(request))
+        body = api.parse_body(api.ChatRequest, await read_body(request, self.read_timeout))
         return await self._answer(request, body, job_spec(body, body.user_prompt(), raw=False), CHAT)
 
     async def completions(self, request: Request) -> Response:
-        body = api.parse_body(api.CompletionRequest, await read_body(request))
+        body = api.parse_body(api.CompletionRequest, await read_body(request, self.read_timeout))
         return await self._answer(request, body, job_spec(body, body.prompt, raw=True), COMPLETION)
 
     async def _answer(
@@ -180,17 +202,32 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
 
 
+def _client_gone(events: EventLog) -> Callable[[Request, Exception], Any]:
+    async def handle(request: Request, exc: Exception) -> Response:
+        events.note("gone", f"a client closed its connection {exc} of {request.method} {request.url.path}")
+        return Response(status_code=499)  # nobody reads it; uvicorn drops it
+
+    return handle
+
+
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.error("unexpected %s on %s: %s", type(exc).__name__, request.url.path, exc)
     return error(500, "internal server error; see the server's log")
 
 
-def create_app(worker: GenerationWorker, model: str) -> Starlette:
+def create_app(
+    worker: GenerationWorker,
+    model: str,
+    limits: ConnectionLimits | None = None,
+    events: EventLog | None = None,
+) -> Starlette:
     """The ASGI app; the worker starts and stops with it."""
-    endpoints = Endpoints(worker, model)
+    limits, events = limits or ConnectionLimits(), events or EventLog()
+    endpoints = Endpoints(worker, model, limits.read_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        asyncio.get_running_loop().set_exception_handler(accept_error_handler(events))
         worker.start()
         try:
             yield
@@ -202,7 +239,12 @@ def create_app(worker: GenerationWorker, model: str) -> Starlette:
         Route("/v1/chat/completions", endpoints.chat, methods=["POST"]),
         Route("/v1/completions", endpoints.completions, methods=["POST"]),
     ]
-    handlers = {api.BadRequest: _bad_request, HTTPException: _http_error, Exception: _unexpected}
+    handlers = {
+        api.BadRequest: _bad_request,
+        ClientGone: _client_gone(events),
+        HTTPException: _http_error,
+        Exception: _unexpected,
+    }
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)  # type: ignore[arg-type]
     app.state.worker = worker
     return app

@@ -1,0 +1,129 @@
+"""`serve` against hostile or careless clients (docs/hardening.md, "serve"): half-sent requests,
+connection floods, clients that leave mid-body. The real server (uvicorn, in a thread of this
+process, as tests/test_serve.py runs it) on a loopback port, spoken to over real sockets; every
+loop here is bounded in count and time, and all traffic goes to 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# through test_serve, whose imports skip (or fail in CI) where the serve extra is missing
+from tests.test_serve import ConnectionLimits, Served, chat, serving, wait_for
+
+HALF_SENT = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le"
+
+
+class Captured(logging.Handler):
+    """Every record the server's loggers (ours, uvicorn's, asyncio's) emit, formatted with tracebacks."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(logging.Formatter("%(name)s %(message)s").format(record))
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+@contextlib.contextmanager
+def captured_logs() -> Iterator[Captured]:
+    handler = Captured()
+    loggers = [logging.getLogger(name) for name in ("adaptive-export", "uvicorn", "uvicorn.error", "asyncio")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+
+
+def connect(served: Served) -> socket.socket:
+    host, port = served.url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def closed_by_server(sock: socket.socket, by: float) -> bool:
+    """Read until the server closes (True) or the monotonic deadline `by` passes (False)."""
+    while (left := by - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            if not sock.recv(65536):
+                return True
+        except ConnectionResetError:
+            return True
+        except TimeoutError:
+            return False
+    return False
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_bundle: Path) -> Iterator[Served]:
+    with serving(tiny_bundle, queue=4, limits=ConnectionLimits(max_connections=20, read_timeout=1.0)) as server:
+        yield server
+
+
+def test_half_sent_requests_are_closed_and_a_real_request_is_served(guarded: Served) -> None:
+    """50 connections that never finish their headers, over a cap of 20: the oldest idle ones are closed
+    to make room, a real request is answered meanwhile, the rest close within --read-timeout, and the
+    log stays a few lines."""
+    count, timeout = 50, 1.0
+    with captured_logs() as logs:
+        opened = time.monotonic()
+        sockets = [connect(guarded) for _ in range(count)]
+        try:
+            for sock in sockets:
+                sock.sendall(HALF_SENT)
+            answer = chat(guarded, max_tokens=4)  # a new connection over the cap: an idle one makes room
+            assert answer.choices[0].finish_reason in {"stop", "length"}
+            deadline = opened + timeout + 5.0  # the bound, plus a loaded 2-core machine's scheduling
+            assert all(closed_by_server(sock, deadline) for sock in sockets)
+        finally:
+            for sock in sockets:
+                sock.close()
+    assert "Traceback" not in logs.text()
+    assert len(logs.lines) <= 6 and len(logs.text()) < 2000, logs.text()
+    assert any("--max-connections" in line for line in logs.lines)
+    assert any("--read-timeout" in line for line in logs.lines)
+
+
+def test_a_slow_body_gets_408_and_is_closed(guarded: Served) -> None:
+    """Headers complete, the body stalls: 408 in OpenAI's shape after --read-timeout, then the close."""
+    with connect(guarded) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n" + b'{"model": "tiny", '
+        )
+        sock.settimeout(10)
+        started, answer = time.monotonic(), b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        assert time.monotonic() - started < 6
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert b'"invalid_request_error"' in answer and b"did not arrive within 1 s" in answer
+
+
+def test_a_client_leaving_mid_body_is_one_line(guarded: Served) -> None:
+    """A client that closes before its body is complete: one log line, no traceback, and the server
+    answers the next request."""
+    with captured_logs() as logs:
+        with connect(guarded) as sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 5000\r\n\r\n" + b'{"model": "tiny", "messages": ['
+            )
+            time.sleep(0.2)  # the app is reading the body
+        wait_for(lambda: bool(logs.lines), seconds=10)
+        time.sleep(0.2)  # anything logged after the first line
+    assert len(logs.lines) == 1 and "Traceback" not in logs.text(), logs.text()
+    assert "closed its connection" in logs.lines[0]
+    assert chat(guarded, max_tokens=2).choices[0].finish_reason
