@@ -22,7 +22,16 @@ from starlette.types import Receive
 
 from adaptive_export.commands import serve_api as api
 from adaptive_export.commands.serve_guard import ConnectionLimits, EventLog, accept_error_handler
-from adaptive_export.commands.serve_worker import Done, Failed, GenerationWorker, Job, JobSpec, Piece
+from adaptive_export.commands.serve_worker import (
+    Done,
+    Failed,
+    GenerationWorker,
+    Job,
+    JobSpec,
+    Piece,
+    PromptLimit,
+    prompt_too_long,
+)
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.sampling import SamplingParams
 
@@ -71,12 +80,29 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def job_spec(body: api.ChatRequest | api.CompletionRequest, prompt: str, raw: bool) -> JobSpec:
+def job_spec(body: api.ChatRequest | api.CompletionRequest, prompt: str, raw: bool, limit: PromptLimit) -> JobSpec:
+    """The worker's job for a parsed request; the prompt's own problems are refused here, on the event
+    loop and before tokenizing, each naming its request field."""
+    field = "prompt" if raw else "messages"
+    check_prompt(prompt, field, limit)
     try:
         sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=body.seed)
     except UsageError as exc:
         raise api.BadRequest(f"{exc.problem}; {exc.fix}") from None
-    return JobSpec(prompt, raw, body.token_budget(), sampling, body.stop_strings())
+    budget = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+    return JobSpec(prompt, raw, body.token_budget(), sampling, body.stop_strings(), field, budget)
+
+
+def check_prompt(prompt: str, field: str, limit: PromptLimit) -> None:
+    """Empty, not valid Unicode, or longer in bytes than the context could hold in tokens: 400 naming the field."""
+    if not prompt.strip():
+        raise api.BadRequest(f"{field}: the prompt is empty; send some text", field)
+    try:
+        size = len(prompt.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise api.BadRequest(f"{field}: the prompt holds a lone surrogate, which is not valid Unicode", field) from None
+    if size > limit.max_bytes:
+        raise api.BadRequest(prompt_too_long(field, prompt, limit), field)
 
 
 class ClientGone(Exception):
@@ -129,11 +155,13 @@ class Endpoints:
 
     async def chat(self, request: Request) -> Response:
         body = api.parse_body(api.ChatRequest, await read_body(request, self.read_timeout))
-        return await self._answer(request, body, job_spec(body, body.user_prompt(), raw=False), CHAT)
+        spec = job_spec(body, body.user_prompt(), False, self.worker.prompt_limit)
+        return await self._answer(request, body, spec, CHAT)
 
     async def completions(self, request: Request) -> Response:
         body = api.parse_body(api.CompletionRequest, await read_body(request, self.read_timeout))
-        return await self._answer(request, body, job_spec(body, body.prompt, raw=True), COMPLETION)
+        spec = job_spec(body, body.prompt, True, self.worker.prompt_limit)
+        return await self._answer(request, body, spec, COMPLETION)
 
     async def _answer(
         self, request: Request, body: api.ChatRequest | api.CompletionRequest, spec: JobSpec, wire: Wire
@@ -150,7 +178,7 @@ class Endpoints:
             raise
         if isinstance(first, Failed):
             watcher.cancel()
-            return error(first.status, first.message)
+            return error(first.status, first.message, first.param)
         ids = api.ResponseIds.new(wire.prefix, self.model)
         if body.stream:
             return StreamingResponse(self._stream(job, ids, wire, watcher), media_type="text/event-stream")
@@ -166,7 +194,7 @@ class Endpoints:
             if isinstance(event, Done):
                 return JSONResponse(wire.response(ids, event.completion))
             if isinstance(event, Failed):
-                return error(event.status, event.message)
+                return error(event.status, event.message, event.param)
 
     async def _stream(
         self, job: Job, ids: api.ResponseIds, wire: Wire, watcher: asyncio.Future[None]

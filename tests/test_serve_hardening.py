@@ -6,11 +6,14 @@ loop here is bounded in count and time, and all traffic goes to 127.0.0.1."""
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import logging
 import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -127,3 +130,64 @@ def test_a_client_leaving_mid_body_is_one_line(guarded: Served) -> None:
     assert len(logs.lines) == 1 and "Traceback" not in logs.text(), logs.text()
     assert "closed its connection" in logs.lines[0]
     assert chat(guarded, max_tokens=2).choices[0].finish_reason
+
+
+def post(served: Served, route: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    """One POST over a fresh connection: the status and the JSON answer."""
+    host, port = served.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.request("POST", f"/v1/{route}", body, {"Content-Type": "application/json", **(headers or {})})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read() or b"{}")
+    finally:
+        connection.close()
+
+
+def test_a_megabyte_prompt_is_refused_before_tokenizing(guarded: Served) -> None:
+    """3 MB of prompt cannot fit 128 tokens: refused by its byte length, without the tokenizer (which
+    took seconds and hundreds of MB on such a prompt), naming the field."""
+    body = json.dumps({"model": "tiny", "prompt": "lorem ipsum " * 250_000}).encode()
+    limit = guarded.worker.prompt_limit
+    assert limit.max_len == 128 and limit.max_bytes < 1 << 20
+    started = time.monotonic()
+    status, answer = post(guarded, "completions", body)
+    assert status == 400 and answer["error"]["param"] == "prompt", answer
+    assert "3000000 bytes" in answer["error"]["message"] and f"{limit.max_bytes} bytes" in answer["error"]["message"]
+    assert time.monotonic() - started < 3
+
+
+def test_a_prompt_just_under_the_byte_bound_is_tokenized_and_refused_by_tokens(guarded: Served) -> None:
+    """Under the byte bound the tokens decide, still naming the field (the bound only ever refuses early)."""
+    limit = guarded.worker.prompt_limit
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "a b " * (limit.max_bytes // 8)}]})
+    status, answer = post(guarded, "chat/completions", body.encode())
+    assert status == 400 and answer["error"]["param"] == "messages", answer
+    assert "tokens and fills the bundle's context (max_len 128)" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        ("completions", {"model": "tiny", "prompt": "hi", "max_tokens": 100000}, "max_tokens"),
+        (
+            "chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100000},
+            "max_completion_tokens",
+        ),
+        ("completions", {"model": "tiny", "prompt": "   "}, "prompt"),
+        ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": " "}]}, "messages"),
+        ("completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature"),
+        ("completions", {"model": "tiny", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ],
+)
+def test_errors_name_the_request_field_not_the_cli_option(
+    guarded: Served, route: str, body: dict[str, Any], param: str
+) -> None:
+    """OpenAI's `param` names the field at fault, and the message speaks of request fields: no CLI flags."""
+    status, answer = post(guarded, route, json.dumps(body).encode())
+    assert status == 400, answer
+    assert answer["error"]["param"] == param, answer
+    message = answer["error"]["message"]
+    assert message.startswith(param) or f" {param}" in message, message
+    assert "--" not in message and "-p TEXT" not in message, message
