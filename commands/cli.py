@@ -586,6 +586,15 @@ def _add_serve_command(sub: Any) -> None:
         help="seconds a client has to send a request's headers, and then its body (default: 10); slower ones are "
         "closed (408)",
     )
+    serve.add_argument(
+        "--allow-origin",
+        dest="allow_origins",
+        action="append",
+        metavar="ORIGIN",
+        help="let web pages from ORIGIN (scheme://host[:port], or * for any) call the server; repeatable. By "
+        "default requests carrying another Origin, a Host other than this server's, or a body that is not "
+        "application/json are refused (403/415), so a web page cannot drive the model",
+    )
     _add_run_decoding_arguments(serve)
     _add_run_engine_arguments(serve)
 

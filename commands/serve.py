@@ -63,6 +63,12 @@ def check_options(options: ServeOptions) -> None:
             f"--read-timeout {options.read_timeout:g} is outside (0, {MAX_READ_TIMEOUT_S:g}] seconds",
             "pass a number of seconds such as 10",
         )
+    from adaptive_export.commands.serve_origin import check_origin_rules
+
+    for origin in options.allow_origins:
+        problem = check_origin_rules(origin)
+        if problem:
+            raise UsageError(problem, "pass an origin as a browser sends it, such as http://localhost:3000")
     Mode.parse(options.run.mode)
 
 
@@ -114,6 +120,7 @@ def cmd_serve(options: ServeOptions) -> int:
 
     from adaptive_export.commands.serve_app import create_app
     from adaptive_export.commands.serve_guard import ConnectionLimits, EventLog
+    from adaptive_export.commands.serve_origin import BrowserPolicy
     from adaptive_export.commands.serve_worker import DecodingSettings, GenerationWorker
 
     warning = exposure_warning(options.host)
@@ -127,7 +134,8 @@ def cmd_serve(options: ServeOptions) -> int:
     settings = DecodingSettings(run.config, run.mode, run.draft, run.draft_len, options.max_tokens)
     worker = GenerationWorker(generator, settings, options.queue)
     limits, events = ConnectionLimits(options.max_connections, options.read_timeout), EventLog()
-    app = create_app(worker, model_name(run.bundle), limits, events)
+    policy = BrowserPolicy(options.host, options.allow_origins)
+    app = create_app(worker, model_name(run.bundle), limits, events, policy)
     sock = bind(options.host, options.port)
     logging.getLogger("adaptive-export").warning(
         "serving %s on http://%s:%d/v1", model_name(run.bundle), options.host, options.port

@@ -15,13 +15,16 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from adaptive_export.commands import serve_api as api
 from adaptive_export.commands.serve_guard import ConnectionLimits, EventLog, accept_error_handler
+from adaptive_export.commands.serve_origin import BrowserPolicy, refusal
 from adaptive_export.commands.serve_worker import (
     Done,
     Failed,
@@ -103,6 +106,23 @@ def check_prompt(prompt: str, field: str, limit: PromptLimit) -> None:
         raise api.BadRequest(f"{field}: the prompt holds a lone surrogate, which is not valid Unicode", field) from None
     if size > limit.max_bytes:
         raise api.BadRequest(prompt_too_long(field, prompt, limit), field)
+
+
+class BrowserGuard:
+    """ASGI middleware: a request a web page could forge (foreign Host or Origin, a body that is not JSON)
+    is refused before routing (commands/serve_origin.py says which and why)."""
+
+    def __init__(self, app: ASGIApp, policy: BrowserPolicy) -> None:
+        self.app, self.policy = app, policy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+            refused = refusal(scope["method"], headers, self.policy, scope.get("server"))
+            if refused is not None:
+                await error(refused.status, refused.message)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class ClientGone(Exception):
@@ -248,9 +268,11 @@ def create_app(
     model: str,
     limits: ConnectionLimits | None = None,
     events: EventLog | None = None,
+    policy: BrowserPolicy | None = None,
 ) -> Starlette:
-    """The ASGI app; the worker starts and stops with it."""
-    limits, events = limits or ConnectionLimits(), events or EventLog()
+    """The ASGI app; the worker starts and stops with it. Browsers: only the allowed origins get CORS
+    headers (and preflight answers); everything else a page could send is refused by BrowserGuard."""
+    limits, events, policy = limits or ConnectionLimits(), events or EventLog(), policy or BrowserPolicy()
     endpoints = Endpoints(worker, model, limits.read_timeout)
 
     @contextlib.asynccontextmanager
@@ -273,6 +295,21 @@ def create_app(
         HTTPException: _http_error,
         Exception: _unexpected,
     }
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)  # type: ignore[arg-type]
+    middleware = [Middleware(BrowserGuard, policy=policy)]
+    if policy.allowed_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(policy.allowed_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["authorization", "content-type"],
+            )
+        )
+    app = Starlette(
+        routes=routes,
+        exception_handlers=handlers,  # type: ignore[arg-type]
+        lifespan=lifespan,
+        middleware=middleware,
+    )
     app.state.worker = worker
     return app

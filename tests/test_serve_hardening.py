@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 # through test_serve, whose imports skip (or fail in CI) where the serve extra is missing
-from tests.test_serve import ConnectionLimits, Served, chat, serving, wait_for
+from tests.test_serve import BrowserPolicy, ConnectionLimits, Served, chat, serving, wait_for
 
 HALF_SENT = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le"
 
@@ -191,3 +191,68 @@ def test_errors_name_the_request_field_not_the_cli_option(
     message = answer["error"]["message"]
     assert message.startswith(param) or f" {param}" in message, message
     assert "--" not in message and "-p TEXT" not in message, message
+
+
+CHAT_BODY = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+
+
+@pytest.mark.parametrize(
+    "headers, status, words",
+    [
+        ({"Content-Type": "text/plain"}, 415, "not JSON"),
+        ({"Content-Type": "application/x-www-form-urlencoded"}, 415, "not JSON"),
+        ({"Content-Type": "multipart/form-data; boundary=x"}, 415, "not JSON"),
+        ({"Content-Type": "text/plain", "Origin": "http://evil.example"}, 403, "--allow-origin"),
+        ({"Origin": "http://evil.example"}, 403, "--allow-origin"),
+        ({"Origin": "null"}, 403, "--allow-origin"),
+        ({"Host": "evil.example"}, 403, "DNS rebinding"),
+        ({"Host": "rebind.evil.example:{port}", "Origin": "http://rebind.evil.example:{port}"}, 403, "Host"),
+        ({"Host": "127.0.0.1:1"}, 403, "Host"),
+    ],
+)
+def test_what_a_web_page_could_send_is_refused(
+    guarded: Served, headers: dict[str, str], status: int, words: str
+) -> None:
+    """A page's "simple" request (text/plain, a form: no CORS preflight), a foreign Origin, and DNS rebinding
+    (a foreign Host naming this port): each refused in OpenAI's error shape before it reaches the model."""
+    port = guarded.url.rsplit(":", 1)[1]
+    headers = {name: value.replace("{port}", port) for name, value in headers.items()}
+    got, answer = post(guarded, "chat/completions", CHAT_BODY, headers)
+    assert got == status, answer
+    assert answer["error"]["type"] == "invalid_request_error" and words in answer["error"]["message"], answer
+
+
+def test_the_server_own_names_and_origin_are_served(guarded: Served) -> None:
+    port = guarded.url.rsplit(":", 1)[1]
+    for headers in (
+        {"Host": f"localhost:{port}"},
+        {"Host": f"127.0.0.1:{port}", "Origin": f"http://127.0.0.1:{port}"},
+        {"Host": f"localhost:{port}", "Origin": f"http://localhost:{port}"},
+        {"Content-Type": "application/json; charset=utf-8"},
+    ):
+        got, answer = post(guarded, "chat/completions", CHAT_BODY, headers)
+        assert got == 200, (headers, answer)
+
+
+def test_allow_origin_lets_that_page_in_with_cors(tiny_bundle: Path) -> None:
+    """--allow-origin: that origin's requests are served with CORS headers and its preflight answered;
+    any other origin is still refused."""
+    policy = BrowserPolicy(allowed_origins=("http://app.example:3000",))
+    with serving(tiny_bundle, queue=2, policy=policy) as served:
+        host, port = served.url.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        preflight = {
+            "Origin": "http://app.example:3000",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type",
+        }
+        connection.request("OPTIONS", "/v1/chat/completions", headers=preflight)
+        response = connection.getresponse()
+        response.read()
+        assert response.status == 200
+        assert response.getheader("access-control-allow-origin") == "http://app.example:3000"
+        connection.close()
+        got, answer = post(served, "chat/completions", CHAT_BODY, {"Origin": "http://app.example:3000"})
+        assert got == 200, answer
+        got, answer = post(served, "chat/completions", CHAT_BODY, {"Origin": "http://other.example:3000"})
+        assert got == 403, answer
