@@ -88,7 +88,7 @@ def ensure_descriptors(max_connections: int) -> None:
 
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound here so that an address in use is one line (exit 2), not uvicorn's
-    log and exit 1."""
+    log and exit 1; listening before the `serving` line, so a client that reads it can connect."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
@@ -97,6 +97,7 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        sock.listen(2048)  # connections wait in the backlog from here until uvicorn accepts them
     except OSError as exc:
         sock.close()
         raise UsageError(f"cannot listen on {host} port {port}: {exc.strerror}", "pass another --port") from None

@@ -100,11 +100,13 @@ Event = Started | Piece | Done | Failed
 
 @dataclass
 class ServeCounters:
-    """What the worker did, for /health-style checks and the tests: how many jobs finished or were
-    cancelled, and for each cancelled job how many tokens it generated after its cancel."""
+    """What the worker did, for /health-style checks and the tests: how many jobs finished, were
+    cancelled while running or dropped before they ran, and for each cancelled job how many tokens
+    it generated after its cancel."""
 
     finished: int = 0
     cancelled: int = 0
+    dropped: int = 0  # cancelled while queued: never ran
     tokens_after_cancel: list[int] = field(default_factory=list)
 
 
@@ -197,6 +199,8 @@ class GenerationWorker:
 
     def _run(self, job: Job) -> None:
         if job.cancelled:
+            self.counters.dropped += 1
+            log.info("dropped a queued request: its client left before it ran (%d so far)", self.counters.dropped)
             job.emit(Failed(CLIENT_GONE, "the client closed the request before it ran"))
             return
         try:
