@@ -9,6 +9,7 @@ import contextlib
 import http.client
 import importlib.util
 import json
+import resource
 import signal
 import socket
 import subprocess
@@ -133,6 +134,25 @@ def test_a_port_in_use_is_one_line(tiny_bundle: Path) -> None:
         port = holder.getsockname()[1]
         line = one_error_line(cli("serve", str(tiny_bundle), "--port", str(port), timeout=START_S))
     assert f"port {port}" in line and "--port" in line
+
+
+def test_more_connections_than_open_files_is_refused(tiny_bundle: Path) -> None:
+    """--max-connections over what the open-file limit can hold: exit 2 before loading anything (before, a
+    process out of descriptors spun in asyncio's accept() retries, logging a traceback each time)."""
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "adaptive_export.commands.cli", "serve", str(tiny_bundle), "--max-connections", "100"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=START_S,
+        preexec_fn=low_limit,
+    )
+    line = one_error_line(proc)
+    assert "open files" in line and "--max-connections 64" in line
 
 
 def test_listening_beyond_loopback_warns_then_sigint_exits_130(tiny_bundle: Path) -> None:
