@@ -551,7 +551,7 @@ def _add_bench_command(sub: Any) -> None:
 
 def _add_serve_command(sub: Any) -> None:
     """`serve`: the bundle behind an OpenAI-compatible HTTP API; decoding and engine options as `run`'s."""
-    from adaptive_export.commands.serve import MAX_QUEUE
+    from adaptive_export.commands.serve import MAX_CONNECTIONS, MAX_QUEUE
 
     summary = "serve a bundle over an OpenAI-compatible HTTP API (torch-free; needs the serve extra)"
     description = (
@@ -579,6 +579,30 @@ def _add_serve_command(sub: Any) -> None:
         (1, 1 << 20),
         256,
         "tokens to generate when a request names no max_tokens (default: 256, capped by the bundle's context)",
+    )
+    _add_int(
+        serve,
+        "--max-connections",
+        (1, MAX_CONNECTIONS),
+        100,
+        "connections open at once (default: 100); over it the longest-idle one is closed, or 503 when all are busy",
+    )
+    serve.add_argument(
+        "--read-timeout",
+        type=_finite_float,
+        default=10.0,
+        metavar="S",
+        help="seconds a client has to send a request's headers, and then its body (default: 10); slower ones are "
+        "closed (408)",
+    )
+    serve.add_argument(
+        "--allow-origin",
+        dest="allow_origins",
+        action="append",
+        metavar="ORIGIN",
+        help="let web pages from ORIGIN (scheme://host[:port], or * for any) call the server; repeatable. By "
+        "default requests carrying another Origin, a Host other than this server's, or a body that is not "
+        "application/json are refused (403/415), so a web page cannot drive the model",
     )
     _add_run_decoding_arguments(serve)
     _add_run_engine_arguments(serve)

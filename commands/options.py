@@ -136,8 +136,12 @@ class ServeOptions(Options):
     port: int = 8000
     queue: int = 8
     max_tokens: int = 256
+    max_connections: int = 100
+    read_timeout: float = 10.0
+    allow_origins: tuple[str, ...] = ()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **converted: Any) -> ServeOptions:
         shared = {f.name: getattr(args, f.name) for f in fields(RunOptions) if hasattr(args, f.name)}
-        return super().from_args(args, run=RunOptions(**shared))
+        origins = tuple(getattr(args, "allow_origins", None) or ())
+        return super().from_args(args, run=RunOptions(**shared), allow_origins=origins)

@@ -38,13 +38,39 @@ class DecodingSettings:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What one request asks the runtime for."""
+    """What one request asks the runtime for, and the request fields its errors name."""
 
     prompt: str
     raw: bool  # True: no chat template (/v1/completions)
     max_tokens: int | None
     sampling: SamplingParams
     stop: list[str]
+    prompt_field: str = "prompt"  # "messages" for chat
+    budget_field: str = "max_tokens"  # or "max_completion_tokens"
+
+
+@dataclass(frozen=True)
+class PromptLimit:
+    """The most UTF-8 bytes a prompt that fits the bundle's context can have: max_len tokens, each at most
+    as long as the vocabulary's longest token, twice over for normalizers that shorten text (NFC). A
+    longer prompt is refused before it is tokenized (tokenizing 4 MiB took 3-5 s and ~900 MB)."""
+
+    max_len: int
+    max_bytes: int
+
+    @classmethod
+    def of(cls, generator: Generator) -> PromptLimit:
+        vocab = generator.codec.tokenizer.get_vocab(with_added_tokens=True)
+        longest = max((len(token.encode("utf-8", "surrogatepass")) for token in vocab), default=1)
+        return cls(generator.bundle.max_len, 2 * generator.bundle.max_len * max(longest, 1))
+
+
+class RequestError(Exception):
+    """A request the runtime cannot serve, worded for the HTTP client: the request field at fault."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
 
 
 @dataclass(frozen=True)
@@ -66,6 +92,7 @@ class Done:
 class Failed:
     status: int
     message: str
+    param: str | None = None  # the request field at fault (OpenAI's error `param`)
 
 
 Event = Started | Piece | Done | Failed
@@ -73,11 +100,13 @@ Event = Started | Piece | Done | Failed
 
 @dataclass
 class ServeCounters:
-    """What the worker did, for /health-style checks and the tests: how many jobs finished or were
-    cancelled, and for each cancelled job how many tokens it generated after its cancel."""
+    """What the worker did, for /health-style checks and the tests: how many jobs finished, were
+    cancelled while running or dropped before they ran, and for each cancelled job how many tokens
+    it generated after its cancel."""
 
     finished: int = 0
     cancelled: int = 0
+    dropped: int = 0  # cancelled while queued: never ran
     tokens_after_cancel: list[int] = field(default_factory=list)
 
 
@@ -125,6 +154,7 @@ class GenerationWorker:
         self.settings = settings
         self.counters = ServeCounters()
         self.pace: Callable[[], None] | None = None  # called once per token (tests slow generation down with it)
+        self.prompt_limit = PromptLimit.of(generator)
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._serve, name="adaptive-export-generation", daemon=True)
 
@@ -169,10 +199,15 @@ class GenerationWorker:
 
     def _run(self, job: Job) -> None:
         if job.cancelled:
+            self.counters.dropped += 1
+            log.info("dropped a queued request: its client left before it ran (%d so far)", self.counters.dropped)
             job.emit(Failed(CLIENT_GONE, "the client closed the request before it ran"))
             return
         try:
             pieces = self._start(job)
+        except RequestError as exc:
+            job.emit(Failed(400, exc.message, exc.param))
+            return
         except UsageError as exc:
             job.emit(Failed(400, f"{exc.problem}; {exc.fix}"))
             return
@@ -188,14 +223,25 @@ class GenerationWorker:
         self._finish(job, self.generator.last_result)
 
     def _start(self, job: Job) -> Stream[str, None, None]:
-        """Encode the prompt the way `run` does (runtimes/text.py) and open the token stream (a generator)."""
+        """Encode the prompt the way `run` does (runtimes/text.py) and open the token stream (a generator).
+        The lengths are checked here, in the request's own terms, before the runtime's checks."""
         spec, settings, generator = job.spec, self.settings, self.generator
+        max_len = generator.bundle.max_len
+        if len(spec.prompt.encode("utf-8")) > self.prompt_limit.max_bytes:  # the HTTP side checked it; not the API
+            raise RequestError(prompt_too_long(spec.prompt_field, spec.prompt, self.prompt_limit), spec.prompt_field)
         prompt_ids = generator.codec.encode(spec.prompt, spec.raw)
-        room = generator.bundle.max_len - len(prompt_ids)
+        room = max_len - len(prompt_ids)
         if room < 1:
-            raise UsageError(
-                f"the prompt has {len(prompt_ids)} tokens and fills the bundle's context of {generator.bundle.max_len}",
-                "send a shorter prompt",
+            raise RequestError(
+                f"{spec.prompt_field}: the prompt has {len(prompt_ids)} tokens and fills the bundle's context "
+                f"(max_len {max_len}); send a shorter one",
+                spec.prompt_field,
+            )
+        if spec.max_tokens is not None and spec.max_tokens > room:
+            raise RequestError(
+                f"{spec.budget_field}: {spec.max_tokens} tokens after the prompt's {len(prompt_ids)} exceed the "
+                f"bundle's context (max_len {max_len}); ask for {room} or fewer",
+                spec.budget_field,
             )
         return generator.stream(  # type: ignore[return-value]
             prompt_ids,
@@ -216,3 +262,12 @@ class GenerationWorker:
         self.counters.finished += 1
         finish = "length" if stats.stop_reason == "length" else "stop"
         job.emit(Done(Completion(result.text, finish, len(result.prompt_ids), len(result.tokens), stats.to_json())))
+
+
+def prompt_too_long(field: str, prompt: str, limit: PromptLimit) -> str:
+    """The message for a prompt refused by its byte length alone (it was never tokenized)."""
+    size = len(prompt.encode("utf-8", "surrogatepass"))
+    return (
+        f"{field}: the prompt is {size} bytes, more than a context of {limit.max_len} tokens (max_len) can hold "
+        f"(at most {limit.max_bytes} bytes); send a shorter one"
+    )

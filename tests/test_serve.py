@@ -39,8 +39,10 @@ serve_extra("starlette")
 from adaptive_export.commands.cli import build_parser  # noqa: E402
 from adaptive_export.commands.options import RunOptions  # noqa: E402
 from adaptive_export.commands.run import load_generator  # noqa: E402
-from adaptive_export.commands.serve import exposure_warning, model_name  # noqa: E402
+from adaptive_export.commands.serve import exposure_warning, model_name, uvicorn_config  # noqa: E402
 from adaptive_export.commands.serve_app import create_app  # noqa: E402
+from adaptive_export.commands.serve_guard import ConnectionLimits, EventLog  # noqa: E402
+from adaptive_export.commands.serve_origin import BrowserPolicy  # noqa: E402
 from adaptive_export.commands.serve_worker import DecodingSettings, GenerationWorker  # noqa: E402
 from adaptive_export.runtimes import Generator, SamplingParams  # noqa: E402
 
@@ -65,10 +67,18 @@ def wait_for(condition: Callable[[], bool], seconds: float = 60) -> None:
 
 
 @contextlib.contextmanager
-def serving(bundle: Path, queue: int, settings: DecodingSettings | None = None) -> Iterator[Served]:
-    """uvicorn with the app `serve` builds, on a socket bound here (so the port is known and free)."""
+def serving(
+    bundle: Path,
+    queue: int,
+    settings: DecodingSettings | None = None,
+    limits: ConnectionLimits | None = None,
+    policy: BrowserPolicy | None = None,
+) -> Iterator[Served]:
+    """uvicorn configured as `serve` configures it, on a socket bound here (so the port is known and free)."""
     worker = GenerationWorker(load_generator(RunOptions(str(bundle))), settings or DecodingSettings(), queue)
-    server = uvicorn.Server(uvicorn.Config(create_app(worker, model_name(str(bundle))), log_level="warning"))
+    limits, events = limits or ConnectionLimits(), EventLog()
+    app = create_app(worker, model_name(str(bundle)), limits, events, policy)
+    server = uvicorn.Server(uvicorn_config(app, limits, events))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
