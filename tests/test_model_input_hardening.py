@@ -23,6 +23,7 @@ import pytest
 from adaptive_export.loading.gguf_header import read_gguf_header
 from adaptive_export.loading.model_checks import check_dimensions
 from adaptive_export.runtimes.errors import UsageError
+from tests.bounded import assert_one_error_line, run_cli_bounded
 from tests.conftest import make_tiny_model, needs_smollm2
 
 ROOT = Path(__file__).parents[1]
@@ -309,3 +310,60 @@ def test_dimension_rules_need_every_sizing_field_to_check_memory() -> None:
     check_dimensions({"hidden_size": 64}, "partial")
     with pytest.raises(UsageError, match="hidden_size"):
         check_dimensions({"hidden_size": 0}, "partial")
+
+
+# ---- nested text configs (multimodal wrappers) ----------------------------------------------------
+NESTED_LIMIT_RSS_MB = 1024
+TEXT_DIMS = {
+    "model_type": "gemma3_text",
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 300,
+}
+NESTED_CASES = {
+    "text_layers_1e9": ("text_config", {"num_hidden_layers": 10**9}, "text_config.num_hidden_layers"),
+    "text_hidden_1e9": ("text_config", {"hidden_size": 10**9}, "text_config.hidden_size"),
+    "text_vocab_1e9": ("text_config", {"vocab_size": 10**9}, "text_config.vocab_size"),
+    "text_intermediate_1e12": ("text_config", {"intermediate_size": 10**12}, "text_config.intermediate_size"),
+    "text_heads_1e9": ("text_config", {"num_attention_heads": 10**9}, "text_config.num_attention_heads"),
+    "text_window_1e12": ("text_config", {"sliding_window": 10**12}, "text_config.sliding_window"),
+    "llm_config_layers_1e9": ("llm_config", {"num_hidden_layers": 10**9}, "llm_config.num_hidden_layers"),
+}
+
+
+def nested_model(directory: Path, key: str, dims: dict[str, Any]) -> Path:
+    """A multimodal-style model directory: model_type gemma3 with the decoder's dims under `key`."""
+    directory.mkdir()
+    config = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], key: {**TEXT_DIMS, **dims}}
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "model.safetensors").write_bytes(b"")
+    return directory
+
+
+@pytest.mark.parametrize("case", NESTED_CASES, ids=list(NESTED_CASES))
+def test_nested_text_config_dimensions_are_refused(tmp_path: Path, case: str) -> None:
+    """The decoder's dims inside text_config (or another *_config) are checked before transformers
+    builds a config class from them (Gemma3TextConfig sizes layer_types by num_hidden_layers)."""
+    key, dims, word = NESTED_CASES[case]
+    model = nested_model(tmp_path / "model", key, dims)
+    outcome = run_cli_bounded(["build", str(model), "-o", str(tmp_path / "bundle")])
+    assert_one_error_line(outcome, word)
+    assert outcome.seconds < LIMIT_S + 8, f"took {outcome.seconds:.1f} s"  # + a fresh interpreter's start-up
+    assert outcome.peak_rss_mb < NESTED_LIMIT_RSS_MB, f"peak RSS {outcome.peak_rss_mb:.0f} MB"
+    assert not (tmp_path / "bundle").exists() and not list(tmp_path.glob(".bundle.*"))
+
+
+def test_nested_config_with_sane_dimensions_passes_the_check(tmp_path: Path) -> None:
+    """A vision tower's own dims (SigLIP in Gemma 3) and a sane text_config pass."""
+    from adaptive_export.loading.model_checks import check_config_json
+
+    model = nested_model(tmp_path / "model", "text_config", {})
+    config = json.loads((model / "config.json").read_text())
+    config["vision_config"] = {"hidden_size": 1152, "num_hidden_layers": 27, "num_attention_heads": 16}
+    config["vision_config"]["intermediate_size"] = 4304
+    (model / "config.json").write_text(json.dumps(config))
+    check_config_json(model, "nested")
