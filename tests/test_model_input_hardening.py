@@ -11,6 +11,7 @@ import json
 import pickle
 import resource
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -367,3 +368,92 @@ def test_nested_config_with_sane_dimensions_passes_the_check(tmp_path: Path) -> 
     config["vision_config"]["intermediate_size"] = 4304
     (model / "config.json").write_text(json.dumps(config))
     check_config_json(model, "nested")
+
+
+# ---- GGUF tokenizer arrays past the vocabulary ----------------------------------------------------
+def _gguf_string(text: str) -> bytes:
+    data = text.encode()
+    return struct.pack("<Q", len(data)) + data
+
+
+def _gguf_kv(key: str, kind: int, payload: bytes) -> bytes:
+    return _gguf_string(key) + struct.pack("<I", kind) + payload
+
+
+def _gguf_array(key: str, item_kind: int, count: int, items: bytes) -> bytes:
+    return _gguf_kv(key, 9, struct.pack("<IQ", item_kind, count) + items)
+
+
+def raw_gguf(path: Path, arrays: dict[str, int], vocab: int = 50, declared_vocab: int | None = None) -> Path:
+    """A small llama GGUF (one layer's header fields, embedding of `vocab` rows) whose tokenizer arrays
+    have the given item counts, written byte by byte: gguf's writer takes seconds per million strings."""
+    kvs = [
+        _gguf_kv("general.architecture", 8, _gguf_string("llama")),
+        *(
+            _gguf_kv(f"llama.{key}", 4, struct.pack("<I", value))
+            for key, value in (
+                ("block_count", 1),
+                ("embedding_length", 32),
+                ("attention.head_count", 4),
+                ("attention.head_count_kv", 2),
+                ("feed_forward_length", 64),
+                ("context_length", 128),
+            )
+        ),
+        _gguf_kv("llama.attention.layer_norm_rms_epsilon", 6, struct.pack("<f", 1e-6)),
+        _gguf_kv("tokenizer.ggml.model", 8, _gguf_string("gpt2")),
+    ]
+    if declared_vocab is not None:
+        kvs.append(_gguf_kv("llama.vocab_size", 4, struct.pack("<I", declared_vocab)))
+    for key, count in arrays.items():
+        if key == "tokenizer.ggml.scores":
+            kvs.append(_gguf_array(key, 6, count, np.zeros(count, np.float32).tobytes()))
+        elif key == "tokenizer.ggml.token_type":
+            kvs.append(_gguf_array(key, 5, count, np.ones(count, np.int32).tobytes()))
+        else:  # tokens and merges: strings
+            kvs.append(_gguf_array(key, 8, count, _gguf_string("t t") * count))
+    tensors = [("token_embd.weight", (32, vocab)), ("output_norm.weight", (32,))]
+    infos, data, offset = b"", b"", 0
+    for name, dims in tensors:
+        values = np.random.default_rng(0).standard_normal(int(np.prod(dims))).astype(np.float32).tobytes()
+        infos += _gguf_string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
+        infos += struct.pack("<IQ", 0, offset)  # F32
+        data += values + b"\0" * (-len(values) % 32)
+        offset = len(data)
+    header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kvs)) + b"".join(kvs) + infos
+    path.write_bytes(header + b"\0" * (-len(header) % 32) + data)
+    return path
+
+
+TOKEN_ARRAY_CASES = {
+    "tokens_2^20_for_50": ({"tokenizer.ggml.tokens": 1 << 20}, None, "tokenizer.ggml.tokens"),
+    "tokens_2^22_declared_50": ({"tokenizer.ggml.tokens": 1 << 22}, 50, "tokenizer.ggml.tokens"),
+    "tokens_2^20_declared_50": ({"tokenizer.ggml.tokens": 1 << 20}, 50, "tokenizer.ggml.tokens"),
+    "scores_2^20": ({"tokenizer.ggml.tokens": 50, "tokenizer.ggml.scores": 1 << 20}, None, "tokenizer.ggml.scores"),
+    "token_type_2^20": (
+        {"tokenizer.ggml.tokens": 50, "tokenizer.ggml.token_type": 1 << 20},
+        None,
+        "tokenizer.ggml.token_type",
+    ),
+    "merges_2^20": ({"tokenizer.ggml.tokens": 50, "tokenizer.ggml.merges": 1 << 20}, None, "tokenizer.ggml.merges"),
+}
+
+
+@pytest.mark.parametrize("case", TOKEN_ARRAY_CASES, ids=list(TOKEN_ARRAY_CASES))
+def test_gguf_token_arrays_past_the_vocabulary_are_refused(tmp_path: Path, case: str) -> None:
+    """A 50-token model carrying millions of token strings, scores, types or merges: refused by the
+    header check, before gguf's reader or transformers decode them into Python objects."""
+    arrays, declared, word = TOKEN_ARRAY_CASES[case]
+    model = raw_gguf(tmp_path / "tokens.gguf", arrays, declared_vocab=declared)
+    outcome = run_cli_bounded(["build", str(model), "-o", str(tmp_path / "bundle")])
+    assert_one_error_line(outcome, word, "tokens.gguf")
+    assert outcome.seconds < LIMIT_S + 8, f"took {outcome.seconds:.1f} s"  # + a fresh interpreter's start-up
+    assert outcome.peak_rss_mb < NESTED_LIMIT_RSS_MB, f"peak RSS {outcome.peak_rss_mb:.0f} MB"
+    assert not (tmp_path / "bundle").exists()
+
+
+def test_raw_gguf_with_a_matching_vocabulary_passes_the_header_check(tmp_path: Path) -> None:
+    """The test's own file is sound where its arrays fit: only the counts under test refuse it."""
+    arrays = {"tokenizer.ggml.tokens": 50, "tokenizer.ggml.scores": 50, "tokenizer.ggml.merges": 200}
+    header = read_gguf_header(raw_gguf(tmp_path / "ok.gguf", arrays, declared_vocab=50))
+    assert header.hf_fields()["vocab_size"] == 50 and header.array_lengths["tokenizer.ggml.merges"] == 200
