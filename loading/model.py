@@ -16,7 +16,7 @@ from adaptive_export.graphs.spec import ModelSpec
 from adaptive_export.loading.gguf_header import read_gguf_header
 from adaptive_export.loading.gguf_parses import one_parse_per_file
 from adaptive_export.loading.hub import HubModel, is_hub_id, resolve_hub_model, snapshot_blob
-from adaptive_export.loading.model_checks import check_config_json, check_dimensions, spec_fields
+from adaptive_export.loading.model_checks import check_config_json, check_dimensions, check_side_files, spec_fields
 from adaptive_export.loading.packaged import PACKAGED
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.tokenizer_policy import (
@@ -90,8 +90,10 @@ _CHECKED: set[tuple[str, int, int]] = set()  # (path, size, mtime) of model file
 
 def check_model_files(model: str) -> tuple[Path, str | None]:
     """Resolve MODEL and check its header or config.json (loading/model_checks.py) before any
-    library parses it: a GGUF's structure and every dimension, once per file and process."""
+    library parses it: a GGUF's structure and every dimension, once per file and process; the
+    side files' sizes on every call (they are not part of the cache key)."""
     directory, gguf_file = resolve_model_path(model)
+    check_side_files(directory, model, gguf_file is not None)
     path = snapshot_blob(directory / (gguf_file or "config.json"))
     try:
         info = path.stat()

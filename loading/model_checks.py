@@ -21,6 +21,19 @@ from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.errors import UsageError
 
 MAX_CONFIG_BYTES = 4 << 20
+MAX_SIDE_FILE_BYTES = 16 << 20  # tokenizer_config.json, chat templates, vocab.json... (Gemma 3's largest: 4.7 MB)
+# what transformers reads whole beside the weights: in a model directory, every file of these patterns
+# (a slow tokenizer's vocabulary files have class-specific names); beside a .gguf, the names it looks up
+SIDE_FILE_PATTERNS = ("*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken", "additional_chat_templates/*")
+GGUF_SIDE_FILE_PATTERNS = (
+    "tokenizer*.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.*",
+    "generation_config.json",
+    "additional_chat_templates/*",
+)
+SIDE_FILE_CAPS = {"tokenizer.json": limits.MAX_TOKENIZER_JSON_BYTES, "config.json": MAX_CONFIG_BYTES}
 MAX_CONFIG_NESTING = 4  # text_config inside a wrapper inside a wrapper: deeper is no model we know
 MAX_POSITIONS = 1 << 24  # max_position_embeddings and sliding windows: far above any released model
 FP32_BYTES = 4
@@ -184,3 +197,24 @@ def check_config_json(directory: Path, source: str, path: Path | None = None) ->
     lists by num_hidden_layers in their constructor): the top level and every nested `*_config`."""
     for where, fields in nested_configs(read_config_json(directory, source, path)):
         check_dimensions(fields, source, where)
+
+
+def check_side_files(directory: Path, source: str, gguf: bool) -> None:
+    """Every side file transformers may read whole (tokenizer_config.json, chat_template.jinja,
+    generation_config.json, ...) at most its cap in bytes, from its size alone: a 2 GB sparse one
+    costs no disk and would be read into memory (10-23 s, then MemoryError). A Hub snapshot's file
+    is a link to its blob, whose size is the one stat reports."""
+    for pattern in GGUF_SIDE_FILE_PATTERNS if gguf else SIDE_FILE_PATTERNS:
+        for path in sorted(directory.glob(pattern)):
+            try:
+                size = path.stat().st_size
+            except OSError:
+                continue  # a dangling link: transformers skips it as absent
+            cap = SIDE_FILE_CAPS.get(path.name, MAX_SIDE_FILE_BYTES)
+            if size > cap:
+                name = path.relative_to(directory).as_posix()
+                raise _bad(
+                    source,
+                    f"its {name} is {size:,} bytes, more than the {cap:,} a side file may hold",
+                    f"replace {name} with the model's own file (or remove it)",
+                )

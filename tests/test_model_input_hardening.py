@@ -8,6 +8,7 @@ machine wall time measures the neighbours; a hang that sleeps still hits the 45 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import resource
 import shutil
@@ -457,3 +458,56 @@ def test_raw_gguf_with_a_matching_vocabulary_passes_the_header_check(tmp_path: P
     arrays = {"tokenizer.ggml.tokens": 50, "tokenizer.ggml.scores": 50, "tokenizer.ggml.merges": 200}
     header = read_gguf_header(raw_gguf(tmp_path / "ok.gguf", arrays, declared_vocab=50))
     assert header.hf_fields()["vocab_size"] == 50 and header.array_lengths["tokenizer.ggml.merges"] == 200
+
+
+# ---- side files read whole by transformers ---------------------------------------------------------
+SPARSE_SIDE_BYTES = 2 << 30
+
+
+def _sparse(path: Path, size: int = SPARSE_SIDE_BYTES) -> None:
+    """`path` replaced by a sparse file of `size` bytes (what `truncate -s 2G` makes): no disk, no time."""
+    path.unlink(missing_ok=True)
+    path.touch()
+    os.truncate(path, size)
+
+
+def _assert_side_file_refused(outcome: Any, tmp_path: Path, name: str) -> None:
+    assert_one_error_line(outcome, name)
+    assert outcome.seconds < LIMIT_S + 8, f"took {outcome.seconds:.1f} s"  # + a fresh interpreter's start-up
+    assert outcome.peak_rss_mb < NESTED_LIMIT_RSS_MB, f"peak RSS {outcome.peak_rss_mb:.0f} MB"
+    assert not (tmp_path / "bundle").exists()
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "chat_template.jinja", "generation_config.json"])
+def test_huge_side_file_in_a_model_directory_is_refused(pristine_model: Path, tmp_path: Path, name: str) -> None:
+    """A 2 GB sparse side file: refused on its size before transformers reads it whole."""
+    model = model_with(pristine_model, tmp_path)
+    _sparse(model / name)
+    outcome = run_cli_bounded(["build", str(model), "-o", str(tmp_path / "bundle")])
+    _assert_side_file_refused(outcome, tmp_path, name)
+
+
+def test_huge_side_file_beside_a_gguf_is_refused(tiny_gguf: Path, tmp_path: Path) -> None:
+    """transformers reads tokenizer_config.json beside a .gguf too."""
+    model = tmp_path / "gguf"
+    model.mkdir()
+    shutil.copy(tiny_gguf, model / "tiny.gguf")
+    _sparse(model / "tokenizer_config.json")
+    outcome = run_cli_bounded(["build", str(model / "tiny.gguf"), "-o", str(tmp_path / "bundle")])
+    _assert_side_file_refused(outcome, tmp_path, "tokenizer_config.json")
+
+
+def test_huge_side_file_blob_in_the_hub_cache_is_refused(
+    pristine_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Hub snapshot's side file is a link to a blob: the blob's size is what counts."""
+    from tests.test_hub import cache_snapshot
+
+    cache = tmp_path / "hf-home" / "hub"
+    cache.mkdir(parents=True)
+    snapshot = cache_snapshot(cache, "tiny-org/huge-side", pristine_model)
+    _sparse((snapshot / "tokenizer_config.json").resolve())
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    outcome = run_cli_bounded(["build", "tiny-org/huge-side", "-o", str(tmp_path / "bundle")])
+    _assert_side_file_refused(outcome, tmp_path, "tokenizer_config.json")
