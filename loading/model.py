@@ -13,8 +13,9 @@ from typing import Any
 
 from adaptive_export.graphs.architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from adaptive_export.graphs.spec import ModelSpec
-from adaptive_export.loading.gguf_header import read_gguf_header
+from adaptive_export.loading.gguf_header import map_gguf
 from adaptive_export.loading.gguf_parses import one_parse_per_file
+from adaptive_export.loading.gguf_tensors import check_block_scales
 from adaptive_export.loading.hub import HubModel, is_hub_id, resolve_hub_model, snapshot_blob
 from adaptive_export.loading.model_checks import check_config_json, check_dimensions, check_side_files, spec_fields
 from adaptive_export.loading.packaged import PACKAGED
@@ -90,7 +91,8 @@ _CHECKED: set[tuple[str, int, int]] = set()  # (path, size, mtime) of model file
 
 def check_model_files(model: str) -> tuple[Path, str | None]:
     """Resolve MODEL and check its header or config.json (loading/model_checks.py) before any
-    library parses it: a GGUF's structure and every dimension, once per file and process; the
+    library parses it: a GGUF's structure, every dimension and every block scale, once per file
+    and process; the
     side files' sizes on every call (they are not part of the cache key)."""
     directory, gguf_file = resolve_model_path(model)
     check_side_files(directory, model, gguf_file is not None)
@@ -102,7 +104,10 @@ def check_model_files(model: str) -> tuple[Path, str | None]:
     key = (str(path), info.st_size, info.st_mtime_ns) if info else None
     if key is None or key not in _CHECKED:
         if gguf_file:
-            check_dimensions(read_gguf_header(path).hf_fields(), model)
+            header, data = map_gguf(path)
+            check_dimensions(header.hf_fields(), model)
+            check_block_scales(header, data, path)
+            del data  # the mapping closes with its last view
         else:
             check_config_json(directory, model, path)
             if (pickle_error := _pickle_only_error(model, directory)) is not None:

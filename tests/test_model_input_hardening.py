@@ -511,3 +511,72 @@ def test_huge_side_file_blob_in_the_hub_cache_is_refused(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     outcome = run_cli_bounded(["build", "tiny-org/huge-side", "-o", str(tmp_path / "bundle")])
     _assert_side_file_refused(outcome, tmp_path, "tokenizer_config.json")
+
+
+# ---- GGUF blocks with a non-finite scale ----------------------------------------------------------
+NAN_F16 = np.array([np.nan], np.float16).tobytes()
+
+
+def poison_first_block_scale(source: Path, target: Path, value: bytes = NAN_F16) -> str:
+    """Copy `source` with the fp16 scale `d` of the first block of its first Q8_0/Q4_K/... tensor set
+    to `value`; returns the tensor's name."""
+    from adaptive_export.loading.gguf_tensors import SCALE_OFFSETS
+
+    header = read_gguf_header(source)
+    tensor = next(t for t in header.tensors if gguf.GGMLQuantizationType(t.kind).name in SCALE_OFFSETS)
+    offset = tensor.start + SCALE_OFFSETS[gguf.GGMLQuantizationType(tensor.kind).name][0]
+    shutil.copy(source, target)
+    with open(target, "r+b") as handle:
+        handle.seek(offset)
+        handle.write(value)
+    return tensor.name
+
+
+def write_q8_gguf(path: Path) -> Path:
+    """The tiny GGUF with its embedding stored as Q8_0 blocks."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(32)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_feed_forward_length(64)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_context_length(128)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(50)])
+    table = np.random.default_rng(0).standard_normal((50, 32)).astype(np.float32)
+    blocks = gguf.quants.quantize(table, gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("token_embd.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("value", [NAN_F16, np.array([np.inf], np.float16).tobytes()], ids=["nan", "inf"])
+def test_gguf_block_with_a_non_finite_scale_is_refused(tmp_path: Path, value: bytes) -> None:
+    name = poison_first_block_scale(write_q8_gguf(tmp_path / "clean.gguf"), tmp_path / "scale.gguf", value)
+    outcome = run_cli_bounded(["build", str(tmp_path / "scale.gguf"), "-o", str(tmp_path / "bundle")])
+    _assert_side_file_refused(outcome, tmp_path, name)
+    assert "scale" in outcome.err
+
+
+@needs_smollm2
+def test_smollm2_with_a_nan_block_scale_is_refused_before_loading(tmp_path: Path) -> None:
+    """The attack as it was: a real quantized model with one NaN scale built (exit 0) into a bundle
+    every `run` refuses; now refused by the header pass, before transformers loads anything."""
+    from adaptive_export.loading.packaged import PACKAGED
+
+    name = poison_first_block_scale(PACKAGED["smollm2"].gguf_path(), tmp_path / "smol.gguf")
+    outcome = run_cli_bounded(["build", str(tmp_path / "smol.gguf"), "-o", str(tmp_path / "bundle")])
+    _assert_side_file_refused(outcome, tmp_path, name)
+
+
+def test_clean_q8_gguf_passes_the_scale_check(tmp_path: Path) -> None:
+    from adaptive_export.loading.gguf_header import map_gguf
+    from adaptive_export.loading.gguf_tensors import check_block_scales
+
+    path = write_q8_gguf(tmp_path / "clean.gguf")
+    check_block_scales(*map_gguf(path), path)
