@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,18 +202,24 @@ def check_config_json(directory: Path, source: str, path: Path | None = None) ->
 
 def check_side_files(directory: Path, source: str, gguf: bool) -> None:
     """Every side file transformers may read whole (tokenizer_config.json, chat_template.jinja,
-    generation_config.json, ...) at most its cap in bytes, from its size alone: a 2 GB sparse one
+    generation_config.json, ...) a regular file of at most its cap in bytes, from stat alone: a 2 GB sparse one
     costs no disk and would be read into memory (10-23 s, then MemoryError). A Hub snapshot's file
     is a link to its blob, whose size is the one stat reports."""
     for pattern in GGUF_SIDE_FILE_PATTERNS if gguf else SIDE_FILE_PATTERNS:
         for path in sorted(directory.glob(pattern)):
             try:
-                size = path.stat().st_size
+                info = path.stat()
             except OSError:
                 continue  # a dangling link: transformers skips it as absent
-            cap = SIDE_FILE_CAPS.get(path.name, MAX_SIDE_FILE_BYTES)
+            name = path.relative_to(directory).as_posix()
+            if not stat.S_ISREG(info.st_mode):  # transformers skips a FIFO silently (or blocks on it)
+                raise _bad(
+                    source,
+                    f"its {name} is not a regular file (a FIFO, device, socket or directory)",
+                    f"replace {name} with the model's own file (or remove it)",
+                )
+            size, cap = info.st_size, SIDE_FILE_CAPS.get(path.name, MAX_SIDE_FILE_BYTES)
             if size > cap:
-                name = path.relative_to(directory).as_posix()
                 raise _bad(
                     source,
                     f"its {name} is {size:,} bytes, more than the {cap:,} a side file may hold",

@@ -580,3 +580,15 @@ def test_clean_q8_gguf_passes_the_scale_check(tmp_path: Path) -> None:
 
     path = write_q8_gguf(tmp_path / "clean.gguf")
     check_block_scales(*map_gguf(path), path)
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "tokenizer_config.json"])
+def test_fifo_side_file_is_refused(pristine_model: Path, tmp_path: Path, name: str) -> None:
+    """A FIFO where a side file belongs: transformers skipped chat_template.jinja silently (a build
+    without the model's chat template) or would block reading it; now one line naming it."""
+    model = model_with(pristine_model, tmp_path)
+    (model / name).unlink(missing_ok=True)
+    os.mkfifo(model / name)
+    outcome = run_cli_bounded(["build", str(model), "-o", str(tmp_path / "bundle")])
+    _assert_side_file_refused(outcome, tmp_path, name)
+    assert "regular file" in outcome.err
