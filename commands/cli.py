@@ -10,6 +10,7 @@ and transformers are not installed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import math
 import os
@@ -17,7 +18,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 from adaptive_export.commands import (
     EXIT_INTERRUPTED,
@@ -33,10 +34,35 @@ from adaptive_export.commands import (
 
 
 class _Parser(argparse.ArgumentParser):
+    tokens: ClassVar[tuple[str, ...]] = ()  # the command line being parsed, for error()'s hint
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        _Parser.tokens = tuple(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:  # argparse would print usage and exit 2; keep it one line
         from adaptive_export.runtimes.errors import UsageError
 
+        stray = self._stray_option(message)
+        if stray is not None:
+            raise UsageError(
+                f"bad arguments: {stray[:60]!r} is read as an option, and {self.prog} has no such option",
+                f"to pass a model, bundle or file of that name, write it as ./{stray[:60]} (or put it after `--`"
+                f" at the end of the command); for an option, see `{self.prog} --help`",
+            )
         raise UsageError(f"bad arguments: {message}", f"see `{self.prog} --help`")
+
+    def _stray_option(self, message: str) -> str | None:
+        """The word argparse took for an option that does not exist: most likely a MODEL or bundle
+        named `-name` (argparse reads any word starting with '-' as an option)."""
+        if message.startswith("unrecognized arguments: "):
+            words = message.removeprefix("unrecognized arguments: ").split()
+        elif message.startswith("the following arguments are required"):  # the name was taken, the slot left empty
+            words = list(itertools.takewhile(lambda word: word != "--", _Parser.tokens))
+            words = [word for word in words if word.split("=", 1)[0] not in self._option_string_actions]
+        else:
+            return None
+        return next((w for w in words if w.startswith("-") and w != "-" and not w[1:2].isdigit()), None)
 
 
 def _bounded_int(low: int, high: int) -> Any:

@@ -27,7 +27,12 @@ VERSIONS = (2, 3)
 MAX_KEYS = 1 << 16
 MAX_KEY_BYTES = 1 << 16
 MAX_STRING_BYTES = 1 << 24  # a chat template or a token; far above any real one
-MAX_ARRAY_ITEMS = 1 << 24  # token lists, merges and scores: a few 100k in real files
+MAX_ARRAY_ITEMS = 1 << 24  # any other metadata array
+# the tokenizer's arrays, bounded by the vocabulary while the header is read: gguf's reader and
+# transformers decode every item into Python objects (2^22 token strings: 77 s, 3.6 GB)
+TOKEN_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+MERGES = "tokenizer.ggml.merges"
+EMBEDDING = "token_embd.weight"  # ggml dims (hidden, vocabulary)
 MAX_DIMS = 4
 STRING, ARRAY = 8, 9
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -134,20 +139,59 @@ def _value(cursor: _Cursor, kind: int, key: str, depth: int = 0) -> tuple[Any, i
     if kind != ARRAY or depth > 1:
         raise ValueError(f"metadata {key!r} has an unknown value type {kind}")
     item_kind, count = cursor.number("<I"), cursor.number("<Q")
-    if count > MAX_ARRAY_ITEMS:
-        raise ValueError(f"metadata array {key!r} has {count} items (at most {MAX_ARRAY_ITEMS})")
+    cap = _array_cap(key) if depth == 0 else MAX_ARRAY_ITEMS
+    if count > cap:
+        raise ValueError(f"metadata array {key!r} has {count} items (at most {cap})")
     if item_kind in SCALARS:
         cursor.skip(count * struct.calcsize(SCALARS[item_kind]))
     elif item_kind == STRING:  # token lists: skipped, not decoded
-        for _ in range(count):
-            size = cursor.number("<Q")
-            if size > MAX_STRING_BYTES:
-                raise ValueError(f"an item of {key!r} is {size} bytes long (at most {MAX_STRING_BYTES})")
-            cursor.skip(size)
+        _skip_strings(cursor, count, key)
     else:
         for _ in range(count):
             _value(cursor, item_kind, key, depth + 1)
     return None, count
+
+
+def _array_cap(key: str) -> int:
+    """The most items a top-level metadata array may hold, before the vocabulary is known."""
+    if key in TOKEN_ARRAYS:
+        return limits.MAX_VOCAB
+    if key == MERGES:
+        return limits.MAX_MERGES_PER_TOKEN * limits.MAX_VOCAB
+    return MAX_ARRAY_ITEMS
+
+
+def _skip_strings(cursor: _Cursor, count: int, key: str) -> None:
+    """Step over `count` length-prefixed strings without copying them (2^21 tokens: about a second)."""
+    data, at, end, unpack = cursor.data, cursor.at, len(cursor.data), struct.Struct("<Q").unpack_from
+    for _ in range(count):
+        if at + 8 > end:
+            raise _Truncated
+        size = unpack(data, at)[0]
+        if size > MAX_STRING_BYTES:
+            raise ValueError(f"an item of {key!r} is {size} bytes long (at most {MAX_STRING_BYTES})")
+        at += 8 + size
+    if at > end:
+        raise _Truncated
+    cursor.at = at
+
+
+def _check_vocabulary_arrays(
+    metadata: dict[str, Any], lengths: dict[str, int], tensors: tuple[TensorLocation, ...]
+) -> None:
+    """The tokenizer's arrays no longer than the vocabulary the file declares (its `<arch>.vocab_size`
+    and its embedding's rows, the smaller; else the token list): a small model with millions of
+    token strings is refused here, before any library decodes them."""
+    declared = [metadata.get(f"{metadata.get('general.architecture')}.vocab_size")]
+    declared += [t.dims[1] for t in tensors if t.name == EMBEDDING and len(t.dims) >= 2]
+    sizes = [v for v in declared if isinstance(v, int) and not isinstance(v, bool)]
+    vocab = min(sizes) if sizes else lengths.get(TOKEN_ARRAYS[0], 0)
+    bounds = {key: vocab for key in TOKEN_ARRAYS} | {MERGES: limits.MAX_MERGES_PER_TOKEN * vocab}
+    for key, bound in bounds.items():
+        if lengths.get(key, 0) > bound:
+            raise ValueError(
+                f"metadata array {key!r} has {lengths[key]} items, more than its vocabulary of {vocab} tokens allows"
+            )
 
 
 def _metadata(cursor: _Cursor, count: int) -> tuple[dict[str, Any], dict[str, int]]:
@@ -210,6 +254,7 @@ def _parse(data: mmap.mmap) -> GGUFHeader:
     if not isinstance(alignment, int) or isinstance(alignment, bool) or not 1 <= alignment <= 1 << 16:
         raise ValueError(f"general.alignment {alignment!r} is not in 1..65536")
     tensors = _tensors(cursor, tensor_count, alignment, len(data))
+    _check_vocabulary_arrays(metadata, lengths, tensors)
     return GGUFHeader(version, metadata, lengths, tensors)
 
 

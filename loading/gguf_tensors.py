@@ -16,7 +16,22 @@ from typing import Any
 
 import numpy as np
 
-from adaptive_export.loading.gguf_header import map_gguf
+from adaptive_export.loading.gguf_header import GGUFHeader, map_gguf
+from adaptive_export.runtimes.errors import UsageError
+
+# GGML type -> byte offsets of the fp16 scales in one block (d; and dmin / m where the type has a min)
+SCALE_OFFSETS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
 
 
 @dataclass(frozen=True)
@@ -54,3 +69,26 @@ class MappedGGUF:
         start, size = self._extents[name]
         first = start - start % mmap.PAGESIZE  # a read-only file mapping: a dropped page is read again on
         self._mapping.madvise(mmap.MADV_DONTNEED, first, start + size - first)  # its next touch
+
+
+def check_block_scales(header: GGUFHeader, data: np.ndarray, path: Path) -> None:
+    """Every block's fp16 scales finite, vectorised per tensor: a NaN or infinite scale makes its
+    whole block NaN, which transformers and the native conversion both carry into the bundle, and
+    every `run` then refuses the logits. Refused here, naming the tensor, before anything loads."""
+    import gguf
+
+    for tensor in header.tensors:
+        kind = gguf.GGMLQuantizationType(tensor.kind)
+        offsets = SCALE_OFFSETS.get(kind.name, ())
+        if not offsets:
+            continue
+        blocks = data[tensor.start : tensor.start + tensor.size].reshape(-1, gguf.GGML_QUANT_SIZES[kind][1])
+        for offset in offsets:
+            scales = np.ascontiguousarray(blocks[:, offset : offset + 2]).view(np.float16).ravel()
+            bad = np.flatnonzero(~np.isfinite(scales))
+            if bad.size:
+                raise UsageError(
+                    f"GGUF tensor {tensor.name!r} of {str(path)!r} has a non-finite block scale"
+                    f" ({scales[bad[0]]} in block {bad[0]}, {bad.size} blocks in all)",
+                    "pass an intact .gguf file (a NaN or infinite scale turns its block, and the logits, into NaN)",
+                )

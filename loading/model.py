@@ -5,6 +5,7 @@ same spelling."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from contextlib import nullcontext
@@ -14,10 +15,11 @@ from typing import Any
 
 from adaptive_export.graphs.architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from adaptive_export.graphs.spec import ModelSpec
-from adaptive_export.loading.gguf_header import read_gguf_header
+from adaptive_export.loading.gguf_header import map_gguf
 from adaptive_export.loading.gguf_parses import one_parse_per_file
+from adaptive_export.loading.gguf_tensors import check_block_scales
 from adaptive_export.loading.hub import HubModel, is_hub_id, resolve_hub_model, snapshot_blob
-from adaptive_export.loading.model_checks import check_config_json, check_dimensions, spec_fields
+from adaptive_export.loading.model_checks import check_config_json, check_dimensions, check_side_files, spec_fields
 from adaptive_export.loading.packaged import PACKAGED
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.tokenizer_policy import (
@@ -30,6 +32,7 @@ from adaptive_export.runtimes.tokenizer_policy import (
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
+NAME_MAX_BYTES, PATH_MAX_BYTES = 255, 4096  # Linux's (and macOS's) limits on a file name and a path
 _TOKENIZER_FIX = "use a model whose tokenizer stays within the bounds in runtimes/limits.py (docs/hardening.md)"
 MODEL_CHOICES = (
     "a model directory, a .gguf file, a Hugging Face Hub id (org/name) or a packaged name (" + ", ".join(PACKAGED) + ")"
@@ -51,8 +54,30 @@ def smollm2_gguf_path() -> Path:
     return PACKAGED["smollm2"].gguf_path()
 
 
+def check_name_length(model: str) -> None:
+    """A MODEL no file can be named (a part longer than the filesystem's name limit, or the whole
+    past its path limit) is one line saying so, not the OSError that looking it up raises. Checked
+    by length first (a missing parent folder would hide it), then as the filesystem answers."""
+    longest = max(len(part.encode("utf-8", "surrogateescape")) for part in model.split("/"))
+    too_long = longest > NAME_MAX_BYTES or len(model.encode("utf-8", "surrogateescape")) >= PATH_MAX_BYTES
+    if not too_long:
+        try:
+            os.stat(model)
+        except OSError as exc:
+            too_long = exc.errno == errno.ENAMETOOLONG
+        except ValueError:  # an embedded NUL: no file either; the lookups below refuse it
+            pass
+    if too_long:
+        raise UsageError(
+            f"model name {model[:60]!r}... is too long ({len(model)} characters, its longest part {longest} bytes)"
+            " for any file to have it",
+            f"pass a path with names of at most {NAME_MAX_BYTES} bytes, or {MODEL_CHOICES}",
+        )
+
+
 def resolve_model_path(model: str) -> tuple[Path, str | None]:
     """Return (directory, gguf file name or None) for a MODEL argument."""
+    check_name_length(model)
     if model in PACKAGED:
         gguf = PACKAGED[model].gguf_path()
         return gguf.parent, gguf.name
@@ -75,6 +100,7 @@ def resolve_model_argument(model: str, revision: str | None = None, gguf_file: s
     """build's MODEL with --revision / --gguf-file: a Hub id becomes the local path of its snapshot
     (or of the .gguf file in it), which the bundle records; any other MODEL is returned unchanged.
     A local directory or file of the same name wins over a Hub id."""
+    check_name_length(model)
     if model in PACKAGED or Path(model).exists() or not is_hub_id(model):
         if revision is not None or gguf_file is not None:
             option = "--revision" if revision is not None else "--gguf-file"
@@ -91,8 +117,11 @@ _CHECKED: set[tuple[str, int, int]] = set()  # (path, size, mtime) of model file
 
 def check_model_files(model: str) -> tuple[Path, str | None]:
     """Resolve MODEL and check its header or config.json (loading/model_checks.py) before any
-    library parses it: a GGUF's structure and every dimension, once per file and process."""
+    library parses it: a GGUF's structure, every dimension and every block scale, once per file
+    and process; the
+    side files' sizes on every call (they are not part of the cache key)."""
     directory, gguf_file = resolve_model_path(model)
+    check_side_files(directory, model, gguf_file is not None)
     path = snapshot_blob(directory / (gguf_file or "config.json"))
     try:
         info = path.stat()
@@ -101,7 +130,10 @@ def check_model_files(model: str) -> tuple[Path, str | None]:
     key = (str(path), info.st_size, info.st_mtime_ns) if info else None
     if key is None or key not in _CHECKED:
         if gguf_file:
-            check_dimensions(read_gguf_header(path).hf_fields(), model)
+            header, data = map_gguf(path)
+            check_dimensions(header.hf_fields(), model)
+            check_block_scales(header, data, path)
+            del data  # the mapping closes with its last view
         else:
             check_config_json(directory, model, path)
             if (pickle_error := _pickle_only_error(model, directory)) is not None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import stat
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,20 @@ from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.errors import UsageError
 
 MAX_CONFIG_BYTES = 4 << 20
+MAX_SIDE_FILE_BYTES = 16 << 20  # tokenizer_config.json, chat templates, vocab.json... (Gemma 3's largest: 4.7 MB)
+# what transformers reads whole beside the weights: in a model directory, every file of these patterns
+# (a slow tokenizer's vocabulary files have class-specific names); beside a .gguf, the names it looks up
+SIDE_FILE_PATTERNS = ("*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken", "additional_chat_templates/*")
+GGUF_SIDE_FILE_PATTERNS = (
+    "tokenizer*.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.*",
+    "generation_config.json",
+    "additional_chat_templates/*",
+)
+SIDE_FILE_CAPS = {"tokenizer.json": limits.MAX_TOKENIZER_JSON_BYTES, "config.json": MAX_CONFIG_BYTES}
+MAX_CONFIG_NESTING = 4  # text_config inside a wrapper inside a wrapper: deeper is no model we know
 MAX_POSITIONS = 1 << 24  # max_position_embeddings and sliding windows: far above any released model
 FP32_BYTES = 4
 SIZING_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -73,32 +88,35 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_fields(fields: Mapping[str, Any], source: str) -> None:
+def _check_fields(fields: Mapping[str, Any], source: str, where: str = "") -> None:
     """Each field's type and range, one rule per field; an absent field is left to the config's
-    default (a required one present as null is refused)."""
+    default (a required one present as null is refused). `where`: the nested config's path
+    (`text_config.`), so the line names the field as config.json spells it."""
     for rule in INT_RULES:
         value = fields.get(rule.key)
         if rule.key not in fields or (value is None and not rule.required):
             continue
         if not (isinstance(value, int) and _is_int(value) and 1 <= value <= rule.high):
-            raise _bad(source, f"{rule.key} = {value!r} is not an integer in 1..{rule.high}")
+            raise _bad(source, f"{where}{rule.key} = {value!r} is not an integer in 1..{rule.high}")
     for frule in FLOAT_RULES:
         value = fields.get(frule.key)
         if frule.key not in fields or (value is None and not frule.required):
             continue
         number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
         if not (math.isfinite(number) and 0 < number < frule.high):
-            raise _bad(source, f"{frule.key} = {value!r} is not a finite number in (0, {frule.high:g})")
+            raise _bad(source, f"{where}{frule.key} = {value!r} is not a finite number in (0, {frule.high:g})")
 
 
-def _check_heads(fields: Mapping[str, Any], source: str) -> int:
+def _check_heads(fields: Mapping[str, Any], source: str, where: str = "") -> int:
     """Heads that fit each other and the hidden size; returns the head size."""
     heads, hidden = fields["num_attention_heads"], fields["hidden_size"]
     kv_heads = fields.get("num_key_value_heads") or heads
     if heads % kv_heads:
-        raise _bad(source, f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        raise _bad(
+            source, f"{where}num_attention_heads {heads} is not a multiple of {where}num_key_value_heads {kv_heads}"
+        )
     if hidden % heads:  # also with an explicit head_dim: no supported family has such a model
-        raise _bad(source, f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+        raise _bad(source, f"{where}hidden_size {hidden} is not a multiple of {where}num_attention_heads {heads}")
     head_dim = fields.get("head_dim") or hidden // heads
     if not 1 <= head_dim <= limits.MAX_HEAD_DIM:
         raise _bad(source, f"the head size {head_dim} is outside 1..{limits.MAX_HEAD_DIM}")
@@ -116,13 +134,13 @@ def fp32_weight_bytes(fields: Mapping[str, Any], head_dim: int) -> int:
     return FP32_BYTES * (layers * per_layer + tables * fields["vocab_size"] * hidden)
 
 
-def check_dimensions(fields: Mapping[str, Any], source: str) -> None:
+def check_dimensions(fields: Mapping[str, Any], source: str, where: str = "") -> None:
     """Refuse a config (HF field names) whose dimensions the graphs or the runtime cannot take,
     or whose fp32 weights would not fit in this machine's memory, before anything is allocated."""
-    _check_fields(fields, source)
+    _check_fields(fields, source, where)
     if not all(fields.get(key) is not None for key in SIZING_KEYS):
         return  # a partial config.json: transformers fills in its defaults, checked again as a ModelSpec
-    head_dim = _check_heads(fields, source)
+    head_dim = _check_heads(fields, source, where)
     needed = fp32_weight_bytes(fields, head_dim)
     available = limits.available_memory()
     if available is not None and needed > available:
@@ -161,7 +179,49 @@ def read_config_json(directory: Path, source: str, path: Path | None = None) -> 
     return config
 
 
+def nested_configs(
+    config: Mapping[str, Any], where: str = "", depth: int = 0
+) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """The config and every sub-config it nests (`text_config`, `llm_config`, any `*_config` object),
+    as (path prefix, fields): a multimodal wrapper keeps its decoder's dims there, and transformers
+    builds that decoder's config class (which sizes lists by them) from the nested object."""
+    yield where, config
+    if depth >= MAX_CONFIG_NESTING:
+        return
+    for key, value in config.items():
+        if isinstance(key, str) and key.endswith("_config") and isinstance(value, Mapping):
+            yield from nested_configs(value, f"{where}{key}.", depth + 1)
+
+
 def check_config_json(directory: Path, source: str, path: Path | None = None) -> None:
     """The raw config.json, before transformers builds a config class from it (some classes size
-    lists by num_hidden_layers in their constructor)."""
-    check_dimensions(read_config_json(directory, source, path), source)
+    lists by num_hidden_layers in their constructor): the top level and every nested `*_config`."""
+    for where, fields in nested_configs(read_config_json(directory, source, path)):
+        check_dimensions(fields, source, where)
+
+
+def check_side_files(directory: Path, source: str, gguf: bool) -> None:
+    """Every side file transformers may read whole (tokenizer_config.json, chat_template.jinja,
+    generation_config.json, ...) a regular file of at most its cap in bytes, from stat alone: a 2 GB sparse one
+    costs no disk and would be read into memory (10-23 s, then MemoryError). A Hub snapshot's file
+    is a link to its blob, whose size is the one stat reports."""
+    for pattern in GGUF_SIDE_FILE_PATTERNS if gguf else SIDE_FILE_PATTERNS:
+        for path in sorted(directory.glob(pattern)):
+            try:
+                info = path.stat()
+            except OSError:
+                continue  # a dangling link: transformers skips it as absent
+            name = path.relative_to(directory).as_posix()
+            if not stat.S_ISREG(info.st_mode):  # transformers skips a FIFO silently (or blocks on it)
+                raise _bad(
+                    source,
+                    f"its {name} is not a regular file (a FIFO, device, socket or directory)",
+                    f"replace {name} with the model's own file (or remove it)",
+                )
+            size, cap = info.st_size, SIDE_FILE_CAPS.get(path.name, MAX_SIDE_FILE_BYTES)
+            if size > cap:
+                raise _bad(
+                    source,
+                    f"its {name} is {size:,} bytes, more than the {cap:,} a side file may hold",
+                    f"replace {name} with the model's own file (or remove it)",
+                )

@@ -15,8 +15,10 @@ import collections.abc
 import enum
 import itertools
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -168,8 +170,37 @@ class _Run:
         return self.result
 
 
+class _Turn:
+    """Who holds a Generator's one sequence (its KV arena and the backend's output buffers).
+
+    Another thread waits its turn; the holding thread itself is refused: a second stream() while its
+    first is live would reset the arena under the first (changing its answer), and waiting for
+    itself would never end."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # the holding thread's ident; only that thread can see its own
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        me = threading.get_ident()
+        if self._owner == me:
+            raise UsageError(
+                "a generation started on this Generator while this thread's earlier stream() (or a callback"
+                " inside generate) is still live: they would share one KV arena",
+                "exhaust or close() the first stream before starting another, or use one Generator per sequence",
+            )
+        with self._lock:
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
+
+
 class Generator:
-    """Load once, generate many times. Not thread-safe: one sequence at a time (one arena)."""
+    """Load once, generate many times. One sequence at a time (one arena): calls from several
+    threads take turns; a thread's second stream() while its first is live is refused."""
 
     def __init__(
         self,
@@ -201,6 +232,7 @@ class Generator:
         # plain steps floor rounds, so every mode computes the rows a verify pass computes
         self.decode_rows = min_decode_rows(self.bundle) if decode_rows is None else check_decode_rows(decode_rows)
         self.warmups: dict[str, DraftWarmup] = {}  # draft engine -> the background creation of its session
+        self._turn = _Turn()
 
     # ---- public API -------------------------------------------------------------------
     def generate(
@@ -216,22 +248,28 @@ class Generator:
             raise UsageError(
                 f"on_text is {type(on_text).__name__}, not a callable", "pass a function taking one str, or None"
             )
-        run = _Run(self._loop(self._request(prompt, **arguments)))
-        for delta in run:
-            if on_text is not None:
-                on_text(delta)
-        return run.finished()
+        with self._turn.held():  # the request too: tokenizers_guard points fd 2 away for the process
+            run = _Run(self._loop(self._request(prompt, **arguments)))
+            for delta in run:
+                if on_text is not None:
+                    on_text(delta)
+            return run.finished()
 
     def stream(self, prompt: str | Sequence[int], **arguments: Unpack[GenerateArguments]) -> Iterator[str]:
         """Yield text deltas as tokens are decoded (same arguments as `generate`, except on_text).
 
         The arguments are checked at the call; decoding advances as the caller iterates, and the
-        full result is `last_result` once the iterator is exhausted."""
-        run = _Run(self._loop(self._request(prompt, **arguments)))
+        full result is `last_result` once the iterator is exhausted. The stream holds the Generator
+        from its first item until it is exhausted or closed: other threads wait, and this thread's
+        next stream or generate is refused meanwhile."""
+        with self._turn.held():
+            request = self._request(prompt, **arguments)
+        run = _Run(self._loop(request))
 
         def pieces() -> Iterator[str]:
-            yield from run
-            self.last_result = run.finished()
+            with self._turn.held():
+                yield from run
+                self.last_result = run.finished()
 
         return pieces()
 

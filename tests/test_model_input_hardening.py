@@ -8,9 +8,11 @@ machine wall time measures the neighbours; a hang that sleeps still hits the 45 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import resource
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +25,7 @@ import pytest
 from adaptive_export.loading.gguf_header import read_gguf_header
 from adaptive_export.loading.model_checks import check_dimensions
 from adaptive_export.runtimes.errors import UsageError
+from tests.bounded import assert_one_error_line, run_cli_bounded
 from tests.conftest import make_tiny_model, needs_smollm2
 
 ROOT = Path(__file__).parents[1]
@@ -309,3 +312,283 @@ def test_dimension_rules_need_every_sizing_field_to_check_memory() -> None:
     check_dimensions({"hidden_size": 64}, "partial")
     with pytest.raises(UsageError, match="hidden_size"):
         check_dimensions({"hidden_size": 0}, "partial")
+
+
+# ---- nested text configs (multimodal wrappers) ----------------------------------------------------
+NESTED_LIMIT_RSS_MB = 1024
+TEXT_DIMS = {
+    "model_type": "gemma3_text",
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 300,
+}
+NESTED_CASES = {
+    "text_layers_1e9": ("text_config", {"num_hidden_layers": 10**9}, "text_config.num_hidden_layers"),
+    "text_hidden_1e9": ("text_config", {"hidden_size": 10**9}, "text_config.hidden_size"),
+    "text_vocab_1e9": ("text_config", {"vocab_size": 10**9}, "text_config.vocab_size"),
+    "text_intermediate_1e12": ("text_config", {"intermediate_size": 10**12}, "text_config.intermediate_size"),
+    "text_heads_1e9": ("text_config", {"num_attention_heads": 10**9}, "text_config.num_attention_heads"),
+    "text_window_1e12": ("text_config", {"sliding_window": 10**12}, "text_config.sliding_window"),
+    "llm_config_layers_1e9": ("llm_config", {"num_hidden_layers": 10**9}, "llm_config.num_hidden_layers"),
+}
+
+
+def nested_model(directory: Path, key: str, dims: dict[str, Any]) -> Path:
+    """A multimodal-style model directory: model_type gemma3 with the decoder's dims under `key`."""
+    directory.mkdir()
+    config = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], key: {**TEXT_DIMS, **dims}}
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "model.safetensors").write_bytes(b"")
+    return directory
+
+
+@pytest.mark.parametrize("case", NESTED_CASES, ids=list(NESTED_CASES))
+def test_nested_text_config_dimensions_are_refused(tmp_path: Path, case: str) -> None:
+    """The decoder's dims inside text_config (or another *_config) are checked before transformers
+    builds a config class from them (Gemma3TextConfig sizes layer_types by num_hidden_layers)."""
+    key, dims, word = NESTED_CASES[case]
+    model = nested_model(tmp_path / "model", key, dims)
+    outcome = run_cli_bounded(["build", str(model), "-o", str(tmp_path / "bundle")])
+    assert_one_error_line(outcome, word)
+    assert outcome.seconds < LIMIT_S + 8, f"took {outcome.seconds:.1f} s"  # + a fresh interpreter's start-up
+    assert outcome.peak_rss_mb < NESTED_LIMIT_RSS_MB, f"peak RSS {outcome.peak_rss_mb:.0f} MB"
+    assert not (tmp_path / "bundle").exists() and not list(tmp_path.glob(".bundle.*"))
+
+
+def test_nested_config_with_sane_dimensions_passes_the_check(tmp_path: Path) -> None:
+    """A vision tower's own dims (SigLIP in Gemma 3) and a sane text_config pass."""
+    from adaptive_export.loading.model_checks import check_config_json
+
+    model = nested_model(tmp_path / "model", "text_config", {})
+    config = json.loads((model / "config.json").read_text())
+    config["vision_config"] = {"hidden_size": 1152, "num_hidden_layers": 27, "num_attention_heads": 16}
+    config["vision_config"]["intermediate_size"] = 4304
+    (model / "config.json").write_text(json.dumps(config))
+    check_config_json(model, "nested")
+
+
+# ---- GGUF tokenizer arrays past the vocabulary ----------------------------------------------------
+def _gguf_string(text: str) -> bytes:
+    data = text.encode()
+    return struct.pack("<Q", len(data)) + data
+
+
+def _gguf_kv(key: str, kind: int, payload: bytes) -> bytes:
+    return _gguf_string(key) + struct.pack("<I", kind) + payload
+
+
+def _gguf_array(key: str, item_kind: int, count: int, items: bytes) -> bytes:
+    return _gguf_kv(key, 9, struct.pack("<IQ", item_kind, count) + items)
+
+
+def raw_gguf(path: Path, arrays: dict[str, int], vocab: int = 50, declared_vocab: int | None = None) -> Path:
+    """A small llama GGUF (one layer's header fields, embedding of `vocab` rows) whose tokenizer arrays
+    have the given item counts, written byte by byte: gguf's writer takes seconds per million strings."""
+    kvs = [
+        _gguf_kv("general.architecture", 8, _gguf_string("llama")),
+        *(
+            _gguf_kv(f"llama.{key}", 4, struct.pack("<I", value))
+            for key, value in (
+                ("block_count", 1),
+                ("embedding_length", 32),
+                ("attention.head_count", 4),
+                ("attention.head_count_kv", 2),
+                ("feed_forward_length", 64),
+                ("context_length", 128),
+            )
+        ),
+        _gguf_kv("llama.attention.layer_norm_rms_epsilon", 6, struct.pack("<f", 1e-6)),
+        _gguf_kv("tokenizer.ggml.model", 8, _gguf_string("gpt2")),
+    ]
+    if declared_vocab is not None:
+        kvs.append(_gguf_kv("llama.vocab_size", 4, struct.pack("<I", declared_vocab)))
+    for key, count in arrays.items():
+        if key == "tokenizer.ggml.scores":
+            kvs.append(_gguf_array(key, 6, count, np.zeros(count, np.float32).tobytes()))
+        elif key == "tokenizer.ggml.token_type":
+            kvs.append(_gguf_array(key, 5, count, np.ones(count, np.int32).tobytes()))
+        else:  # tokens and merges: strings
+            kvs.append(_gguf_array(key, 8, count, _gguf_string("t t") * count))
+    tensors = [("token_embd.weight", (32, vocab)), ("output_norm.weight", (32,))]
+    infos, data, offset = b"", b"", 0
+    for name, dims in tensors:
+        values = np.random.default_rng(0).standard_normal(int(np.prod(dims))).astype(np.float32).tobytes()
+        infos += _gguf_string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
+        infos += struct.pack("<IQ", 0, offset)  # F32
+        data += values + b"\0" * (-len(values) % 32)
+        offset = len(data)
+    header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kvs)) + b"".join(kvs) + infos
+    path.write_bytes(header + b"\0" * (-len(header) % 32) + data)
+    return path
+
+
+TOKEN_ARRAY_CASES = {
+    "tokens_2^20_for_50": ({"tokenizer.ggml.tokens": 1 << 20}, None, "tokenizer.ggml.tokens"),
+    "tokens_2^22_declared_50": ({"tokenizer.ggml.tokens": 1 << 22}, 50, "tokenizer.ggml.tokens"),
+    "tokens_2^20_declared_50": ({"tokenizer.ggml.tokens": 1 << 20}, 50, "tokenizer.ggml.tokens"),
+    "scores_2^20": ({"tokenizer.ggml.tokens": 50, "tokenizer.ggml.scores": 1 << 20}, None, "tokenizer.ggml.scores"),
+    "token_type_2^20": (
+        {"tokenizer.ggml.tokens": 50, "tokenizer.ggml.token_type": 1 << 20},
+        None,
+        "tokenizer.ggml.token_type",
+    ),
+    "merges_2^20": ({"tokenizer.ggml.tokens": 50, "tokenizer.ggml.merges": 1 << 20}, None, "tokenizer.ggml.merges"),
+}
+
+
+@pytest.mark.parametrize("case", TOKEN_ARRAY_CASES, ids=list(TOKEN_ARRAY_CASES))
+def test_gguf_token_arrays_past_the_vocabulary_are_refused(tmp_path: Path, case: str) -> None:
+    """A 50-token model carrying millions of token strings, scores, types or merges: refused by the
+    header check, before gguf's reader or transformers decode them into Python objects."""
+    arrays, declared, word = TOKEN_ARRAY_CASES[case]
+    model = raw_gguf(tmp_path / "tokens.gguf", arrays, declared_vocab=declared)
+    outcome = run_cli_bounded(["build", str(model), "-o", str(tmp_path / "bundle")])
+    assert_one_error_line(outcome, word, "tokens.gguf")
+    assert outcome.seconds < LIMIT_S + 8, f"took {outcome.seconds:.1f} s"  # + a fresh interpreter's start-up
+    assert outcome.peak_rss_mb < NESTED_LIMIT_RSS_MB, f"peak RSS {outcome.peak_rss_mb:.0f} MB"
+    assert not (tmp_path / "bundle").exists()
+
+
+def test_raw_gguf_with_a_matching_vocabulary_passes_the_header_check(tmp_path: Path) -> None:
+    """The test's own file is sound where its arrays fit: only the counts under test refuse it."""
+    arrays = {"tokenizer.ggml.tokens": 50, "tokenizer.ggml.scores": 50, "tokenizer.ggml.merges": 200}
+    header = read_gguf_header(raw_gguf(tmp_path / "ok.gguf", arrays, declared_vocab=50))
+    assert header.hf_fields()["vocab_size"] == 50 and header.array_lengths["tokenizer.ggml.merges"] == 200
+
+
+# ---- side files read whole by transformers ---------------------------------------------------------
+SPARSE_SIDE_BYTES = 2 << 30
+
+
+def _sparse(path: Path, size: int = SPARSE_SIDE_BYTES) -> None:
+    """`path` replaced by a sparse file of `size` bytes (what `truncate -s 2G` makes): no disk, no time."""
+    path.unlink(missing_ok=True)
+    path.touch()
+    os.truncate(path, size)
+
+
+def _assert_side_file_refused(outcome: Any, tmp_path: Path, name: str) -> None:
+    assert_one_error_line(outcome, name)
+    assert outcome.seconds < LIMIT_S + 8, f"took {outcome.seconds:.1f} s"  # + a fresh interpreter's start-up
+    assert outcome.peak_rss_mb < NESTED_LIMIT_RSS_MB, f"peak RSS {outcome.peak_rss_mb:.0f} MB"
+    assert not (tmp_path / "bundle").exists()
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "chat_template.jinja", "generation_config.json"])
+def test_huge_side_file_in_a_model_directory_is_refused(pristine_model: Path, tmp_path: Path, name: str) -> None:
+    """A 2 GB sparse side file: refused on its size before transformers reads it whole."""
+    model = model_with(pristine_model, tmp_path)
+    _sparse(model / name)
+    outcome = run_cli_bounded(["build", str(model), "-o", str(tmp_path / "bundle")])
+    _assert_side_file_refused(outcome, tmp_path, name)
+
+
+def test_huge_side_file_beside_a_gguf_is_refused(tiny_gguf: Path, tmp_path: Path) -> None:
+    """transformers reads tokenizer_config.json beside a .gguf too."""
+    model = tmp_path / "gguf"
+    model.mkdir()
+    shutil.copy(tiny_gguf, model / "tiny.gguf")
+    _sparse(model / "tokenizer_config.json")
+    outcome = run_cli_bounded(["build", str(model / "tiny.gguf"), "-o", str(tmp_path / "bundle")])
+    _assert_side_file_refused(outcome, tmp_path, "tokenizer_config.json")
+
+
+def test_huge_side_file_blob_in_the_hub_cache_is_refused(
+    pristine_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Hub snapshot's side file is a link to a blob: the blob's size is what counts."""
+    from tests.test_hub import cache_snapshot
+
+    cache = tmp_path / "hf-home" / "hub"
+    cache.mkdir(parents=True)
+    snapshot = cache_snapshot(cache, "tiny-org/huge-side", pristine_model)
+    _sparse((snapshot / "tokenizer_config.json").resolve())
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    outcome = run_cli_bounded(["build", "tiny-org/huge-side", "-o", str(tmp_path / "bundle")])
+    _assert_side_file_refused(outcome, tmp_path, "tokenizer_config.json")
+
+
+# ---- GGUF blocks with a non-finite scale ----------------------------------------------------------
+NAN_F16 = np.array([np.nan], np.float16).tobytes()
+
+
+def poison_first_block_scale(source: Path, target: Path, value: bytes = NAN_F16) -> str:
+    """Copy `source` with the fp16 scale `d` of the first block of its first Q8_0/Q4_K/... tensor set
+    to `value`; returns the tensor's name."""
+    from adaptive_export.loading.gguf_tensors import SCALE_OFFSETS
+
+    header = read_gguf_header(source)
+    tensor = next(t for t in header.tensors if gguf.GGMLQuantizationType(t.kind).name in SCALE_OFFSETS)
+    offset = tensor.start + SCALE_OFFSETS[gguf.GGMLQuantizationType(tensor.kind).name][0]
+    shutil.copy(source, target)
+    with open(target, "r+b") as handle:
+        handle.seek(offset)
+        handle.write(value)
+    return tensor.name
+
+
+def write_q8_gguf(path: Path) -> Path:
+    """The tiny GGUF with its embedding stored as Q8_0 blocks."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(32)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_feed_forward_length(64)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_context_length(128)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(50)])
+    table = np.random.default_rng(0).standard_normal((50, 32)).astype(np.float32)
+    blocks = gguf.quants.quantize(table, gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("token_embd.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("value", [NAN_F16, np.array([np.inf], np.float16).tobytes()], ids=["nan", "inf"])
+def test_gguf_block_with_a_non_finite_scale_is_refused(tmp_path: Path, value: bytes) -> None:
+    name = poison_first_block_scale(write_q8_gguf(tmp_path / "clean.gguf"), tmp_path / "scale.gguf", value)
+    outcome = run_cli_bounded(["build", str(tmp_path / "scale.gguf"), "-o", str(tmp_path / "bundle")])
+    _assert_side_file_refused(outcome, tmp_path, name)
+    assert "scale" in outcome.err
+
+
+@needs_smollm2
+def test_smollm2_with_a_nan_block_scale_is_refused_before_loading(tmp_path: Path) -> None:
+    """The attack as it was: a real quantized model with one NaN scale built (exit 0) into a bundle
+    every `run` refuses; now refused by the header pass, before transformers loads anything."""
+    from adaptive_export.loading.packaged import PACKAGED
+
+    name = poison_first_block_scale(PACKAGED["smollm2"].gguf_path(), tmp_path / "smol.gguf")
+    outcome = run_cli_bounded(["build", str(tmp_path / "smol.gguf"), "-o", str(tmp_path / "bundle")])
+    _assert_side_file_refused(outcome, tmp_path, name)
+
+
+def test_clean_q8_gguf_passes_the_scale_check(tmp_path: Path) -> None:
+    from adaptive_export.loading.gguf_header import map_gguf
+    from adaptive_export.loading.gguf_tensors import check_block_scales
+
+    path = write_q8_gguf(tmp_path / "clean.gguf")
+    check_block_scales(*map_gguf(path), path)
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "tokenizer_config.json"])
+def test_fifo_side_file_is_refused(pristine_model: Path, tmp_path: Path, name: str) -> None:
+    """A FIFO where a side file belongs: transformers skipped chat_template.jinja silently (a build
+    without the model's chat template) or would block reading it; now one line naming it."""
+    model = model_with(pristine_model, tmp_path)
+    (model / name).unlink(missing_ok=True)
+    os.mkfifo(model / name)
+    outcome = run_cli_bounded(["build", str(model), "-o", str(tmp_path / "bundle")])
+    _assert_side_file_refused(outcome, tmp_path, name)
+    assert "regular file" in outcome.err
