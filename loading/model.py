@@ -15,7 +15,7 @@ from typing import Any
 
 from adaptive_export.graphs.architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from adaptive_export.graphs.spec import ModelSpec
-from adaptive_export.loading.gguf_header import map_gguf
+from adaptive_export.loading.gguf_header import map_gguf, read_gguf_header
 from adaptive_export.loading.gguf_parses import one_parse_per_file
 from adaptive_export.loading.gguf_tensors import check_block_scales
 from adaptive_export.loading.hub import HubModel, is_hub_id, resolve_hub_model, snapshot_blob
