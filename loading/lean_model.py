@@ -99,3 +99,36 @@ def _read_small_parameters(hf_model: Any, weights: GGUFWeights) -> None:
         owner, _, leaf = name.rpartition(".")
         value = torch.from_numpy(weights.array(name))
         setattr(hf_model.get_submodule(owner), leaf, torch.nn.Parameter(value, requires_grad=False))
+
+
+def load_streamed_model(model: str) -> LoadedModel | None:
+    """The fp32 model from a .gguf, its parameters filled one tensor at a time: the peak is the
+    model, not transformers' dequantized state dict plus the model (12 GB for a 1.5B). None where
+    the model keeps buffers the fake build cannot recompute (Gemma's embedding scale): transformers
+    loads those."""
+    lean = load_lean_model(model)
+    if any(is_fake(b) for b in lean.hf_model.buffers()):
+        return None
+    weights = lean.weights
+    assert weights is not None
+    if not all(name in weights for name, p in lean.hf_model.named_parameters() if is_fake(p)):
+        return None
+    _fill_parameters(lean.hf_model, weights)
+    return LoadedModel(lean.hf_model, lean.tokenizer, lean.spec, lean.source)
+
+
+def _fill_parameters(hf_model: Any, weights: GGUFWeights) -> None:
+    """Replace each fake parameter with its values, at every place that holds it (a tied head
+    and embedding share one Parameter, and keep sharing it)."""
+    import torch
+
+    owners: dict[int, list[tuple[Any, str]]] = {}
+    for name, parameter in hf_model.named_parameters(remove_duplicate=False):
+        owner, _, leaf = name.rpartition(".")
+        owners.setdefault(id(parameter), []).append((hf_model.get_submodule(owner), leaf))
+    for name, parameter in list(hf_model.named_parameters()):
+        if not is_fake(parameter):
+            continue
+        real = torch.nn.Parameter(torch.from_numpy(weights.array(name)), requires_grad=False)
+        for module, leaf in owners[id(parameter)]:
+            setattr(module, leaf, real)

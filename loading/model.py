@@ -183,6 +183,12 @@ def load_model(model: str = DEFAULT_MODEL) -> LoadedModel:
     """Load weights (fp32, eval) and tokenizer from local files only: never from a hub."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     directory, gguf_file = check_model_files(model)
+    if gguf_file:
+        from adaptive_export.loading.lean_model import load_streamed_model
+
+        streamed = load_streamed_model(model)  # tensor by tensor: half transformers' peak
+        if streamed is not None:
+            return streamed
     with one_parse_per_file() if gguf_file else nullcontext():  # transformers reads a .gguf four times
         return _load_checked_model(model, directory, gguf_file)
 
