@@ -668,6 +668,19 @@ def bundle_rows(bundle: Bundle, precision: BundlePrecision, expected: str | None
     return rows
 
 
+def structure_check(bundle: Bundle, model: str | None) -> list[CheckResult]:
+    """The engines against those the model defines, node for node and byte for byte (exporter/check_structure.py)."""
+    from adaptive_export.exporter.check_structure import structure_rows
+
+    if model is None:
+        return []  # load_parts says the reference is required
+    rows = structure_rows(bundle, model)
+    return [
+        CheckResult("onnx", r.engine, "structure", r.passed, r.executed, seconds=r.seconds, detail=r.detail)
+        for r in rows
+    ]
+
+
 def nothing_executed(results: list[CheckResult], skipped: dict[str, str]) -> CheckResult | None:
     """A run in which no engine ran is no pass: a failing row naming each skipped backend and why."""
     if any(r.executed and r.check == "parity" for r in results):
@@ -692,10 +705,11 @@ def run_check(
     from adaptive_export.runtimes.bundle import load_bundle
 
     bundle = load_bundle(bundle_dir)
+    structure = structure_check(bundle, model)  # before the fp32 reference loads: one model in memory at a time
     loaded, parts = load_parts(bundle, model)
     precision = bundle_precision(bundle)
     report = CheckReport(bundle=str(bundle_dir), model=loaded.source, provider=provider)
-    report.results += bundle_rows(bundle, precision, expect_precision, loaded)
+    report.results += structure + bundle_rows(bundle, precision, expect_precision, loaded)
     settings = CheckSettings(tuple(prompts or BUILTIN_PROMPTS), new_tokens, scale_tol, progress, provider)
     references = ReferenceDecodes(parts)
     skipped: dict[str, str] = {}

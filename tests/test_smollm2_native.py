@@ -123,8 +123,12 @@ def test_default_build_is_gguf_exact_at_accuracy_4(tmp_path: Path) -> None:
     report = tmp_path / "r.json"
     proc = cli("check", str(out), "--model", "smollm2", "--report", str(report), "--new-tokens", "24")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    gate = [r for r in json.loads(report.read_text())["results"] if r["check"] == "quality[mean]"]
+    results = json.loads(report.read_text())["results"]
+    gate = [r for r in results if r["check"] == "quality[mean]"]
     assert len(gate) == 1 and gate[0]["passed"], gate
+    structure = [r for r in results if r["check"] == "structure"]  # equal to the engines the model defines
+    assert {r["engine"] for r in structure} == {"prefill", "decode_full"}, structure
+    assert all(r["passed"] and r["executed"] for r in structure), structure
     # run's default (auto) decodes plainly here: an accuracy-4 verify pass does not reproduce T=1 steps
     runs = [
         cli("run", str(out), "-p", "Name three rivers.", "--max-new-tokens", "16", "--json", *m)

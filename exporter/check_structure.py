@@ -1,0 +1,195 @@
+"""check's first line: the bundle's engines against the engines the model defines.
+
+Behavioural checks sample: a few token ids, three prompts, positions below ~60. A tampered
+engine that computes the right thing there and something else elsewhere (rotary tables
+rewritten past position 128, a branch on one token id) passes them. So `check` rebuilds the
+engines from `--model` with the bundle's recorded build options (the streaming build of
+exporter/lean_export.py: seconds to a minute, no fp32 model held) and compares them with the
+bundle's, node for node (ops, domains, attributes, wiring), graph input and output for input and
+output, and initializer for initializer (name, type, shape and every byte: GGUF-exact blocks
+exactly, derived tables such as the rotary caches in full). A row names the first node or tensor
+that differs. What no model defines (trained routers, adapters, draft heads) has no rebuilt
+engine: those graphs are listed as not rebuilt, and the behavioural checks cover them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from adaptive_export.runtimes.bundle import Bundle
+from adaptive_export.runtimes.errors import UsageError
+
+REBUILT_QUANTIZE = ("native", "none")  # what the streaming build makes; int8/int4 re-quantize a float model
+
+
+@dataclass(frozen=True)
+class StructureRow:
+    engine: str
+    passed: bool
+    executed: bool
+    detail: str
+    seconds: float
+
+
+def structure_rows(bundle: Bundle, model: str) -> list[StructureRow]:
+    """One row per onnx engine: equal to the rebuilt engine, or the first difference; rows that say
+    why an engine was not rebuilt."""
+    started = time.perf_counter()
+    reason = _not_rebuildable(bundle, model)
+    if reason is not None:
+        return [StructureRow("all", True, False, f"engines not rebuilt: {reason}", 0.0)]
+    with tempfile.TemporaryDirectory(prefix="adaptive-export-check-") as folder:
+        rebuilt = _rebuild(bundle, model, Path(folder) / "bundle")
+        seconds = time.perf_counter() - started
+        return list(_compare_engines(bundle, rebuilt, seconds))
+
+
+def _not_rebuildable(bundle: Bundle, model: str) -> str | None:
+    from adaptive_export.loading.model import check_model_files
+
+    onnx_entry = bundle.manifest.backends.get("onnx")
+    if onnx_entry is None:
+        return "the bundle has no onnx engines"
+    if onnx_entry.quantize not in REBUILT_QUANTIZE:
+        return (
+            f"--quantize {onnx_entry.quantize} re-quantizes a float model; the streaming build rebuilds native and none"
+        )
+    _, gguf_file = check_model_files(model)
+    if gguf_file is None:
+        return "the reference is not a .gguf (the streaming build reads .gguf files)"
+    return None
+
+
+def _rebuild(bundle: Bundle, model: str, out: Path) -> Bundle:
+    """The plain plan's engines, built from the model with the bundle's recorded options."""
+    from adaptive_export.exporter.build import ExportOptions, build_bundle
+    from adaptive_export.graphs.plan import BuildPlan
+    from adaptive_export.loading.lean_model import load_lean_model
+    from adaptive_export.runtimes.bundle import load_bundle
+
+    onnx_entry = bundle.manifest.backends["onnx"]
+    loaded = load_lean_model(model)
+    assert loaded.weights is not None
+    options = ExportOptions(
+        output=out,
+        max_len=bundle.max_len,
+        quantize=onnx_entry.quantize,
+        quant_options=dict(onnx_entry.extra.get("quant_options") or {}),
+        onnx_flavour=onnx_entry.flavour,
+        native_source=loaded.weights.path if onnx_entry.quantize == "native" else None,
+        progress=False,
+    )
+    build_bundle(loaded, BuildPlan(num_layers=loaded.spec.num_layers), options)
+    return load_bundle(out)
+
+
+def _compare_engines(bundle: Bundle, rebuilt: Bundle, seconds: float) -> Iterator[StructureRow]:
+    ours, theirs = bundle.manifest.backends["onnx"], rebuilt.manifest.backends["onnx"]
+    not_rebuilt, compared = [], {}
+    for name, engine in ours.graphs.items():
+        if name not in theirs.graphs or bundle.graph(name) != rebuilt.graph(name):
+            not_rebuilt.append(name)
+            continue
+        pair = (engine.file, theirs.graphs[name].file)  # graphs that are one model share a file
+        if pair not in compared:
+            compared[pair] = engine_difference(bundle, pair[0], rebuilt, pair[1])
+        difference = compared[pair]
+        yield StructureRow(
+            name, difference is None, True, difference or "equal to the engine the model defines", seconds
+        )
+    if not_rebuilt:
+        detail = f"no plain build makes {', '.join(sorted(not_rebuilt))} (routers, drafts): checked by behaviour"
+        yield StructureRow("others", True, False, detail, 0.0)
+
+
+def engine_difference(bundle: Bundle, file: str, rebuilt: Bundle, rebuilt_file: str) -> str | None:
+    """The first difference between two engines, in words, or None."""
+    a = onnx.load(str(bundle.root / file), load_external_data=False)
+    b = onnx.load(str(rebuilt.root / rebuilt_file), load_external_data=False)
+    for check in (_opsets, _interface, _nodes):
+        found = check(a, b)
+        if found is not None:
+            return found
+    return _initializers(bundle, a, rebuilt, b)
+
+
+def _opsets(a: onnx.ModelProto, b: onnx.ModelProto) -> str | None:
+    ours, theirs = (
+        sorted((o.domain, o.version) for o in a.opset_import),
+        sorted((o.domain, o.version) for o in b.opset_import),
+    )
+    return None if ours == theirs else f"opset imports {ours} differ from {theirs}"
+
+
+def _interface(a: onnx.ModelProto, b: onnx.ModelProto) -> str | None:
+    for kind in ("input", "output"):
+        ours = [v.SerializeToString() for v in getattr(a.graph, kind)]
+        theirs = [v.SerializeToString() for v in getattr(b.graph, kind)]
+        if ours != theirs:
+            return f"graph {kind}s differ from the model's"
+    return None
+
+
+def _node_key(node: onnx.NodeProto) -> tuple[Any, ...]:
+    attributes = tuple(sorted((a.name, a.SerializeToString()) for a in node.attribute))
+    return node.domain, node.op_type, tuple(node.input), tuple(node.output), attributes
+
+
+def _nodes(a: onnx.ModelProto, b: onnx.ModelProto) -> str | None:
+    ours, theirs = a.graph.node, b.graph.node
+    for index, (x, y) in enumerate(zip(ours, theirs)):
+        if _node_key(x) != _node_key(y):
+            return (
+                f"node {index} ({x.op_type} {_shown(x.name)}) differs from the model's ({y.op_type} {_shown(y.name)})"
+            )
+    if len(ours) != len(theirs):
+        extra = ours[len(theirs)] if len(ours) > len(theirs) else None
+        what = f"; the first extra is {extra.op_type} {_shown(extra.name)}" if extra is not None else ""
+        return f"{len(ours)} nodes where the model defines {len(theirs)}{what}"
+    return None
+
+
+def _initializers(bundle: Bundle, a: onnx.ModelProto, rebuilt: Bundle, b: onnx.ModelProto) -> str | None:
+    ours = {t.name: t for t in a.graph.initializer}
+    theirs = {t.name: t for t in b.graph.initializer}
+    if ours.keys() != theirs.keys():
+        extra = sorted(ours.keys() - theirs.keys())[:3]
+        missing = sorted(theirs.keys() - ours.keys())[:3]
+        return f"initializers differ: extra {[_shown(n) for n in extra]}, missing {[_shown(n) for n in missing]}"
+    for name, tensor in ours.items():
+        other = theirs[name]
+        if (tensor.data_type, list(tensor.dims)) != (other.data_type, list(other.dims)):
+            ours_kind, theirs_kind = f"{tensor.data_type}/{list(tensor.dims)}", f"{other.data_type}/{list(other.dims)}"
+            return f"tensor {_shown(name)} has type/shape {ours_kind}, the model's {theirs_kind}"
+        if _digest(bundle, tensor) != _digest(rebuilt, other):
+            return f"tensor {_shown(name)} differs from what the model's weights give"
+    return None
+
+
+def _digest(bundle: Bundle, tensor: onnx.TensorProto) -> str:
+    """sha256 of a tensor's bytes, inline or at its place in the bundle's weights file (the
+    engine's own offset and length: what ONNX Runtime reads, not the manifest's table)."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return hashlib.sha256(onnx.numpy_helper.to_array(tensor).tobytes()).hexdigest()
+    fields = {e.key: e.value for e in tensor.external_data}
+    path = bundle.root / "onnx" / fields.get("location", "")
+    if path.parent != bundle.root / "onnx" or not path.is_file():
+        raise UsageError(f"tensor {_shown(tensor.name)} names external data outside the bundle", "rebuild the bundle")
+    offset, length = int(fields.get("offset", 0)), int(fields.get("length", path.stat().st_size))
+    data = np.memmap(path, np.uint8, "r", offset=offset, shape=(length,)) if length else np.zeros(0, np.uint8)
+    digest = hashlib.sha256(data).hexdigest()
+    del data
+    return digest
+
+
+def _shown(name: str) -> str:
+    return ascii(name if len(name) <= 80 else name[:77] + "...")
