@@ -45,6 +45,8 @@ def structure_rows(bundle: Bundle, model: str) -> list[StructureRow]:
     why an engine was not rebuilt."""
     started = time.perf_counter()
     reason = _not_rebuildable(bundle, model)
+    if reason is None and not _plain_graphs_in(bundle):
+        reason = "every graph carries calibrated parts (routers, drafts, prompt tokens): checked by behaviour"
     if reason is not None:
         return [StructureRow("all", True, False, f"engines not rebuilt: {reason}", 0.0)]
     with tempfile.TemporaryDirectory(prefix="adaptive-export-check-") as folder:
@@ -67,6 +69,18 @@ def _not_rebuildable(bundle: Bundle, model: str) -> str | None:
     if gguf_file is None:
         return "the reference is not a .gguf (the streaming build reads .gguf files)"
     return None
+
+
+def _plain_graphs_in(bundle: Bundle) -> bool:
+    """Whether any of the bundle's graphs is one a plain build makes (decided from the manifest,
+    before minutes of rebuilding a bundle with nothing to compare)."""
+    from adaptive_export.exporter.build import flavoured
+    from adaptive_export.exporter.graph_entry import manifest_graph
+    from adaptive_export.graphs.plan import BuildPlan
+
+    flavour = bundle.manifest.backends["onnx"].flavour
+    plain = flavoured(BuildPlan(num_layers=bundle.num_layers).graphs(), flavour)
+    return any(g.name in bundle.manifest.graphs and bundle.graph(g.name) == manifest_graph(g) for g in plain)
 
 
 def _rebuild(bundle: Bundle, model: str, out: Path) -> Bundle:
