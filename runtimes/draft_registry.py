@@ -28,7 +28,3 @@ def runtime_module(name: str) -> str:
 
 def calibration_module(name: str) -> str:
     return f"adaptive_export.calibration.drafts.{name}"
-
-
-def graph_module(name: str) -> str:
-    return f"adaptive_export.graphs.drafts.{name}"
