@@ -18,15 +18,15 @@ RUNTIMES = ROOT / "runtimes"
 PREFIX = "adaptive_export.runtimes"
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(RUNTIMES).with_suffix("").parts)
+def module_name(path: Path, root: Path = RUNTIMES) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join([PREFIX, *parts])
 
 
-def runtime_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(RUNTIMES.rglob("*.py"))}
+def runtime_modules(root: Path = RUNTIMES) -> dict[str, Path]:
+    return {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
 
 
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
@@ -57,8 +57,8 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    modules = runtime_modules()
+def import_graph(root: Path = RUNTIMES) -> dict[str, set[str]]:
+    modules = runtime_modules(root)
     known = set(modules)
     return {name: imports_of(name, path, known) for name, path in modules.items()}
 
@@ -127,6 +127,26 @@ def test_the_checker_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycles(graph) == [["a", "b", "c"]]
     assert one_circle(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+
+
+def test_guarded_lazy_and_package_imports_count(tmp_path: Path) -> None:
+    """A circle closed only under TYPE_CHECKING, only inside a function, or only by the package
+    __init__ that importing a submodule runs, is still a circle."""
+    (tmp_path / "pkg").mkdir()
+    files = {
+        "a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from adaptive_export.runtimes.b import B\n",
+        "b.py": "def f():\n    from . import c\n",
+        "c.py": "from adaptive_export.runtimes.pkg.leaf import x\n",
+        "pkg/__init__.py": "from adaptive_export.runtimes import a\n",
+        "pkg/leaf.py": "from . import sibling\n",
+        "pkg/sibling.py": "",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path)
+    assert graph[f"{PREFIX}.c"] == {f"{PREFIX}.pkg", f"{PREFIX}.pkg.leaf"}
+    assert graph[f"{PREFIX}.pkg.leaf"] == {f"{PREFIX}.pkg.sibling"}  # its own package already ran
+    assert find_cycles(graph) == [[f"{PREFIX}.{m}" for m in ("a", "b", "c", "pkg")]]
 
 
 def test_no_import_circle_in_runtimes() -> None:
