@@ -1,7 +1,7 @@
 """Calibration side of the draft sources: the machinery every source's measure shares.
 
 Each source's measure lives beside its runtime module, in calibration/drafts/<name>.py (the
-registry is runtimes/drafting/registry.py). A measure simulates its source exactly as the
+registry is runtimes/draft_registry.py). A measure simulates its source exactly as the
 runtime runs it (greedy) on the model's own greedy continuations (calibration/measure.py),
 writes its calibration.json entries (keys prefixed with its name), and turns tokens per round
 into expected speed-up candidates twice: with the layer-equivalent cost model (before the

@@ -378,7 +378,7 @@ def _add_run_command(sub: Any) -> None:
 def _draft_source_name(text: str) -> str:
     """`--draft`'s value; the prompt-token source's old name gets a pointer to its new one
     ("PPD" now names nothing here: a later source may take it)."""
-    from adaptive_export.runtimes.drafting import RENAMED_SOURCES
+    from adaptive_export.runtimes.draft_registry import RENAMED_SOURCES
 
     if text in RENAMED_SOURCES:
         raise argparse.ArgumentTypeError(
@@ -390,14 +390,14 @@ def _draft_source_name(text: str) -> str:
 def _add_run_decoding_arguments(run: argparse.ArgumentParser) -> None:
     """Which layers run and how tokens are drafted."""
     from adaptive_export.runtimes import limits
-    from adaptive_export.runtimes.drafting import SOURCE_NAMES
+    from adaptive_export.runtimes.draft_registry import DRAFT_SOURCES
 
     _add_config_and_mode(run, default_mode="auto")  # fast by default; bench keeps ar
     run.add_argument(
         "--draft",
         default=None,
         type=_draft_source_name,
-        choices=list(SOURCE_NAMES),
+        choices=list(DRAFT_SOURCES),
         help="draft source for --mode spec (default: the one calibration chose, else prompt_lookup); precision needs "
         "a bundle built with --draft-precision",
     )

@@ -81,7 +81,7 @@ def cmd_run(options: RunOptions) -> int:
 
 
 def cmd_inspect(options: InspectOptions) -> int:
-    from adaptive_export.runtimes.inspect import describe, render
+    from adaptive_export.runtimes.bundle_summary import describe, render
 
     info = describe(options.bundle)
     print(json.dumps(info, indent=2) if options.json else render(info))

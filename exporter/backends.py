@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from adaptive_export.runtimes.backends import BACKEND_NAMES, BACKENDS
+from adaptive_export.runtimes.backends import BACKEND_NAMES
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest import Manifest
 
@@ -91,7 +91,3 @@ def needs_portable_onnx(backends: tuple[str, ...]) -> bool:
 def preflight(backends: tuple[str, ...]) -> None:
     for name in backends:
         COMPILERS[name].preflight()
-
-
-def backends_help() -> str:
-    return ", ".join(f"{name} ({BACKENDS[name].runs_on})" for name in BACKEND_NAMES)

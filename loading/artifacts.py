@@ -12,8 +12,8 @@ from adaptive_export.graphs.adaptive import DraftHead, ExitAdapter, GatedExitAda
 from adaptive_export.graphs.span_graph import ModelParts
 from adaptive_export.loading.warning_filters import library_call_warnings_hidden
 from adaptive_export.runtimes.bundle import Bundle
+from adaptive_export.runtimes.draft_contracts import TableArtifact
 from adaptive_export.runtimes.drafting import SOURCES
-from adaptive_export.runtimes.drafting.base import TableArtifact
 from adaptive_export.runtimes.errors import UsageError
 
 ROUTERS_FILE = "routers.safetensors"

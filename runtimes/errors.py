@@ -13,7 +13,3 @@ class UsageError(Exception):
 
     def one_line(self) -> str:
         return f"error: {self.problem}. Fix: {self.fix}".replace("\n", " ")
-
-
-class ParityError(Exception):
-    """An engine disagrees with the PyTorch reference (exit code 1 from `check`)."""

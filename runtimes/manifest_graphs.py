@@ -2,8 +2,9 @@
 
 A graph entry says what one engine computes, so the runtime knows its I/O without opening it;
 a configuration names the engines of one kept-layer set by role. A draft source's own graph
-fields and engine roles are declared and checked by its runtime class (runtimes/drafting/base.py
-DraftSource: `graph_fields`, `engine_kinds`, `check_graph_field`, `check_engines`).
+fields and engine roles are declared and checked by its contract (runtimes/draft_contracts.py
+DraftContract: `graph_fields`, `engine_kinds`, `check_graph_field`, `check_engines`), which its
+runtime class inherits; the manifest types never import the draft sources themselves.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adaptive_export.runtimes import limits
-from adaptive_export.runtimes.drafting import SOURCES
+from adaptive_export.runtimes.draft_contracts import CONTRACTS
 from adaptive_export.runtimes.manifest_fields import is_int, is_name, is_str_list, need
 
 PRECISIONS = ("int8", "int4", "native4")  # a precision draft's weights (graphs/drafts/precision.py PRECISION_DRAFTS)
@@ -24,10 +25,10 @@ _ROLE_KINDS = {
     "draft": "draft",
     "verify": "verify",
     "precision_draft": "decode",
-    **{role: kind for source in SOURCES.values() for role, kind in source.engine_kinds.items()},
+    **{role: kind for source in CONTRACTS.values() for role, kind in source.engine_kinds.items()},
 }
 # every draft source's integer graph fields, in registry order (the manifest writes each, 0 when unset)
-DRAFT_FIELDS = tuple((source, key) for source in SOURCES.values() for key in source.graph_fields)
+DRAFT_FIELDS = tuple((source, key) for source in CONTRACTS.values() for key in source.graph_fields)
 
 
 @dataclass(frozen=True)
@@ -264,7 +265,7 @@ class ConfigEntry:
                 draft.precision in PRECISIONS and sorted(draft.layers) == kept,
                 f"config {self.id!r} has a precision draft that is no draft precision of its decode graph",
             )
-        for source in SOURCES.values():
+        for source in CONTRACTS.values():
             source.check_engines(self.id, engines, graphs)
 
     def to_json(self) -> dict[str, object]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adaptive_export.runtimes import limits
-from adaptive_export.runtimes.drafting import RENAMED_SOURCES, SOURCE_NAMES
+from adaptive_export.runtimes.draft_registry import DRAFT_SOURCES, RENAMED_SOURCES
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest_fields import JsonObject, extras, is_int, is_number, need, ordered
 
@@ -167,11 +167,12 @@ class Speculation:
         need(isinstance(obj, dict), "key 'speculation' has the wrong type")
         _refuse_renamed_sources(obj)
         need(
-            obj.get("source") is None or obj["source"] in SOURCE_NAMES, "speculation.source is not a known draft source"
+            obj.get("source") is None or obj["source"] in DRAFT_SOURCES,
+            "speculation.source is not a known draft source",
         )
         need(isinstance(obj.get("auto_enabled", False), bool), "speculation.auto_enabled must be true or false")
         sources = {
-            name: SourceSpeculation.from_json(name, obj[name]) for name in SOURCE_NAMES if obj.get(name) is not None
+            name: SourceSpeculation.from_json(name, obj[name]) for name in DRAFT_SOURCES if obj.get(name) is not None
         }
         exactness = obj.get(EXACTNESS_KEY)
         measured = None if exactness is None else VerifyExactness.from_json(exactness)

@@ -218,10 +218,6 @@ def _affix(value: object) -> TypeGuard[str]:
     return _short_str(value, limits.MAX_TOKENIZER_AFFIX_CHARS)
 
 
-def _opt_affix(value: Any) -> bool:
-    return value is None or _affix(value)
-
-
 def _char(value: Any) -> bool:
     return isinstance(value, str) and len(value) == 1
 

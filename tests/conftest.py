@@ -7,7 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,6 +134,42 @@ def tiny_portable_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_model_di
     out = tmp_path_factory.mktemp("bundles") / "tiny-portable"
     assert main(["build", str(tiny_model_dir), "-o", str(out), "--max-len", "128", "--onnx-flavour", "portable"]) == 0
     return out
+
+
+# The 6-layer tiny model (gqa_untied, seed 3) that the speculation, calibration, exit-adapter,
+# pipelined and draft-training tests build from: made once per session, each bundle built once
+# per set of build flags (and calibration prompts).
+_TINY6: dict[Path, Path] = {}
+_TINY6_BUNDLES: dict[tuple[Path, tuple[str, ...], tuple[str, ...]], Path] = {}
+
+
+def tiny6_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`make_tiny_model(..., "gqa_untied", layers=6, seed=3)`, made once per session."""
+    base = tmp_path_factory.getbasetemp()
+    if base not in _TINY6:
+        _TINY6[base] = make_tiny_model(tmp_path_factory.mktemp("tiny6") / "model", "gqa_untied", layers=6, seed=3)
+    return _TINY6[base]
+
+
+def build_tiny(tmp_path_factory: pytest.TempPathFactory, *flags: str, calib: Sequence[str] = ()) -> Path:
+    """`build` of the session's tiny6_model with `flags` (and `--calib` a file of these prompts,
+    when given); the bundle's path, built once per session for the same flags and prompts.
+    Callers only read the bundle."""
+    import json
+
+    from adaptive_export.commands.cli import main
+
+    key = (tmp_path_factory.getbasetemp(), tuple(flags), tuple(calib))
+    if key not in _TINY6_BUNDLES:
+        model = tiny6_model(tmp_path_factory)
+        root = tmp_path_factory.mktemp("tiny6-bundle")
+        args = ["build", str(model), "-o", str(root / "bundle"), *flags]
+        if calib:
+            (root / "calib.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in calib))
+            args += ["--calib", str(root / "calib.jsonl")]
+        assert main(args) == 0
+        _TINY6_BUNDLES[key] = root / "bundle"
+    return _TINY6_BUNDLES[key]
 
 
 def smollm2_available() -> bool:

@@ -1,4 +1,4 @@
-"""The draft-source registry (runtimes/drafting/registry.py): every registered name has all
+"""The draft-source registry (runtimes/draft_registry.py): every registered name has all
 its parts, one module per layer that needs it (runtime source, calibration measure, and a
 graph piece when it runs engines of its own), every such module is registered, each source's
 declared seams work end to end (its build option on the command line, its graph fields and
@@ -22,14 +22,15 @@ from adaptive_export.exporter.graph_entry import manifest_graph
 from adaptive_export.graphs.drafts import GRAPH_PIECES, appended_ids, engine_roles
 from adaptive_export.graphs.plan import BuildPlan
 from adaptive_export.graphs.span_graph import GraphSpec
+from adaptive_export.runtimes.draft_contracts import CONTRACTS
+from adaptive_export.runtimes.draft_registry import DRAFT_SOURCES
 from adaptive_export.runtimes.drafting import SOURCE_NAMES, SOURCES, DraftSource
-from adaptive_export.runtimes.drafting.registry import DRAFT_SOURCES
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest import ConfigEntry, GraphEntry
 from tests.test_bad_bundles import corrupt_copy, edit_manifest, expect_usage_error
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNTIME_SHARED = frozenset({"__init__", "base", "registry"})  # runtimes/drafting/ modules that are no source
+RUNTIME_SHARED = frozenset({"__init__", "base"})  # runtimes/drafting/ modules that are no source
 
 
 def modules_in(directory: Path) -> set[str]:
@@ -44,6 +45,20 @@ def stray_modules(directory: Path, shared: frozenset[str] = frozenset()) -> set[
 def test_the_layers_read_the_one_registration_in_its_order() -> None:
     assert SOURCE_NAMES == DRAFT_SOURCES
     assert tuple(MEASURES) == DRAFT_SOURCES
+    assert tuple(CONTRACTS) == DRAFT_SOURCES
+
+
+@pytest.mark.parametrize("name", DRAFT_SOURCES)
+def test_the_manifest_checks_the_contract_the_source_runs_with(name: str) -> None:
+    """The manifest reads a source's contract (runtimes/draft_contracts.py), never the source: a
+    runtime class must declare nothing of the manifest that its contract does not."""
+    source, contract = SOURCES[name], CONTRACTS[name]
+    assert contract.name == name
+    assert source.engine_kinds == contract.engine_kinds
+    assert source.graph_fields == contract.graph_fields
+    assert source.table == contract.table
+    assert source.check_graph_field.__func__ is contract.check_graph_field.__func__  # type: ignore[attr-defined]
+    assert source.check_engines.__func__ is contract.check_engines.__func__  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("name", DRAFT_SOURCES)

@@ -19,7 +19,7 @@ from adaptive_export.graphs.adaptive import DraftHead
 from adaptive_export.loading.artifacts import draft_head_bytes, load_draft_head
 from adaptive_export.loading.model import load_model
 from adaptive_export.runtimes import Generator, load_bundle
-from tests.conftest import make_tiny_model
+from tests.conftest import tiny6_model
 from tests.test_speculative import PROMPTS, assert_same_or_tie
 
 EXIT = 3
@@ -27,7 +27,7 @@ EXIT = 3
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, DraftHeadFit]:
-    model = make_tiny_model(tmp_path_factory.mktemp("draft_training") / "model", "gqa_untied", layers=6, seed=3)
+    model = tiny6_model(tmp_path_factory)
     loaded = load_model(str(model))
     text = training_text(loaded, requests=5, answer_tokens=24, docstrings=60, seed=0, progress=False)
     fit = train_draft_heads(

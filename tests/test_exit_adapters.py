@@ -16,7 +16,7 @@ from adaptive_export.loading.artifacts import ADAPTERS_FILE, load_parts
 from adaptive_export.runtimes import Generator, load_bundle
 from adaptive_export.runtimes.backends import make_backend
 from adaptive_export.runtimes.errors import UsageError
-from tests.conftest import make_tiny_model
+from tests.conftest import build_tiny, tiny6_model
 from tests.test_speculative import PROMPTS, assert_same_or_tie
 
 CALIB = [
@@ -31,30 +31,8 @@ CALIB = [
 
 @pytest.fixture(scope="module")
 def adapter_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("adapters")
-    model = make_tiny_model(root / "model", "gqa_untied", layers=6, seed=3)
-    calib = root / "calib.jsonl"
-    calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CALIB))
-    assert (
-        main(
-            [
-                "build",
-                str(model),
-                "-o",
-                str(root / "bundle"),
-                "--max-len",
-                "128",
-                "--speculate",
-                "auto",
-                "--exit-adapter",
-                "fit",
-                "--calib",
-                str(calib),
-            ]
-        )
-        == 0
-    )
-    return model, root / "bundle"
+    flags = ["--max-len", "128", "--speculate", "auto", "--exit-adapter", "fit"]
+    return tiny6_model(tmp_path_factory), build_tiny(tmp_path_factory, *flags, calib=CALIB)
 
 
 def test_fitting_raises_train_agreement(adapter_setup: tuple[Path, Path]) -> None:

@@ -23,7 +23,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from adaptive_export.runtimes import Generator, UsageError, load_bundle
-from adaptive_export.runtimes.inspect import describe, render
+from adaptive_export.runtimes.bundle_summary import describe, render
 from tests.test_hardening import resign
 from tests.test_soak import rss_mb
 

@@ -8,6 +8,7 @@ functions count too.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,27 @@ def test_imports_use_the_one_import_name(path: Path) -> None:
         )
         bare += [(node.lineno, n) for n in names if n.split(".")[0] in PROJECT]
     assert not bare, f"{path.relative_to(ROOT)} imports bare project names: {bare}"
+
+
+def test_no_module_shadows_the_standard_library() -> None:
+    """A project module named like a standard one (runtimes/inspect.py was) reads as the other."""
+    shadows = [str(p.relative_to(ROOT)) for p in project_modules() if p.stem in sys.stdlib_module_names]
+    assert not shadows, f"modules named like the standard library's: {shadows}"
+
+
+@pytest.mark.parametrize(
+    "path",
+    project_modules() + sorted((ROOT / "tests").glob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py")),
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_generator_names_one_thing(path: Path) -> None:
+    """`Generator` is the runtime's public class; the standard one is spelled qualified
+    (`collections.abc.Generator`) or under another name, never bound as a bare `Generator`."""
+    bare = [
+        node.lineno
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ImportFrom)
+        and node.module in ("typing", "collections.abc", "typing_extensions")
+        and any(alias.name == "Generator" and alias.asname in (None, "Generator") for alias in node.names)
+    ]
+    assert not bare, f"{path.relative_to(ROOT)} binds the standard Generator unqualified (line {bare})"

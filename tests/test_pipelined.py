@@ -14,25 +14,27 @@ import pytest
 from adaptive_export.commands.cli import main
 from adaptive_export.runtimes import Generator, SamplingParams
 from adaptive_export.runtimes.errors import UsageError
-from tests.conftest import make_tiny_model
+from tests.conftest import build_tiny, make_tiny_model
 from tests.test_speculative import PROMPTS, assert_same_or_tie
 
 NEW_TOKENS = 40
 
 
+def staged_flags(exit_layer: int, flavour: str) -> list[str]:
+    """Build flags for the early-exit engines at `exit_layer`: the two pipeline stages."""
+    return ["--max-len", "128", "--speculate", f"{exit_layer}:1", "--onnx-flavour", flavour]
+
+
 def build_staged(model: Path, out: Path, exit_layer: int, flavour: str) -> Path:
     """A bundle with the early-exit engines at `exit_layer`: the two pipeline stages."""
-    flags = ["--max-len", "128", "--speculate", f"{exit_layer}:1", "--onnx-flavour", flavour]
-    assert main(["build", str(model), "-o", str(out), *flags]) == 0
+    assert main(["build", str(model), "-o", str(out), *staged_flags(exit_layer, flavour)]) == 0
     return out
 
 
 @pytest.fixture(scope="module", params=["ort", "portable"])
 def staged_bundle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 6-layer model, stages at layer 3, in both ONNX flavours."""
-    root = tmp_path_factory.mktemp(f"pipelined-{request.param}")
-    model = make_tiny_model(root / "model", "gqa_untied", layers=6, seed=3)
-    return build_staged(model, root / "bundle", 3, request.param)
+    return build_tiny(tmp_path_factory, *staged_flags(3, request.param))
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,10 @@ import pytest
 
 from adaptive_export.calibration.draft_sources import simulate_rounds
 from adaptive_export.calibration.latency import MIN_SPEEDUP, choose_measured
-from adaptive_export.commands.cli import main
 from adaptive_export.runtimes import Generator
 from adaptive_export.runtimes.bundle import Bundle
 from adaptive_export.runtimes.manifest import Speculation
-from tests.conftest import make_tiny_model
+from tests.conftest import build_tiny
 
 CALIB = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -63,28 +62,7 @@ def test_simulation_counts_the_bonus_token() -> None:
 
 @pytest.fixture(scope="module")
 def auto_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("specauto")
-    model = make_tiny_model(root / "model", "gqa_untied", layers=6, seed=3)
-    calib = root / "calib.jsonl"
-    calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in CALIB))
-    assert (
-        main(
-            [
-                "build",
-                str(model),
-                "-o",
-                str(root / "bundle"),
-                "--max-len",
-                "128",
-                "--speculate",
-                "auto",
-                "--calib",
-                str(calib),
-            ]
-        )
-        == 0
-    )
-    return root / "bundle"
+    return build_tiny(tmp_path_factory, "--max-len", "128", "--speculate", "auto", calib=CALIB)
 
 
 def test_auto_build_records_latencies_and_choice(auto_bundle: Path) -> None:

@@ -15,7 +15,7 @@ from adaptive_export.runtimes import Generator, SamplingParams
 from adaptive_export.runtimes.acceptance import judge
 from adaptive_export.runtimes.drafting import lookup_ngram
 from adaptive_export.runtimes.sampling import Sampler
-from tests.conftest import assert_sampling_matches_plain, make_tiny_model
+from tests.conftest import assert_sampling_matches_plain, build_tiny
 
 TIE_MARGIN = 1e-3
 PROMPTS = [
@@ -34,28 +34,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def spec_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("spec")
-    model = make_tiny_model(root / "model", "gqa_untied", layers=6, seed=3)
-    assert (
-        main(
-            [
-                "build",
-                str(model),
-                "-o",
-                str(root / "bundle"),
-                "--max-len",
-                "128",
-                "--speculate",
-                "3:3",
-                "--draft-precision",
-                "int8",
-                "--prompt-tokens",
-                "2",
-            ]
-        )
-        == 0
-    )
-    return root / "bundle"
+    flags = ["--max-len", "128", "--speculate", "3:3", "--draft-precision", "int8", "--prompt-tokens", "2"]
+    return build_tiny(tmp_path_factory, *flags)
 
 
 def assert_same_or_tie(generator: Generator, prompt_ids: list[int], ar: list[int], spec: list[int]) -> None:

@@ -1,5 +1,5 @@
 """Calibration measures by draft-source name: `calibration/drafts/<name>.py` binds the source's
-`DraftMeasure` subclass to `MEASURE` (the names are runtimes/drafting/registry.py's) and, for a
+`DraftMeasure` subclass to `MEASURE` (the names are runtimes/draft_registry.py's) and, for a
 source made at build time by an option of its own, its `BuildStep` to `BUILD`
 (calibration/draft_builds.py). Torch-free at import: the command line reads the build options."""
 
@@ -9,7 +9,7 @@ from importlib import import_module
 
 from adaptive_export.calibration.draft_builds import BuildStep
 from adaptive_export.calibration.draft_sources import DraftMeasure
-from adaptive_export.runtimes.drafting.registry import DRAFT_SOURCES, calibration_module
+from adaptive_export.runtimes.draft_registry import DRAFT_SOURCES, calibration_module
 
 
 def measure_of(name: str) -> type[DraftMeasure]:

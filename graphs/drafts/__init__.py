@@ -1,5 +1,5 @@
 """Draft sources' graph pieces: `graphs/drafts/<name>.py`, named as the source
-(runtimes/drafting/registry.py), holds what the source adds to a bundle's graphs, as
+(runtimes/draft_registry.py), holds what the source adds to a bundle's graphs, as
 `add_graphs(plan, graphs) -> graphs`, and optionally the hooks below. graphs/ imports no other
 project package, so it cannot read the registry: the pieces are the modules of this package,
 applied in name order, and tests/test_draft_registry.py checks they are exactly the registered

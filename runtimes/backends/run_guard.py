@@ -126,11 +126,6 @@ def watch_signals(fd: int) -> None:
     _WATCHDOG.start()
 
 
-def terminate_live_runs() -> None:
-    """End every run in flight now (for callers that handle signals themselves)."""
-    _WATCHDOG.terminate_all()
-
-
 @dataclass
 class _FirstRun:
     seconds: float

@@ -1,4 +1,4 @@
-"""Draft sources by name, resolved from the one registration (runtimes/drafting/registry.py):
+"""Draft sources by name, resolved from the one registration (runtimes/draft_registry.py):
 each name's module `runtimes/drafting/<name>.py` binds its `DraftSource` subclass to
 `SOURCE`. The manifest check, the command line, the speculative loop and `check` read
 `SOURCES`; calibration measures the same names (calibration/drafts/)."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from importlib import import_module
 
+from adaptive_export.runtimes.draft_registry import DRAFT_SOURCES, RENAMED_SOURCES, runtime_module
 from adaptive_export.runtimes.drafting.base import PLAIN, DraftSource, Proposal
 from adaptive_export.runtimes.drafting.prompt_lookup import lookup_ngram
-from adaptive_export.runtimes.drafting.registry import DRAFT_SOURCES, RENAMED_SOURCES, runtime_module
 from adaptive_export.runtimes.errors import UsageError
 
 

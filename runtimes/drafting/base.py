@@ -5,25 +5,23 @@ that scores them; the speculative loop (runtimes/speculative.py) owns everything
 acceptance (runtimes/acceptance.py), the arena crop, stats and gating. Everything a verify
 pass needs to know about its round is in the proposal it gets, so a source keeps no
 round-to-round flags. Calibration measures the
-same sources under the same names (calibration/drafts/; the registry: runtimes/drafting/registry.py).
+same sources under the same names (calibration/drafts/; the registry: runtimes/draft_registry.py).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
+from adaptive_export.runtimes.backends import Backend, StepOutputs
+from adaptive_export.runtimes.draft_contracts import DraftContract
 from adaptive_export.runtimes.kv_arena import KVArena
-from adaptive_export.runtimes.manifest_fields import is_int, need
+from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
 from adaptive_export.runtimes.sampling import Sampler
-
-if TYPE_CHECKING:  # the backends import the bundle, which imports this registry
-    from adaptive_export.runtimes.backends import Backend, StepOutputs
-    from adaptive_export.runtimes.manifest import ConfigEntry, GraphEntry, ModelDims
 
 
 @dataclass(frozen=True)
@@ -48,22 +46,9 @@ class Proposal:
 PLAIN = Proposal([])
 
 
-@dataclass(frozen=True)
-class TableArtifact:
-    """A trained table a source's graphs embed, shipped beside the engines as one safetensors file
-    (`file`, tensor `key`, [1..max_rows, hidden]); loading/artifacts.py saves and loads it, and the
-    reference (`check`) reads it back from a bundle. `what` names it in errors, `fix` says how to
-    make one (the build option)."""
-
-    file: str
-    key: str
-    max_rows: int
-    what: str
-    fix: str
-
-
-class DraftSource(ABC):
-    """One way of drafting. Subclasses set the class attributes and implement propose/verify."""
+class DraftSource(DraftContract, ABC):
+    """One way of drafting. Subclasses set the class attributes and implement propose/verify; what
+    a source adds to the manifest is its contract (runtimes/draft_contracts.py), which it inherits."""
 
     name: ClassVar[str]
     # the configuration's engines (manifest `configs[].engines` keys) it needs besides decode
@@ -81,22 +66,6 @@ class DraftSource(ABC):
     # two rows or more, so on a bundle that decodes two rows at least (`min_decode_rows`) the
     # round computes what plain decoding computes; False where another engine writes kept rows
     decode_engine_rows: ClassVar[bool] = True
-    # What the source adds to the manifest, checked by runtimes/manifest_graphs.py: engine roles
-    # of its own (role -> the graph kind it must be), integer graph fields its graph piece sets
-    # (written as `graphs[].<key>`, 0 when unset) and the trained table it ships, if any.
-    engine_kinds: ClassVar[Mapping[str, str]] = {}
-    graph_fields: ClassVar[tuple[str, ...]] = ()
-    table: ClassVar[TableArtifact | None] = None
-
-    @classmethod
-    def check_graph_field(cls, graph: str, kind: str, key: str, value: Any) -> None:
-        """One of `graph_fields` as a manifest holds it; a source narrows this (kinds, bounds)."""
-        need(is_int(value) and value >= 0, f"graph {graph!r} has a bad {key}")
-
-    @classmethod
-    def check_engines(cls, config: str, engines: Mapping[str, str], graphs: Mapping[str, GraphEntry]) -> None:
-        """A configuration's engines of this source's roles, against the graphs they name."""
-        return None
 
     def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int) -> None:
         self.backend, self.config, self.k = backend, config, k

@@ -11,18 +11,14 @@ calibration/draft_length.py measures it)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
+from adaptive_export.runtimes.backends import Backend, StepOutputs
 from adaptive_export.runtimes.drafting.base import DraftSource, Proposal, engine_drafts
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.kv_arena import KVArena
+from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
 from adaptive_export.runtimes.sampling import Sampler
-
-if TYPE_CHECKING:  # the backends import the bundle, which imports this registry
-    from adaptive_export.runtimes.backends import Backend, StepOutputs
-    from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
 
 
 class EarlyExit(DraftSource):

@@ -8,14 +8,10 @@ sampling stays lossless (the rejection rule with q = the draft's distribution)."
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from adaptive_export.runtimes.backends import StepOutputs
 from adaptive_export.runtimes.drafting.base import DraftSource, Proposal, decode_engine_verify, engine_drafts
 from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.sampling import Sampler
-
-if TYPE_CHECKING:  # the backends import the bundle, which imports this registry
-    from adaptive_export.runtimes.backends import StepOutputs
 
 
 class PrecisionDraft(DraftSource):

@@ -13,48 +13,30 @@ for q = a point mass, as for prompt lookup."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
-
 import numpy as np
 
-from adaptive_export.runtimes.drafting.base import DraftSource, Proposal, TableArtifact
+from adaptive_export.runtimes.backends import Backend, StepOutputs
+from adaptive_export.runtimes.draft_contracts import (
+    MAX_PROMPT_TOKENS,
+    PROMPT_TOKENS_FIELD,
+    PROMPT_TOKENS_ROLE,
+    PromptTokensContract,
+)
+from adaptive_export.runtimes.drafting.base import DraftSource, Proposal
 from adaptive_export.runtimes.kv_arena import KVArena
-from adaptive_export.runtimes.manifest_fields import is_int, need
+from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
 from adaptive_export.runtimes.sampling import Sampler
 
-if TYPE_CHECKING:  # the backends import the bundle, which imports this registry
-    from adaptive_export.runtimes.backends import Backend, StepOutputs
-    from adaptive_export.runtimes.manifest import ConfigEntry, GraphEntry, ModelDims
-
-MAX_PROMPT_TOKENS = 16  # prompt tokens a decode graph may embed
-FIELD = ROLE = "prompt_tokens"  # the decode graph's field (how many it embeds) and the configuration's engine role
-BUILD_FIX = "train prompt tokens for this model with --prompt-tokens N"
+# the decode graph's field (how many it embeds) and the configuration's engine role; its contract
+# with the manifest (engine kind, field bounds, shipped table) is PromptTokensContract
+FIELD, ROLE = PROMPT_TOKENS_FIELD, PROMPT_TOKENS_ROLE
+__all__ = ["FIELD", "MAX_PROMPT_TOKENS", "ROLE", "PromptTokens"]
 
 
-class PromptTokens(DraftSource):
+class PromptTokens(PromptTokensContract, DraftSource):
     name = "prompt_tokens"
     engines = (ROLE,)
     bonus = gateable = True
-    engine_kinds = {ROLE: "decode"}
-    graph_fields = (FIELD,)
-    table = TableArtifact("prompt_tokens.safetensors", "prompt_tokens", MAX_PROMPT_TOKENS, "prompt tokens", BUILD_FIX)
-
-    @classmethod
-    def check_graph_field(cls, graph: str, kind: str, key: str, value: Any) -> None:
-        need(
-            is_int(value) and 0 <= value <= MAX_PROMPT_TOKENS and (kind == "decode" or not value),
-            f"graph {graph!r} has a bad {FIELD} (a decode graph may embed 0..{MAX_PROMPT_TOKENS} prompt tokens)",
-        )
-
-    @classmethod
-    def check_engines(cls, config: str, engines: Mapping[str, str], graphs: Mapping[str, GraphEntry]) -> None:
-        """Its engine is the configuration's own decode graph, embedding prompt tokens."""
-        if ROLE in engines:
-            need(
-                engines[ROLE] == engines["decode"] and graphs[engines[ROLE]].draft_field(FIELD) > 0,
-                f"config {config!r} has a {ROLE} engine that is not its decode graph with prompt tokens",
-            )
 
     def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int) -> None:
         super().__init__(backend, config, model, k)

@@ -5,8 +5,10 @@ A draft source is a technique with one module per layer that needs it, all under
 `calibration/drafts/<name>.py` (its `DraftMeasure` subclass, bound to `MEASURE`) and, when it
 runs engines of its own, `graphs/drafts/<name>.py` (its graph piece, `add_graphs`). Each layer
 finds a name's module by this convention, so adding a source is its modules plus its name
-here; tests/test_draft_registry.py checks that every name has all its parts and that no
-module is left unregistered. Torch-free: the runtime, calibration and the CLI all read it.
+here (what a source adds to the manifest is its contract, runtimes/draft_contracts.py);
+tests/test_draft_registry.py checks that every name has all its parts and that no module is
+left unregistered. Torch-free and a leaf (it imports nothing): the manifest types, the runtime,
+calibration and the CLI all read it without importing a draft source.
 """
 
 from __future__ import annotations
@@ -26,7 +28,3 @@ def runtime_module(name: str) -> str:
 
 def calibration_module(name: str) -> str:
     return f"adaptive_export.calibration.drafts.{name}"
-
-
-def graph_module(name: str) -> str:
-    return f"adaptive_export.graphs.drafts.{name}"

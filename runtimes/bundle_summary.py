@@ -1,4 +1,5 @@
-"""`inspect`: what a bundle holds and can do, from its manifest alone (fast, torch-free)."""
+"""`inspect` (the command): what a bundle holds and can do, from its manifest alone (fast,
+torch-free). Named bundle_summary, not inspect, so it does not shadow the standard library."""
 
 from __future__ import annotations
 

@@ -1,0 +1,105 @@
+"""What each draft source adds to a bundle's manifest (docs/architecture.md sections 3 and 9).
+
+A source may own engine roles (role -> the graph kind it must be), integer graph fields its
+graph piece sets (written as `graphs[].<key>`, 0 when unset), their validators and a trained
+table it ships. The manifest types (runtimes/manifest_graphs.py) check every registered
+source's contract from `CONTRACTS`; the runtime class of a source (runtimes/drafting/<name>.py)
+inherits its contract, so `SOURCES[name].graph_fields` and the rest read the same declaration.
+This module sits below the manifest and imports no draft source, backend or bundle: the
+manifest is read without importing the code that drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from adaptive_export.runtimes.draft_registry import DRAFT_SOURCES
+from adaptive_export.runtimes.manifest_fields import is_int, need
+
+
+class DraftFieldGraph(Protocol):
+    """What a contract reads of a manifest graph (runtimes/manifest_graphs.py GraphEntry)."""
+
+    def draft_field(self, key: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class TableArtifact:
+    """A trained table a source's graphs embed, shipped beside the engines as one safetensors file
+    (`file`, tensor `key`, [1..max_rows, hidden]); loading/artifacts.py saves and loads it, and the
+    reference (`check`) reads it back from a bundle. `what` names it in errors, `fix` says how to
+    make one (the build option)."""
+
+    file: str
+    key: str
+    max_rows: int
+    what: str
+    fix: str
+
+
+class DraftContract:
+    """A source's part of the manifest; the defaults add nothing."""
+
+    name: ClassVar[str]
+    # What the source adds to the manifest, checked by runtimes/manifest_graphs.py: engine roles
+    # of its own (role -> the graph kind it must be), integer graph fields its graph piece sets
+    # (written as `graphs[].<key>`, 0 when unset) and the trained table it ships, if any.
+    engine_kinds: ClassVar[Mapping[str, str]] = {}
+    graph_fields: ClassVar[tuple[str, ...]] = ()
+    table: ClassVar[TableArtifact | None] = None
+
+    @classmethod
+    def check_graph_field(cls, graph: str, kind: str, key: str, value: Any) -> None:
+        """One of `graph_fields` as a manifest holds it; a source narrows this (kinds, bounds)."""
+        need(is_int(value) and value >= 0, f"graph {graph!r} has a bad {key}")
+
+    @classmethod
+    def check_engines(cls, config: str, engines: Mapping[str, str], graphs: Mapping[str, DraftFieldGraph]) -> None:
+        """A configuration's engines of this source's roles, against the graphs they name."""
+        return None
+
+
+MAX_PROMPT_TOKENS = 16  # prompt tokens a decode graph may embed
+PROMPT_TOKENS_FIELD = PROMPT_TOKENS_ROLE = "prompt_tokens"  # the decode graph's field and the configuration's role
+PROMPT_TOKENS_FIX = "train prompt tokens for this model with --prompt-tokens N"
+
+
+class PromptTokensContract(DraftContract):
+    """Prompt-token drafts (runtimes/drafting/prompt_tokens.py): the decode graph embeds them."""
+
+    name = "prompt_tokens"
+    engine_kinds = {PROMPT_TOKENS_ROLE: "decode"}
+    graph_fields = (PROMPT_TOKENS_FIELD,)
+    table = TableArtifact(
+        "prompt_tokens.safetensors", "prompt_tokens", MAX_PROMPT_TOKENS, "prompt tokens", PROMPT_TOKENS_FIX
+    )
+
+    @classmethod
+    def check_graph_field(cls, graph: str, kind: str, key: str, value: Any) -> None:
+        need(
+            is_int(value) and 0 <= value <= MAX_PROMPT_TOKENS and (kind == "decode" or not value),
+            f"graph {graph!r} has a bad {PROMPT_TOKENS_FIELD}"
+            f" (a decode graph may embed 0..{MAX_PROMPT_TOKENS} prompt tokens)",
+        )
+
+    @classmethod
+    def check_engines(cls, config: str, engines: Mapping[str, str], graphs: Mapping[str, DraftFieldGraph]) -> None:
+        """Its engine is the configuration's own decode graph, embedding prompt tokens."""
+        role = PROMPT_TOKENS_ROLE
+        if role in engines:
+            need(
+                engines[role] == engines["decode"] and graphs[engines[role]].draft_field(PROMPT_TOKENS_FIELD) > 0,
+                f"config {config!r} has a {role} engine that is not its decode graph with prompt tokens",
+            )
+
+
+def _contract(name: str) -> type[DraftContract]:
+    """The named source's contract: its own class here, else one that adds nothing."""
+    own = {c.name: c for c in (PromptTokensContract,)}
+    return own.get(name) or type(f"{name}_contract", (DraftContract,), {"name": name})
+
+
+# every registered source's contract, in registry order
+CONTRACTS: dict[str, type[DraftContract]] = {name: _contract(name) for name in DRAFT_SOURCES}
