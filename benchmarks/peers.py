@@ -9,9 +9,16 @@ prepared once under --work-dir and reused):
     python -m benchmarks.peers --model gemma3 --bundles native=bundles/gemma3
 
 `--model` picks the packaged model (loading/packaged.py): smollm2 (SmolLM2-135M-Instruct,
-Q4_1 GGUF; chat prompts of samples/eval_prompts.jsonl, chat template applied) or gemma3
+Q4_1 GGUF; chat prompts of samples/eval_prompts.jsonl, chat template applied), gemma3
 (Gemma 3 270M base, Q4_K_M GGUF; no chat template, so the raw-text prompts of
-samples/heldout_text.jsonl with the tokenizer's BOS).
+samples/heldout_text.jsonl with the tokenizer's BOS), or qwen2.5-coder-0.5b / qwen2.5-coder-1.5b
+(Qwen2.5-Coder-Instruct, Q4_K_M GGUF, chat template applied; `--prompt-set chat` (default):
+samples/coder_chat_prompts.jsonl, `--prompt-set edit`: samples/coder_edit_prompts.jsonl):
+
+    python -m benchmarks.peers --model qwen2.5-coder-1.5b --prompt-set edit --bundles int4=bundles/coder-1.5b \\
+        --prompts 16 --repeat 2 --skip optimum-ort
+
+`--prompt-set FILE` runs any JSONL prompt file instead; `--prompts N` takes its first N.
 
 Contenders, on the same prompt token ids (HF tokenizer), greedy, 32 new tokens (EOS ignored
 by every contender), the same thread count, in one run:
@@ -19,15 +26,18 @@ by every contender), the same thread count, in one run:
 - `optimum-ort`: optimum's `ORTModelForCausalLM` exported from the same model (needs
   `optimum-onnx`, which pins an older transformers: use a separate venv with --python);
 - `llama.cpp`: llama-cpp-python on the packaged GGUF itself (its own Q4_1 / Q4_K_M blocks), compiled from
-  source; on a CPU with AMX it crashes unless built with
-  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON
-  -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF" pip install llama-cpp-python
+  source for this CPU's SIMD extensions with AMX off (on a CPU with AMX it crashes otherwise):
+  CMAKE_ARGS="$(python -m benchmarks.llama_cpp_flags)" pip install --no-binary llama-cpp-python
+  llama-cpp-python==0.3.36 (benchmarks/llama_cpp_flags.py reads /proc/cpuinfo's flags)
   (timed with its own greedy sampler; a second instance with logits_all=True, which its
   `scores` need, serves the teacher-forced pass);
 - `llama.cpp-lookup`: the same GGUF with llama.cpp's own speculation, llama-cpp-python's prompt-lookup
   draft (`Llama(..., draft_model=LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_DRAFTS))`: n-grams of
   the context, no draft model; 2 drafts, the library's advice for CPU-only machines), with the same
   greedy sampler and its own quality columns;
+- `llama.cpp-draft` (only with --model qwen2.5-coder-1.5b): the same with a draft model, the packaged
+  Qwen2.5-Coder-0.5B GGUF in a second `Llama` (`LlamaModelDraft`: DRAFT_TOKENS=4 greedy drafts per
+  round, its own KV cache kept across rounds; the two GGUFs' vocabularies must be equal);
 - `genai-fp32`, `genai-int8`, `genai-int4`: onnxruntime-genai, its model builder run on the
   same weights (the GGUF dequantized to fp32 and saved as an HF directory, since the builder
   reads GGUF only at fp16/fp32), `-e cpu`, `intra_op_num_threads` set in genai_config.json
