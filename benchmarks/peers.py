@@ -9,9 +9,16 @@ prepared once under --work-dir and reused):
     python -m benchmarks.peers --model gemma3 --bundles native=bundles/gemma3
 
 `--model` picks the packaged model (loading/packaged.py): smollm2 (SmolLM2-135M-Instruct,
-Q4_1 GGUF; chat prompts of samples/eval_prompts.jsonl, chat template applied) or gemma3
+Q4_1 GGUF; chat prompts of samples/eval_prompts.jsonl, chat template applied), gemma3
 (Gemma 3 270M base, Q4_K_M GGUF; no chat template, so the raw-text prompts of
-samples/heldout_text.jsonl with the tokenizer's BOS).
+samples/heldout_text.jsonl with the tokenizer's BOS), or qwen2.5-coder-0.5b / qwen2.5-coder-1.5b
+(Qwen2.5-Coder-Instruct, Q4_K_M GGUF, chat template applied; `--prompt-set chat` (default):
+samples/coder_chat_prompts.jsonl, `--prompt-set edit`: samples/coder_edit_prompts.jsonl):
+
+    python -m benchmarks.peers --model qwen2.5-coder-1.5b --prompt-set edit --bundles int4=bundles/coder-1.5b \\
+        --prompts 16 --repeat 2 --skip optimum-ort
+
+`--prompt-set FILE` runs any JSONL prompt file instead; `--prompts N` takes its first N.
 
 Contenders, on the same prompt token ids (HF tokenizer), greedy, 32 new tokens (EOS ignored
 by every contender), the same thread count, in one run:
@@ -19,15 +26,18 @@ by every contender), the same thread count, in one run:
 - `optimum-ort`: optimum's `ORTModelForCausalLM` exported from the same model (needs
   `optimum-onnx`, which pins an older transformers: use a separate venv with --python);
 - `llama.cpp`: llama-cpp-python on the packaged GGUF itself (its own Q4_1 / Q4_K_M blocks), compiled from
-  source; on a CPU with AMX it crashes unless built with
-  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON
-  -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF" pip install llama-cpp-python
+  source for this CPU's SIMD extensions with AMX off (on a CPU with AMX it crashes otherwise):
+  CMAKE_ARGS="$(python -m benchmarks.llama_cpp_flags)" pip install --no-binary llama-cpp-python
+  llama-cpp-python==0.3.36 (benchmarks/llama_cpp_flags.py reads /proc/cpuinfo's flags)
   (timed with its own greedy sampler; a second instance with logits_all=True, which its
   `scores` need, serves the teacher-forced pass);
 - `llama.cpp-lookup`: the same GGUF with llama.cpp's own speculation, llama-cpp-python's prompt-lookup
   draft (`Llama(..., draft_model=LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_DRAFTS))`: n-grams of
   the context, no draft model; 2 drafts, the library's advice for CPU-only machines), with the same
   greedy sampler and its own quality columns;
+- `llama.cpp-draft` (only with --model qwen2.5-coder-1.5b): the same with a draft model, the packaged
+  Qwen2.5-Coder-0.5B GGUF in a second `Llama` (`LlamaModelDraft`: DRAFT_TOKENS=4 greedy drafts per
+  round, its own KV cache kept across rounds; the two GGUFs' vocabularies must be equal);
 - `genai-fp32`, `genai-int8`, `genai-int4`: onnxruntime-genai, its model builder run on the
   same weights (the GGUF dequantized to fp32 and saved as an HF directory, since the builder
   reads GGUF only at fp16/fp32), `-e cpu`, `intra_op_num_threads` set in genai_config.json
@@ -85,11 +95,13 @@ from benchmarks.common import (  # noqa: E402
 )
 
 FIXED = ("hf-eager", "optimum-ort", "llama.cpp", "llama.cpp-lookup", "genai-fp32", "genai-int8", "genai-int4")
+DRAFTED = "llama.cpp-draft"  # offered only for a target of DRAFT_PAIRS
 PRECISION = {
     "hf-eager": "fp32",
     "optimum-ort": "fp32",
     "llama.cpp": "int4",
     "llama.cpp-lookup": "int4",
+    DRAFTED: "int4",
     "genai-fp32": "fp32",
     "genai-int8": "int8",
     "genai-int4": "int4",
@@ -100,7 +112,18 @@ WORK_ROOT = ROOT / "bundles"
 MODELS = {
     "smollm2": ("SmolLM2-135M-Instruct (Q4_1 GGUF)", ROOT / "samples" / "eval_prompts.jsonl"),
     "gemma3": ("Gemma 3 270M base (Q4_K_M GGUF)", ROOT / "samples" / "heldout_text.jsonl"),
+    "qwen2.5-coder-0.5b": ("Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF)", ROOT / "samples" / "coder_chat_prompts.jsonl"),
+    "qwen2.5-coder-1.5b": ("Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF)", ROOT / "samples" / "coder_chat_prompts.jsonl"),
 }
+RAW_TEXT = {"gemma3"}  # base models: raw-text prompts with BOS; the others get their chat template
+# --prompt-set names -> prompt files (per model; a FILE path works for every model)
+PROMPT_SETS = {
+    name: {"chat": ROOT / "samples" / "coder_chat_prompts.jsonl", "edit": ROOT / "samples" / "coder_edit_prompts.jsonl"}
+    for name in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
+}
+# llama.cpp-draft: the target model -> its draft model (same tokenizer), greedy drafts per round
+DRAFT_PAIRS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
+DRAFT_TOKENS = 4
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 
 # A contender: run(ids) -> (prefill_s, total_s, tokens) for exactly new_tokens greedy tokens,
@@ -181,17 +204,96 @@ LOOKUP_DRAFTS = 2  # llama-cpp-python's prompt-lookup drafts per round ("2 perfo
 def contender_llamacpp(
     ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str
 ) -> tuple[Runner, Forced]:
-    return _llamacpp_runner(ref, threads, new_tokens, speculate=False)
+    return _llamacpp_runner(ref, threads, new_tokens)
 
 
 def contender_llamacpp_lookup(
     ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str
 ) -> tuple[Runner, Forced]:
-    return _llamacpp_runner(ref, threads, new_tokens, speculate=True)
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    return _llamacpp_runner(ref, threads, new_tokens, LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_DRAFTS))
 
 
-def _llamacpp_runner(ref: dict[str, Any], threads: int, new_tokens: int, speculate: bool) -> tuple[Runner, Forced]:
-    """llama-cpp-python on the packaged GGUF, plain or with its prompt-lookup draft (speculate)."""
+def contender_llamacpp_draft(
+    ref: dict[str, Any], threads: int, new_tokens: int, work: Path, spec: str
+) -> tuple[Runner, Forced]:
+    from adaptive_export.loading.packaged import PACKAGED
+
+    target = PACKAGED[ref["model"]].gguf_path()
+    draft = PACKAGED[DRAFT_PAIRS[ref["model"]]].gguf_path()
+    check_same_vocabulary(target, draft)
+    return _llamacpp_runner(ref, threads, new_tokens, LlamaModelDraft(draft, threads, DRAFT_TOKENS))
+
+
+def check_same_vocabulary(target: Path, draft: Path) -> None:
+    """A draft model must share the target's vocabulary: equal `tokenizer.ggml.tokens` lengths."""
+    from adaptive_export.loading.gguf_header import read_gguf_header
+
+    key = "tokenizer.ggml.tokens"
+    sizes = [read_gguf_header(path).array_lengths.get(key) for path in (target, draft)]
+    if sizes[0] is None or sizes[0] != sizes[1]:
+        raise RuntimeError(f"draft {draft.name} has {sizes[1]} {key}, the target {target.name} {sizes[0]}")
+
+
+class LlamaModelDraft:
+    """llama-cpp-python draft model (its `LlamaDraftModel` protocol: `__call__(input_ids) -> token ids`):
+    a second `Llama` on a smaller GGUF of the same vocabulary drafts `k` tokens greedily.
+
+    It keeps its own KV cache across calls: the ids it has evaluated are tracked, each call
+    evaluates only the new suffix of `input_ids`, and where they diverge (drafts the target
+    rejected) it rewinds to the common prefix (`n_tokens`, as `Llama.generate` does; its `eval`
+    drops the KV entries past it), or resets where nothing is shared."""
+
+    def __init__(self, model_path: Path, threads: int, k: int = DRAFT_TOKENS, n_ctx: int = 1024) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(
+            model_path=str(model_path),
+            n_ctx=n_ctx,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_batch=512,
+            verbose=False,
+        )  # logits_all=False: only the last position's logits, all a greedy draft reads
+        self.k = k
+        self.evaluated: list[int] = []
+
+    def _last_argmax(self) -> int:
+        import llama_cpp
+        import numpy as np
+
+        row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),))
+        return int(row.argmax())
+
+    def __call__(self, input_ids: Any, /, **kwargs: Any) -> Any:
+        import numpy as np
+
+        ids = [int(t) for t in input_ids]
+        shared = 0
+        for a, b in zip(self.evaluated, ids):
+            if a != b:
+                break
+            shared += 1
+        if shared == len(ids):  # nothing new to evaluate (never in generate(); logits must be fresh)
+            shared -= 1
+        if shared <= 0:
+            self.llm.reset()
+            shared = 0
+        self.llm.n_tokens = shared  # eval() removes the KV cache past n_tokens first
+        self.evaluated = ids[:shared]
+        suffix = ids[shared:]
+        drafts: list[int] = []
+        while len(drafts) < self.k and len(self.evaluated) + len(suffix) < self.llm.n_ctx():
+            self.llm.eval(suffix)
+            self.evaluated += suffix
+            drafts.append(self._last_argmax())
+            suffix = drafts[-1:]
+        return np.asarray(drafts, dtype=np.intc)
+
+
+def _llamacpp_runner(ref: dict[str, Any], threads: int, new_tokens: int, draft: Any = None) -> tuple[Runner, Forced]:
+    """llama-cpp-python on the packaged GGUF, plain or with a `draft_model` (prompt lookup, a draft GGUF)."""
     import numpy as np
     from llama_cpp import Llama
 
@@ -206,10 +308,8 @@ def _llamacpp_runner(ref: dict[str, Any], threads: int, new_tokens: int, specula
         "n_batch": 512,
         "verbose": False,
     }
-    if speculate:
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-        llm = Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_DRAFTS))
+    if draft is not None:
+        llm = Llama(**common, draft_model=draft)
     else:
         llm = Llama(**common)  # logits_all=False: llama.cpp's own sampler picks the greedy token
 
@@ -312,6 +412,7 @@ CONTENDERS = {
     "optimum-ort": contender_optimum,
     "llama.cpp": contender_llamacpp,
     "llama.cpp-lookup": contender_llamacpp_lookup,
+    DRAFTED: contender_llamacpp_draft,
     "genai-fp32": contender_genai,
     "genai-int8": contender_genai,
     "genai-int4": contender_genai,
@@ -415,13 +516,15 @@ def _last_error(proc: subprocess.CompletedProcess[str]) -> str:
     return (lines or [f"exit code {proc.returncode}"])[-1][:160]
 
 
-def ensure_reference(model: str, work: Path, prompts: list[str], new_tokens: int) -> Path:
+def ensure_reference(model: str, work: Path, prompts: list[str], new_tokens: int, prompt_file: Path) -> Path:
     key = hashlib.sha1(json.dumps([model, prompts, new_tokens]).encode()).hexdigest()[:12]
     path = work / f"reference-{key}.json"
     if not path.exists():
         print("computing the HF fp32 reference ...", file=sys.stderr, flush=True)
         proc = _child(
-            model, ["--reference-out", str(path), "--prompts", str(len(prompts)), "--new-tokens", str(new_tokens)]
+            model,
+            ["--reference-out", str(path), "--prompts", str(len(prompts)), "--new-tokens", str(new_tokens)]
+            + ["--prompt-set", str(prompt_file)],
         )
         if proc.returncode != 0:
             sys.exit(f"HF fp32 reference failed: {_last_error(proc)}")
@@ -557,7 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         metavar="LIST",
         help="comma-separated contenders (or prefixes: genai, bundle) to run; "
-        f"default all: {', '.join(FIXED)}, bundle-*",
+        f"default all: {', '.join(FIXED)}, bundle-* (and {DRAFTED} with --model {', '.join(DRAFT_PAIRS)})",
     )
     parser.add_argument("--skip", default="", metavar="LIST", help="comma-separated contenders to leave out")
     parser.add_argument(
@@ -577,11 +680,20 @@ def _add_setting_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         choices=sorted(MODELS),
         default="smollm2",
-        help="packaged model every contender runs: smollm2 (default; chat prompts of samples/eval_prompts.jsonl) "
-        "or gemma3 (base model; raw-text prompts of samples/heldout_text.jsonl)",
+        help="packaged model every contender runs: smollm2 (default; chat prompts of samples/eval_prompts.jsonl), "
+        "gemma3 (base model; raw-text prompts of samples/heldout_text.jsonl), qwen2.5-coder-0.5b or "
+        "qwen2.5-coder-1.5b (chat template; samples/coder_chat_prompts.jsonl unless --prompt-set edit)",
+    )
+    parser.add_argument(
+        "--prompt-set",
+        default=None,
+        metavar="chat|edit|FILE",
+        help="the prompts: chat or edit (the coder models: samples/coder_chat_prompts.jsonl, "
+        'samples/coder_edit_prompts.jsonl) or a JSONL file of {"prompt": ...} lines '
+        "(default: the model's own set; --prompts N takes the first N of it)",
     )
     for flag, kind, default, text in (
-        ("--prompts", int, 10, "how many prompts of the model's prompt file"),
+        ("--prompts", int, 10, "how many prompts of the prompt set"),
         ("--new-tokens", int, 32, "greedy tokens per run; TPOT is over the last N-1"),
         ("--timeout", float, 3600, "seconds allowed per contender process"),
     ):
@@ -614,7 +726,11 @@ def main() -> None:
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2 (TPOT is over the tokens after the first)")
     work = Path(args.work_dir or WORK_ROOT / f"peers-cache-{args.model}").resolve()
-    title, prompt_file = MODELS[args.model]
+    title = MODELS[args.model][0]
+    prompt_file = resolve_prompt_set(parser, args.model, args.prompt_set)
+    args.prompt_set = str(prompt_file)  # the children read the same file
+    if DRAFTED in args.contenders.split(",") and args.model not in DRAFT_PAIRS:
+        parser.error(f"{DRAFTED} needs a target with a draft model: --model {' or '.join(DRAFT_PAIRS)}")
     prompts = load_prompts(prompt_file, limit=args.prompts)
     if args.reference_out:
         compute_reference(args.model, prompts, args.new_tokens, Path(args.reference_out))
@@ -631,9 +747,10 @@ def main() -> None:
 
     work.mkdir(parents=True, exist_ok=True)
     bundles = [(f"bundle-{pair.split('=', 1)[0]}", pair.split("=", 1)[1]) for pair in args.bundles.split(",") if pair]
-    specs = dict([(n, "") for n in FIXED] + bundles)
+    fixed = [*FIXED, DRAFTED] if args.model in DRAFT_PAIRS else list(FIXED)
+    specs = dict([(n, "") for n in fixed] + bundles)
     interpreters = dict(pair.split("=", 1) for pair in args.python)
-    ref_path = ensure_reference(args.model, work, prompts, args.new_tokens)
+    ref_path = ensure_reference(args.model, work, prompts, args.new_tokens, prompt_file)
     ref = json.loads(ref_path.read_text())
     runs = ContenderRuns(args, work, ref_path, ref, interpreters)
     rows = [runs.row(name, specs[name]) for name in select(list(specs), args.contenders, args.skip)]
@@ -645,21 +762,37 @@ def main() -> None:
         "machine": os.uname().machine,
         "threads": args.threads,
         "prompts": len(prompts),
+        "prompt_file": str(prompt_file),
         "repeat": args.repeat,
         "new_tokens": args.new_tokens,
         "reference": ref_path.name,
         "reference_transformers": ref.get("transformers"),
     }
     print(f"CPU: {setting['cpu']} ({setting['cpus']} CPUs, {setting['machine']}); threads: {args.threads}")
-    kind = "chat" if prompt_file.name == "eval_prompts.jsonl" else "raw-text"
+    kind = "raw-text" if args.model in RAW_TEXT else "chat-templated"
     print(
-        f"{title}, {len(prompts)} {kind} prompts x {args.repeat} (medians after a warm-up), greedy, "
+        f"{title}, {len(prompts)} {kind} prompts of {prompt_file.name} x {args.repeat} "
+        "(medians after a warm-up), greedy, "
         f"{args.new_tokens} new tokens; quality against HF transformers {ref.get('transformers')} fp32"
     )
     print()
     print(markdown_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"setting": setting, "rows": rows}, indent=2) + "\n")
+
+
+def resolve_prompt_set(parser: argparse.ArgumentParser, model: str, choice: str | None) -> Path:
+    """--prompt-set: the model's own file (None), a named set of the model (chat, edit) or a file."""
+    if choice is None:
+        return MODELS[model][1]
+    named = PROMPT_SETS.get(model, {})
+    if choice in named:
+        return named[choice]
+    path = Path(choice)
+    if not path.is_file():
+        sets = ", ".join(named) or "none"
+        parser.error(f"--prompt-set {choice!r}: not a file, nor a prompt set of --model {model} (sets: {sets})")
+    return path.resolve()
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -719,7 +852,12 @@ class ContenderRuns:
         RuntimeError where it cannot."""
         if name.startswith("genai-"):
             return str(ensure_genai(self.args.model, self.work, name.split("-", 1)[1], self.args.threads))
-        if name == "optimum-ort":
+        if name == DRAFTED:
+            from adaptive_export.loading.packaged import PACKAGED
+
+            target, draft = (PACKAGED[m].gguf_path() for m in (self.args.model, DRAFT_PAIRS[self.args.model]))
+            check_same_vocabulary(target, draft)
+        elif name == "optimum-ort":
             ensure_hf_dir(self.args.model, self.work)
         elif name.startswith("bundle-"):
             directory, at, mode = spec.partition("@")
@@ -733,6 +871,7 @@ class ContenderRuns:
         child_args = ["--one", name, spec or "-", "--threads", str(args.threads), "--repeat", str(args.repeat)]
         child_args += ["--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens)]
         child_args += ["--work-dir", str(self.work), "--reference", str(self.ref_path)]
+        child_args += ["--prompt-set", args.prompt_set]
         python = self.interpreters.get(name, sys.executable)
         return _child(args.model, child_args, python=python, timeout=args.timeout)
 
@@ -743,6 +882,8 @@ class ContenderRuns:
             notes.append(_version(self.interpreters.get(name, sys.executable), "llama_cpp"))
             if name == "llama.cpp-lookup":
                 notes.append(f"prompt-lookup draft, {LOOKUP_DRAFTS} tokens")
+            elif name == DRAFTED:
+                notes.append(f"draft model {DRAFT_PAIRS[self.args.model]}, {DRAFT_TOKENS} greedy tokens")
         elif name.startswith("genai-"):
             notes.append(_version(sys.executable, "onnxruntime_genai"))
         elif name in ("hf-eager", "optimum-ort"):
