@@ -173,3 +173,19 @@ def test_an_interrupt_inside_a_long_native_call_ends_at_once_with_nothing_left(
     assert len(lines) == 1 and lines[0].startswith("error: interrupted"), err
     assert (old_bundle / "manifest.json").read_text() == manifest
     assert not list(old_bundle.parent.glob(f".{old_bundle.name}.*")), "a staging directory was left"
+
+
+def test_a_leftover_old_bundle_of_the_same_pid_does_not_break_the_commit(
+    tiny_model_dir: Path, old_bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A build killed during its commit leaves the old bundle renamed aside; a container starts the
+    next build at the same pid. The commit renamed the old bundle to the fixed `.NAME.old-PID`,
+    onto that leftover: `unexpected OSError: Directory not empty`. In-process, so the pid is known."""
+    from adaptive_export.commands.cli import main
+
+    leftover = old_bundle.parent / f".{old_bundle.name}.old-{os.getpid()}"
+    leftover.mkdir()
+    (leftover / "manifest.json").write_text("left by a killed commit")
+    rc = main(["build", str(tiny_model_dir), "-o", str(old_bundle), "--force", "--max-len", "96"])
+    assert rc == 0, capsys.readouterr().err
+    assert (leftover / "manifest.json").read_text() == "left by a killed commit"
