@@ -6,14 +6,19 @@ bundle (if any) intact and no partial one.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import glob
 import json
 import os
+import select
 import signal
+import stat
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from adaptive_export.exporter.old_bundle import (
@@ -32,7 +37,7 @@ def file_table(root: Path) -> dict[str, FileEntry]:
     table: dict[str, FileEntry] = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root).as_posix()
-        if rel != "manifest.json":
+        if rel not in ("manifest.json", PARTIAL_MARKER):
             table[rel] = FileEntry(sha256_of(path), path.stat().st_size)
     return table
 
@@ -94,18 +99,139 @@ def check_output_dir(target: Path, force: bool, protect: tuple[Path, ...] = ()) 
             f"cannot create the parent directory of {str(target)!r}: {exc.strerror}",
             "choose an output directory you can write to",
         ) from None
+    if os.statvfs(parent).f_flag & os.ST_RDONLY:
+        raise UsageError(
+            f"{str(parent)!r} is on a read-only filesystem, so it cannot hold a bundle",
+            "choose an output directory on a writable disk, e.g. -o bundles/mymodel",
+        )
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"cannot write to {str(parent)!r}", "choose an output directory you can write to")
+    check_can_hold_bundle(target, parent)
+    remove_stale_partials(target)  # a live build's partial is refused here, before any loading
+
+
+def check_can_hold_bundle(target: Path, parent: Path) -> None:
+    """Make and remove a small staging-like directory with a file in it, so a place that cannot
+    hold a bundle (/proc, /sys, a read-only filesystem) fails here in one line, before the
+    loading, instead of at the staging dir after minutes of work. os.access cannot tell: it
+    says yes to root on /proc and ignores read-only mounts."""
+    probe: Path | None = None
+    try:
+        probe = Path(tempfile.mkdtemp(prefix=f".{target.name}.probe-", dir=parent))
+        fd = os.open(probe / "probe", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, b"adaptive-export")
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise UsageError(
+            f"{str(parent)!r} cannot hold a bundle ({exc.strerror or exc})",
+            "choose an output directory on a writable disk, e.g. -o bundles/mymodel",
+        ) from None
+    finally:
+        if probe is not None:
+            remove_tree_on_device(probe)
+
+
+PARTIAL_MARKER = ".adaptive-export-partial"  # inside every staging dir; never part of a bundle
+_MARKER_TOOL = "adaptive-export staging directory"
+
+
+@dataclass(frozen=True)
+class StagingOwner:
+    """The marker a build writes into its staging dir: who owns it, and the open file whose flock
+    says the owner is alive (the kernel drops the lock when the process dies, SIGKILL included,
+    so a reused pid can never make a dead build's partial look alive)."""
+
+    fd: int
+    pid: int
+    start: str
+
+
+def _process_start(pid: int) -> str:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), '' where
+    unknown: with the pid it names one process, even after the pid is reused."""
+    try:
+        stat_text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    fields = stat_text.rsplit(")", 1)[-1].split()
+    return fields[19] if len(fields) > 19 else ""
+
+
+def claim_staging(staging: Path) -> StagingOwner:
+    """Mark `staging` as this process's and lock the marker. The marker is written and locked under
+    a temporary name, then renamed into place, so a marker that another build can see is always
+    locked by a live owner or left by a dead one, never half-made."""
+    pid, start = os.getpid(), _process_start(os.getpid())
+    temporary = staging / (PARTIAL_MARKER + ".new")
+    fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, json.dumps({"tool": _MARKER_TOOL, "pid": pid, "start": start}).encode())
+    os.rename(temporary, staging / PARTIAL_MARKER)
+    return StagingOwner(fd, pid, start)
+
+
+def release_staging(staging: Path, owner: StagingOwner) -> None:
+    """Remove the marker (a bundle lists every file it holds) and drop the lock."""
+    with contextlib.suppress(OSError):
+        os.unlink(staging / PARTIAL_MARKER)
+    with contextlib.suppress(OSError):
+        os.close(owner.fd)
+
+
+def _marker_of(candidate: Path) -> dict[str, object] | None:
+    """The marker's contents when `candidate` is a staging dir this tool made (a real directory,
+    not a link or a mount, holding a regular-file marker with this tool's name); else None."""
+    try:
+        info = os.lstat(candidate)
+        marker = candidate / PARTIAL_MARKER
+        if not stat.S_ISDIR(info.st_mode) or os.path.ismount(candidate) or info.st_uid != os.getuid():
+            return None
+        if not stat.S_ISREG(os.lstat(marker).st_mode) or os.lstat(marker).st_size > 4096:
+            return None
+        data = json.loads(marker.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) and data.get("tool") == _MARKER_TOOL else None
+
+
+def _owner_alive(candidate: Path, data: dict[str, object]) -> bool:
+    """Whether the build that made `candidate` still runs: its marker's flock is held. Where
+    flock is unsupported (some network filesystems), its pid and start time are compared."""
+    try:
+        fd = os.open(candidate / PARTIAL_MARKER, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return True  # gone or unreadable: not ours to judge, leave it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        pid = data.get("pid")
+        return isinstance(pid, int) and _pid_alive(pid) and _process_start(pid) == data.get("start")
+    finally:
+        os.close(fd)  # closing drops our lock; the directory is removed right after
+    return False
 
 
 def remove_stale_partials(target: Path) -> list[Path]:
-    """Remove staging dirs of builds that were killed (SIGKILL, power loss): their pid is gone."""
+    """Remove the staging dirs of this target whose build was killed (SIGKILL, power loss), and
+    refuse (exit 2) while another live build writes one. Only directories holding this tool's
+    marker are candidates; anything else that merely matches the name is left alone."""
     removed = []
-    for stale in target.parent.glob(f".{target.name}.partial-*"):
-        pid_text = stale.name.rsplit("-", 2)[-2] if stale.name.count("-") >= 2 else ""
-        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
-            remove_tree_on_device(stale)
-            removed.append(stale)
+    for candidate in sorted(target.parent.glob(f".{glob.escape(target.name)}.partial-*")):
+        data = _marker_of(candidate)
+        if data is None:
+            continue
+        if _owner_alive(candidate, data):
+            raise UsageError(
+                f"another build (pid {data.get('pid')}) is writing {str(target)!r} (its staging "
+                f"directory {candidate.name!r} is locked)",
+                "wait for that build to finish or stop it, then build again",
+            )
+        remove_tree_on_device(candidate)
+        removed.append(candidate)
     return removed
 
 
@@ -126,23 +252,102 @@ class Interrupts:
 
     requested = False
     managed = False  # True when the CLI owns the signal handlers (not for in-process callers)
+    wakeup: int | None = None  # the CLI's signal wakeup pipe (read end), for the staging backstop
 
 
 def request_interrupt() -> None:
     Interrupts.requested = True
 
 
+class _Backstop:
+    """The staging dir an interrupt may end the build in, and the lock that makes that decision
+    exclusive with the main thread's own cleanup and with the commit (see interrupt_backstop)."""
+
+    lock = threading.Lock()
+    staging: Path | None = None
+    watcher: threading.Thread | None = None
+
+
+def _end_build_now() -> None:
+    """Called by the watcher thread on SIGINT/SIGTERM while a staging dir is armed: remove it, print
+    the one line and leave with exit 130 at once, without unwinding the main thread (which may be
+    inside torch export, ONNX Runtime or tokenizers, where an exception raised into a callback
+    from C++ ends in std::terminate and SIGABRT) and without interpreter finalization (whose C++
+    destructors can abort while a library thread still runs). Nothing outside staging is written
+    while it is armed, so nothing half-written is left."""
+    with _Backstop.lock:
+        staging = _Backstop.staging
+        if staging is None:
+            return  # committing, or the main thread is already cleaning up: it reports
+        remove_tree_on_device(staging)
+        cli = sys.modules.get("adaptive_export.commands.cli")
+        try:
+            progress = sys.modules.get("tqdm")
+            if progress is not None and getattr(progress.tqdm, "_instances", None):
+                sys.stderr.write("\n")  # a live bar's line has no newline, and closing it from here adds none
+            if cli is not None:
+                cli._report_interrupt()
+            else:
+                print("error: interrupted. Fix: run the command again (no partial bundle was left)", file=sys.stderr)
+            sys.stderr.flush()
+        finally:
+            os._exit(130)
+
+
+def _watch(wakeup: int) -> None:
+    """Watcher thread: the C-level signal handler writes each signal's number to `wakeup` at once,
+    even while the main thread is in C++ code and no Python handler can run."""
+    wanted = {int(signal.SIGINT), int(signal.SIGTERM)}
+    while True:
+        readable, _, _ = select.select([wakeup], [], [], 0.2)
+        got: set[int] = set()
+        if readable:
+            with contextlib.suppress(BlockingIOError, InterruptedError):
+                got = set(os.read(wakeup, 512))
+        if got & wanted or Interrupts.requested:
+            _end_build_now()
+
+
+def _arm_backstop(staging: Path) -> bool:
+    """Under the CLI (main thread, signal wakeup pipe set): from now until the commit, SIGINT and
+    SIGTERM are only recorded in the main thread and the watcher ends the build. True if armed."""
+    wakeup = Interrupts.wakeup
+    if not Interrupts.managed or wakeup is None or threading.current_thread() is not threading.main_thread():
+        return False
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _record_only)
+    with _Backstop.lock:
+        _Backstop.staging = staging
+    if _Backstop.watcher is None:
+        _Backstop.watcher = threading.Thread(target=_watch, args=(wakeup,), daemon=True)
+        _Backstop.watcher.start()
+    return True
+
+
+def _disarm_backstop() -> None:
+    """From here the main thread decides (its cleanup, or the commit): the watcher does nothing."""
+    with _Backstop.lock:
+        _Backstop.staging = None
+
+
 def _hold_before_commit() -> None:
     """Test seam (tests/test_atomic_build.py): ADAPTIVE_EXPORT_HOLD_BEFORE_COMMIT=FILE makes the
     build wait, complete but uncommitted, while FILE exists, so a test can signal it at a
     known point; a value 'swallow:FILE' also swallows KeyboardInterrupt while waiting, as a
-    library catching broad exceptions would."""
+    library catching broad exceptions would; 'native:FILE' first spends about 50 s in one C call
+    (pbkdf2, which no Python signal handler can interrupt), as torch export, ONNX Runtime or
+    tokenizers do (tests/test_leftover_partials.py)."""
     hold = os.environ.get("ADAPTIVE_EXPORT_HOLD_BEFORE_COMMIT")
     if not hold:
         return
     swallow = hold.startswith("swallow:")
-    hold_path = Path(hold.removeprefix("swallow:"))
+    native = hold.startswith("native:")
+    hold_path = Path(hold.removeprefix("swallow:").removeprefix("native:"))
     (hold_path.parent / (hold_path.name + ".reached")).touch()
+    if native:
+        import hashlib
+
+        hashlib.pbkdf2_hmac("sha256", b"hold", b"in native code", 80_000_000)
     deadline = time.monotonic() + 120
     while hold_path.exists() and time.monotonic() < deadline:
         try:
@@ -154,27 +359,33 @@ def _hold_before_commit() -> None:
 
 @contextlib.contextmanager
 def staging_dir(target: Path, force: bool) -> Iterator[Path]:
-    """Yield a temp dir beside target; on success it replaces target, on failure it is removed."""
+    """Yield a temp dir beside target; on success it replaces target, on failure it is removed.
+    The dir holds a locked marker while the build runs (claim_staging), so a later build can tell
+    a killed build's leftover (removed) from a live build's (refused)."""
     check_output_dir(target, force)
-    remove_stale_partials(target)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
+    owner: StagingOwner | None = None
     try:
-        yield staging
-    except OSError as exc:
-        remove_tree_on_device(staging)
-        raise UsageError(
-            f"writing the bundle failed: {exc.strerror or exc}",
-            "free disk space or choose another -o, then build again",
-        ) from exc
-    except BaseException:
-        remove_tree_on_device(staging)
-        raise
-    try:
+        owner = claim_staging(staging)
+        _arm_backstop(staging)
+        try:
+            yield staging
+        except OSError as exc:
+            raise UsageError(
+                f"writing the bundle failed: {exc.strerror or exc}",
+                "free disk space or choose another -o, then build again",
+            ) from exc
         _hold_before_commit()
+        _disarm_backstop()
+        _commit(staging, target)
     except BaseException:
+        _disarm_backstop()
         remove_tree_on_device(staging)
         raise
-    _commit(staging, target)
+    finally:
+        _disarm_backstop()
+        if owner is not None:
+            release_staging(staging, owner)
 
 
 def _record_only(signum: int, frame: object) -> None:
@@ -212,11 +423,15 @@ def _commit(staging: Path, target: Path) -> None:
         raise
     old = None
     if plan is not None:
-        old = target.parent / f".{target.name}.old-{os.getpid()}"
+        # a fresh empty name (rename replaces an empty directory): a fixed .old-PID name collides
+        # with one left by a build of the same pid killed here (containers reuse pids), ENOTEMPTY
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-{os.getpid()}-", dir=target.parent))
         os.rename(target, old)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp made it private; a bundle is a normal directory
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(staging / PARTIAL_MARKER)  # never part of a bundle (the lock itself lives on its open fd)
     os.rename(staging, target)
     if managed:
         if Interrupts.requested:  # arrived during the swap: undo it
