@@ -26,6 +26,7 @@ import numpy as np
 
 from adaptive_export.runtimes.backends import Backend, make_backend
 from adaptive_export.runtimes.bundle import Bundle, load_bundle
+from adaptive_export.runtimes.decode_policy import DecodePolicy, prompt_policy
 from adaptive_export.runtimes.drafting import FREE_SOURCE, SOURCES, draft_source
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.kv_arena import KVArena
@@ -88,6 +89,8 @@ class GenerationStats:
     decode_ms: float = 0.0
     tpot_ms: float = 0.0
     stop_reason: str = "length"  # "length", "eos", "stop" (a stop string) or "cancelled" (should_stop)
+    decode_rows: int = 1  # rows of every decode pass (runtimes/decode_policy.py)
+    policy: str = "fixed"  # why: "lookup" (an edit prompt), "plain", or "fixed" (the caller's or bundle's rows)
     speculation: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -119,6 +122,7 @@ class GenerationRequest:
     # asked once per token, after the token is counted: True ends the generation there (stop_reason
     # "cancelled"); a server passes "has the client gone?", so a departed client costs at most one token
     should_stop: Callable[[], bool] | None = None
+    policy: DecodePolicy = DecodePolicy(1, "fixed")  # rows of every decode pass, chosen from the prompt
 
 
 class GenerateArguments(TypedDict, total=False):
@@ -229,8 +233,11 @@ class Generator:
         self.backend.prepare("prefill")
         self.backend.prepare(self.bundle.config("full").decode)
         # rows of every decode pass (manifest `speculation.min_decode_rows`, or the caller's): 2 makes
-        # plain steps floor rounds, so every mode computes the rows a verify pass computes
-        self.decode_rows = min_decode_rows(self.bundle) if decode_rows is None else check_decode_rows(decode_rows)
+        # plain steps floor rounds, so every mode computes the rows a verify pass computes; None:
+        # chosen per request from the prompt (runtimes/decode_policy.py)
+        fixed = check_decode_rows(decode_rows) if decode_rows is not None else min_decode_rows(self.bundle)
+        self.fixed_rows: int | None = fixed if decode_rows is not None or fixed >= 2 else None
+        self.decode_rows = fixed
         self.warmups: dict[str, DraftWarmup] = {}  # draft engine -> the background creation of its session
         self._turn = _Turn()
 
@@ -302,19 +309,32 @@ class Generator:
             raise UsageError(f"should_stop is {type(should_stop).__name__}, not a callable", "pass a function or None")
         prompt_ids = self._prompt_ids(prompt, raw)
         self._check_lengths(prompt_ids, max_new_tokens)
-        resolved = self._auto_resolved(Mode.parse(mode))
+        parsed = Mode.parse(mode)
+        policy = self._policy(prompt, prompt_ids, parsed)
+        resolved = self._auto_resolved(parsed, policy.rows)
         return GenerationRequest(
-            prompt_ids, max_new_tokens, sampling, stop_strings, config, resolved, draft, draft_len, should_stop
+            prompt_ids, max_new_tokens, sampling, stop_strings, config, resolved, draft, draft_len, should_stop, policy
         )
 
-    def _auto_resolved(self, mode: Mode) -> Mode:
+    def _policy(self, prompt: str | Sequence[int], prompt_ids: list[int], mode: Mode) -> DecodePolicy:
+        """The rows of every decode pass: the caller's or the bundle's where fixed; else, for auto
+        and ar alike (so their tokens agree), two rows with prompt lookup on an edit prompt
+        (runtimes/decode_policy.py). spec and pipelined keep one row, as they always did."""
+        if self.fixed_rows is not None:
+            return DecodePolicy(self.fixed_rows, "fixed")
+        if mode not in (Mode.AUTO, Mode.AR) or self.backend.name != "onnx":
+            return DecodePolicy(1, "fixed")
+        text = prompt if isinstance(prompt, str) else self.codec.decode(prompt_ids)
+        return prompt_policy(text)
+
+    def _auto_resolved(self, mode: Mode, rows: int) -> Mode:
         """auto decodes plainly where a verify pass would not reproduce plain steps: `auto` never
         changes the tokens of `--mode ar` (beyond float ties). `build --speculate auto` measures it on
         the ONNX decode engine (manifest `speculation.verify_exactness`); without that measurement,
         MatMulNBits at accuracy level 4 counts as inexact (SmolLM2's default GGUF-exact bundle: logits
         up to 0.98 apart, docs/speculation.md), fp32 and accuracy 1 as exact. A bundle that decodes two
         rows at least (`min_decode_rows`) was measured exact for those steps. `--mode spec` drafts anywhere."""
-        if mode is not Mode.AUTO or self.backend.name != "onnx" or self.decode_rows >= 2:
+        if mode is not Mode.AUTO or self.backend.name != "onnx" or rows >= 2:
             return mode
         speculation = self.bundle.manifest.speculation
         measured = speculation.verify_exactness if speculation is not None else None
@@ -408,6 +428,8 @@ class Generator:
             kept_layers=list(chosen.kept),
             skipped_layers=self.bundle.num_layers - len(chosen.kept),
             prompt_tokens=len(prompt_ids),
+            decode_rows=request.policy.rows,
+            policy=request.policy.name,
         )
         return SequenceState(arena=arena, config=chosen, prompt_ids=list(prompt_ids), tokens=[], pending=first), stats
 
@@ -461,7 +483,7 @@ class Generator:
         warmups: list[DraftWarmup],
     ) -> collections.abc.Generator[int, None, None]:
         """Tokens after the first: plain steps or speculative rounds (built only if asked for a token)."""
-        if request.mode is Mode.AR and self.decode_rows == 1:
+        if request.mode is Mode.AR and request.policy.rows == 1:
             yield from self._decode_ar(seq, sampler)
             return
         if request.mode is Mode.PIPELINED:
@@ -478,31 +500,27 @@ class Generator:
         """auto: the calibrated source where it pays on average (and has engines for this
         configuration), else prompt lookup; lookup and precision drafts are gated, so a prompt
         whose drafts do not pay decodes plainly."""
-        draft_len = request.draft_len
+        draft_len, rows = request.draft_len, request.policy.rows
         if request.mode is Mode.AR:  # two rows at least: plain steps are floor rounds (one guess each)
-            return SpeculativeRunner(
-                self.bundle, self.backend, seq.config, FREE_SOURCE, 1, decode_rows=self.decode_rows
-            )
+            return SpeculativeRunner(self.bundle, self.backend, seq.config, FREE_SOURCE, 1, decode_rows=rows)
         if request.mode is Mode.AUTO:
-            if not (self._auto_drafts_calibrated(seq.config) and speculation_available(self.bundle, seq.config)):
+            if not (self._auto_drafts_calibrated(seq.config, rows) and speculation_available(self.bundle, seq.config)):
                 source = FREE_SOURCE
             else:  # the calibrated source, still gated: a prompt whose drafts stop paying decodes plainly
                 source = None
             return SpeculativeRunner(
-                self.bundle, self.backend, seq.config, source, draft_len, gated=True, decode_rows=self.decode_rows
+                self.bundle, self.backend, seq.config, source, draft_len, gated=True, decode_rows=rows
             )
-        return SpeculativeRunner(
-            self.bundle, self.backend, seq.config, request.draft, draft_len, decode_rows=self.decode_rows
-        )
+        return SpeculativeRunner(self.bundle, self.backend, seq.config, request.draft, draft_len, decode_rows=rows)
 
-    def _auto_drafts_calibrated(self, config: ConfigEntry) -> bool:
+    def _auto_drafts_calibrated(self, config: ConfigEntry, rows: int) -> bool:
         """Whether auto drafts with the calibrated source: calibration found that it pays, and on a
         bundle that decodes two rows at least, its rounds keep only rows of the decode engine."""
         spec = self.bundle.manifest.speculation
         if spec is None or not spec.auto_enabled:
             return False
         source = SOURCES.get(default_source(self.bundle, config))
-        return source is not None and (self.decode_rows == 1 or source.decode_engine_rows)
+        return source is not None and (rows == 1 or source.decode_engine_rows)
 
     def _warm_draft_sessions(self, request: GenerationRequest) -> list[DraftWarmup]:
         """Start creating the sessions of the draft engines this request will draft with, in the
@@ -512,7 +530,7 @@ class Generator:
         full = self.bundle.config("full")
         if request.mode in (Mode.AR, Mode.PIPELINED) or self.backend.name != "onnx":
             return []  # pipelined runs its stages on sessions of their own (PipelinedDecoder)
-        if request.mode is Mode.AUTO and not self._auto_drafts_calibrated(full):
+        if request.mode is Mode.AUTO and not self._auto_drafts_calibrated(full, request.policy.rows):
             return []
         name = request.draft if request.mode is Mode.SPEC and request.draft else default_source(self.bundle, full)
         source = SOURCES.get(name)

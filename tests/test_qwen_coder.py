@@ -15,11 +15,21 @@ from tests.test_lean_build import CLI, run_measured
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 GiB = 1 << 30
-EDIT_PROMPT = "Rename the variable x to count in this code:\n```python\nx = 0\nfor item in items:\n    x += 1\n```"
+EDIT_PROMPT = (
+    "Rename the variable x to count in this code:\n```python\ndef tally(items):\n    x = 0\n"
+    "    for item in items:\n        if item.done:\n            x += 1\n    return x\n```"
+)
+CHAT_PROMPT = "What is the difference between a list and a tuple in Python?"
 # (model, build budget, check budget): measured build 1.14 GB (0.5B) and 1.48 GB (1.5B); check 6.1 GB
 # (0.5B) and 16.5 GB (1.5B: the fp32 model plus the fused reference's packed copy; the 12 GB
 # is not met yet, so this bound guards against growth, docs/quantization.md)
 BUDGETS = {"qwen2.5-coder-0.5b": (2 * GiB, 8 * GiB), "qwen2.5-coder-1.5b": (3 * GiB, 17 * GiB)}
+
+
+def run_json(bundle: Path, prompt: str, *flags: str) -> dict:
+    proc, _ = run_measured(CLI, "run", str(bundle), "-p", prompt, "--max-new-tokens", "24", "--json", *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
 
 
 def build_run_check(model: str, tmp_path: Path) -> None:
@@ -28,10 +38,12 @@ def build_run_check(model: str, tmp_path: Path) -> None:
     proc, peak = run_measured(CLI, "build", model, "--max-len", "1024", "-o", str(bundle))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert peak < build_budget, f"build peak {peak / GiB:.2f} GiB"
-    proc, _ = run_measured(CLI, "run", str(bundle), "-p", EDIT_PROMPT, "--max-new-tokens", "24", "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    answer = json.loads(proc.stdout)
-    assert answer["stats"]["new_tokens"] == 24 and "count" in answer["text"], answer["text"]
+    edit, edit_ar = (run_json(bundle, EDIT_PROMPT, *mode) for mode in ((), ("--mode", "ar")))
+    assert edit["stats"]["new_tokens"] == 24 and "count" in edit["text"], edit["text"]
+    assert (edit["stats"]["policy"], edit["stats"]["decode_rows"], edit["stats"]["mode"]) == ("lookup", 2, "spec")
+    assert edit["tokens"] == edit_ar["tokens"]  # chosen at prefill: --mode ar decodes the same rows
+    chat = run_json(bundle, CHAT_PROMPT)
+    assert (chat["stats"]["policy"], chat["stats"]["decode_rows"], chat["stats"]["mode"]) == ("plain", 1, "ar")
     report = tmp_path / "check.json"
     proc, peak = run_measured(CLI, "check", str(bundle), "--model", model, "--report", str(report))
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
