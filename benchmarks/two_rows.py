@@ -6,7 +6,9 @@ in one process, on the CPU at hand (docs/speculation.md, "Exact speculation at a
 Prints the decode engine's pass of T rows against T=1 (median ms and ratio); whether passes of two
 rows reproduce one T=9 pass and T=1 passes do not (max |logit| difference, fixed pseudo-random
 tokens); and, on the chat prompts of samples/eval_prompts.jsonl and the rewrite prompts of
-samples/spec_prompts.jsonl (those starting "Rewrite", "Repeat", "Summarize", ...), greedy, the median TPOT of
+samples/spec_prompts.jsonl (those starting "Rewrite", "Repeat", "Summarize", ...), or with `--prompt-sets coder` the
+chat and edit prompts of samples/coder_chat_prompts.jsonl and coder_edit_prompts.jsonl, greedy, the median TPOT of
+- `default`: what `run` does: the rows and policy chosen at prefill (runtimes/decode_policy.py), --mode auto,
 - `ar-1row`: plain decoding with T=1 steps (the bundle's plain decoding without min_decode_rows),
 - `ar-2rows`: plain decoding of floor rounds (one free guess per step, T=2),
 - `auto-2rows`: `--mode auto` over floor rounds (gated prompt lookup),
@@ -27,7 +29,12 @@ from benchmarks.common import ROOT, bench_parser, cpu_model, load_prompts, parse
 from benchmarks.speculative import rewrite_prompts
 
 SETS = {"chat": lambda: load_prompts(ROOT / "samples" / "eval_prompts.jsonl"), "rewrite": rewrite_prompts}
-MODES = {  # name -> (decode rows, generate keyword arguments)
+CODER_SETS = {  # --prompt-sets coder: held apart from calibration (samples/coder_*_prompts.jsonl)
+    "coder-chat": lambda: load_prompts(ROOT / "samples" / "coder_chat_prompts.jsonl"),
+    "coder-edit": lambda: load_prompts(ROOT / "samples" / "coder_edit_prompts.jsonl"),
+}
+MODES = {  # name -> (decode rows, generate keyword arguments); rows None: chosen at prefill (the default run)
+    "default": (None, {"mode": "auto"}),
     "ar-1row": (1, {"mode": "ar"}),
     "ar-2rows": (2, {"mode": "ar"}),
     "auto-2rows": (2, {"mode": "auto"}),
@@ -65,7 +72,7 @@ def exactness(bundle: Path, threads: int) -> list[dict[str, Any]]:
     return rows
 
 
-def run_mode(generators: dict[int, Any], mode: str, prompt: str, tokens: int) -> tuple[float, list[int], float]:
+def run_mode(generators: Generators, mode: str, prompt: str, tokens: int) -> tuple[float, list[int], float]:
     """TPOT ms, the tokens, and tokens per verify pass (rounds) of one greedy run."""
     rows, arguments = MODES[mode]
     result = generators[rows].generate(prompt, max_new_tokens=tokens, **arguments)
@@ -73,7 +80,10 @@ def run_mode(generators: dict[int, Any], mode: str, prompt: str, tokens: int) ->
     return result.stats.tpot_ms, result.tokens, (len(result.tokens) - 1) / rounds
 
 
-def measure_set(generators: dict[int, Any], name: str, prompts: list[str], tokens: int, repeat: int) -> list[ModeRow]:
+Generators = dict[int | None, Any]  # decode rows (None: chosen at prefill) -> Generator
+
+
+def measure_set(generators: Generators, name: str, prompts: list[str], tokens: int, repeat: int) -> list[ModeRow]:
     """Every mode on every prompt, modes interleaved within each repetition (one warm-up pass)."""
     tpot: dict[str, list[float]] = {mode: [] for mode in MODES}
     per_pass: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -109,6 +119,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per run (default: 32)")
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions per prompt and mode (default: 3)")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON here")
+    parser.add_argument(
+        "--prompt-sets",
+        choices=("smollm2", "coder"),
+        default="smollm2",
+        help="smollm2: eval chat + rewrite prompts (default); coder: samples/coder_chat and coder_edit prompts",
+    )
     args = parse_and_pin(parser)
     from adaptive_export.runtimes import Generator
 
@@ -117,10 +133,11 @@ def main() -> None:
     costs, exact = pass_costs(bundle, args.threads), exactness(bundle, args.threads)
     print_table(costs, ["T", "ms", "vs T=1"])
     print_table(exact, ["plain pass rows", "max_logit_diff", "logit_scale", "top1_flips", "exact"])
-    generators = {rows: Generator(bundle, decode_rows=rows, threads=args.threads) for rows in (1, 2)}
+    generators = {rows: Generator(bundle, decode_rows=rows, threads=args.threads) for rows in (None, 1, 2)}
+    sets = CODER_SETS if args.prompt_sets == "coder" else SETS
     rows = [
         row
-        for name, prompts in SETS.items()
+        for name, prompts in sets.items()
         for row in measure_set(generators, name, prompts()[: args.prompts], args.tokens, args.repeat)
     ]
     print_table([asdict(r) for r in rows], list(ModeRow.__dataclass_fields__))
