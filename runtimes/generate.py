@@ -454,8 +454,9 @@ class Generator:
         if draft is not None:
             draft_source(draft)  # a clear error for an unknown name
         if request.mode is Mode.SPEC and not speculation_available(self.bundle, config, draft):
+            name = draft or default_source(self.bundle, config)  # the bundle's calibrated source, named
             raise UsageError(
-                f"configuration {config.id!r} has no {draft} draft engines",
+                f"configuration {config.id!r} has no {name} draft engines",
                 "use --draft prompt_lookup, --mode ar, or rebuild with --speculate",
             )
 

@@ -785,3 +785,13 @@ def test_oversize_weights_are_refused_before_hashing(tiny_bundle: Path, tmp_path
     rc, _, err = run_isolated(["run", str(bad), "-p", "hi", "--verify", "full"])
     assert_one_line(rc, err, "onnx/weights.bin", "model's dimensions allow")
     assert "checksum" not in err
+
+
+def test_a_tampered_speculation_source_is_named_in_the_error(
+    tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A manifest whose speculation.source names a source without engines here: `--mode spec` names
+    that source (it said "has no None draft engines")."""
+    bad = make_bad(tiny_bundle, tmp_path, manifest=lambda m: m.update(speculation={"source": "early_exit"}))
+    err = expect_usage(["run", str(bad), "-p", "hi", "--mode", "spec"], capsys, "has no early_exit draft engines")
+    assert "None" not in err
