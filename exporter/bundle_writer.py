@@ -279,7 +279,7 @@ def _end_build_now() -> None:
         staging = _Backstop.staging
         if staging is None:
             return  # committing, or the main thread is already cleaning up: it reports
-        _remove_until_gone(staging)
+        remove_tree_on_device(staging)
         cli = sys.modules.get("adaptive_export.commands.cli")
         try:
             progress = sys.modules.get("tqdm")
@@ -292,17 +292,6 @@ def _end_build_now() -> None:
             sys.stderr.flush()
         finally:
             os._exit(130)
-
-
-def _remove_until_gone(staging: Path, seconds: float = 5.0) -> None:
-    """Remove the staging dir while the main thread may still be writing into it: a file it creates
-    between the walk and the rmdir keeps the folder, so walk again until the folder is gone (once
-    its root is removed nothing can be created below it)."""
-    deadline = time.monotonic() + seconds
-    while os.path.lexists(staging) and time.monotonic() < deadline:
-        remove_tree_on_device(staging)
-        if os.path.lexists(staging):
-            time.sleep(0.01)
 
 
 def _watch(wakeup: int) -> None:
