@@ -727,7 +727,6 @@ def _prepare(argv: Sequence[str] | None, owns_signals: bool) -> tuple[Any, Any, 
         bundle_writer = sys.modules.get("adaptive_export.exporter.bundle_writer")
         if bundle_writer is not None:
             bundle_writer.Interrupts.managed = True
-            bundle_writer.Interrupts.wakeup = Signals.wakeup_read
             bundle_writer.Interrupts.requested = bundle_writer.Interrupts.requested or Signals.requested
         if not Signals.requested:
             signal.signal(signal.SIGTERM, _terminate_as_interrupt)

@@ -10,10 +10,8 @@ import fcntl
 import glob
 import json
 import os
-import select
 import signal
 import stat
-import sys
 import tempfile
 import threading
 import time
@@ -252,102 +250,23 @@ class Interrupts:
 
     requested = False
     managed = False  # True when the CLI owns the signal handlers (not for in-process callers)
-    wakeup: int | None = None  # the CLI's signal wakeup pipe (read end), for the staging backstop
 
 
 def request_interrupt() -> None:
     Interrupts.requested = True
 
 
-class _Backstop:
-    """The staging dir an interrupt may end the build in, and the lock that makes that decision
-    exclusive with the main thread's own cleanup and with the commit (see interrupt_backstop)."""
-
-    lock = threading.Lock()
-    staging: Path | None = None
-    watcher: threading.Thread | None = None
-
-
-def _end_build_now() -> None:
-    """Called by the watcher thread on SIGINT/SIGTERM while a staging dir is armed: remove it, print
-    the one line and leave with exit 130 at once, without unwinding the main thread (which may be
-    inside torch export, ONNX Runtime or tokenizers, where an exception raised into a callback
-    from C++ ends in std::terminate and SIGABRT) and without interpreter finalization (whose C++
-    destructors can abort while a library thread still runs). Nothing outside staging is written
-    while it is armed, so nothing half-written is left."""
-    with _Backstop.lock:
-        staging = _Backstop.staging
-        if staging is None:
-            return  # committing, or the main thread is already cleaning up: it reports
-        remove_tree_on_device(staging)
-        cli = sys.modules.get("adaptive_export.commands.cli")
-        try:
-            progress = sys.modules.get("tqdm")
-            if progress is not None and getattr(progress.tqdm, "_instances", None):
-                sys.stderr.write("\n")  # a live bar's line has no newline, and closing it from here adds none
-            if cli is not None:
-                cli._report_interrupt()
-            else:
-                print("error: interrupted. Fix: run the command again (no partial bundle was left)", file=sys.stderr)
-            sys.stderr.flush()
-        finally:
-            os._exit(130)
-
-
-def _watch(wakeup: int) -> None:
-    """Watcher thread: the C-level signal handler writes each signal's number to `wakeup` at once,
-    even while the main thread is in C++ code and no Python handler can run."""
-    wanted = {int(signal.SIGINT), int(signal.SIGTERM)}
-    while True:
-        readable, _, _ = select.select([wakeup], [], [], 0.2)
-        got: set[int] = set()
-        if readable:
-            with contextlib.suppress(BlockingIOError, InterruptedError):
-                got = set(os.read(wakeup, 512))
-        if got & wanted or Interrupts.requested:
-            _end_build_now()
-
-
-def _arm_backstop(staging: Path) -> bool:
-    """Under the CLI (main thread, signal wakeup pipe set): from now until the commit, SIGINT and
-    SIGTERM are only recorded in the main thread and the watcher ends the build. True if armed."""
-    wakeup = Interrupts.wakeup
-    if not Interrupts.managed or wakeup is None or threading.current_thread() is not threading.main_thread():
-        return False
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _record_only)
-    with _Backstop.lock:
-        _Backstop.staging = staging
-    if _Backstop.watcher is None:
-        _Backstop.watcher = threading.Thread(target=_watch, args=(wakeup,), daemon=True)
-        _Backstop.watcher.start()
-    return True
-
-
-def _disarm_backstop() -> None:
-    """From here the main thread decides (its cleanup, or the commit): the watcher does nothing."""
-    with _Backstop.lock:
-        _Backstop.staging = None
-
-
 def _hold_before_commit() -> None:
     """Test seam (tests/test_atomic_build.py): ADAPTIVE_EXPORT_HOLD_BEFORE_COMMIT=FILE makes the
     build wait, complete but uncommitted, while FILE exists, so a test can signal it at a
     known point; a value 'swallow:FILE' also swallows KeyboardInterrupt while waiting, as a
-    library catching broad exceptions would; 'native:FILE' first spends about 50 s in one C call
-    (pbkdf2, which no Python signal handler can interrupt), as torch export, ONNX Runtime or
-    tokenizers do (tests/test_leftover_partials.py)."""
+    library catching broad exceptions would."""
     hold = os.environ.get("ADAPTIVE_EXPORT_HOLD_BEFORE_COMMIT")
     if not hold:
         return
     swallow = hold.startswith("swallow:")
-    native = hold.startswith("native:")
-    hold_path = Path(hold.removeprefix("swallow:").removeprefix("native:"))
+    hold_path = Path(hold.removeprefix("swallow:"))
     (hold_path.parent / (hold_path.name + ".reached")).touch()
-    if native:
-        import hashlib
-
-        hashlib.pbkdf2_hmac("sha256", b"hold", b"in native code", 80_000_000)
     deadline = time.monotonic() + 120
     while hold_path.exists() and time.monotonic() < deadline:
         try:
@@ -367,7 +286,6 @@ def staging_dir(target: Path, force: bool) -> Iterator[Path]:
     owner: StagingOwner | None = None
     try:
         owner = claim_staging(staging)
-        _arm_backstop(staging)
         try:
             yield staging
         except OSError as exc:
@@ -376,14 +294,11 @@ def staging_dir(target: Path, force: bool) -> Iterator[Path]:
                 "free disk space or choose another -o, then build again",
             ) from exc
         _hold_before_commit()
-        _disarm_backstop()
         _commit(staging, target)
     except BaseException:
-        _disarm_backstop()
         remove_tree_on_device(staging)
         raise
     finally:
-        _disarm_backstop()
         if owner is not None:
             release_staging(staging, owner)
 
