@@ -175,7 +175,7 @@ def test_listening_beyond_loopback_warns_then_sigint_stops_it(tiny_bundle: Path)
     # where the SIGINT lands in start-up decides the last line (a clean-clone CI run saw a third form):
     # interrupted while loading or serving (130), or the held port refused first (2); never a traceback
     # -SIGINT: the clean-clone CI run saw the process end by the signal itself after its one line (a
-    # SIGINT this early can land while the handlers are being set); open in docs/hardening.md
+    # SIGINT this early can land while the handlers are being set); left open in issue #40
     assert code in (130, 2, -signal.SIGINT), (code, lines)
     endings = ("error: interrupted", "stopped: interrupted", "error: cannot listen on 0.0.0.0")
     assert lines[-1].startswith(endings), lines
