@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 
 from adaptive_export.exporter.onnx_export import trace_graph
+from adaptive_export.exporter.weights import rename_initializers
 from adaptive_export.graphs.fused_graph import PackedWeights
 from adaptive_export.graphs.span_graph import GraphSpec, ModelParts
 from adaptive_export.loading.gguf_weights import GGUFWeights
@@ -53,7 +54,7 @@ def fake_names(parts: ModelParts, packed: PackedWeights | None) -> dict[int, str
         names.setdefault(id(tensor), name)
     for name, tensor in packed.named() if packed is not None else ():
         names.setdefault(id(tensor), name)
-    return {key: name for key, name in names.items()}
+    return names
 
 
 def export_lean_graph(
@@ -77,20 +78,8 @@ def export_lean_graph(
         value.const_value = ir.ExternalTensor(LAZY_LOCATION, 0, nbytes, dtype, shape=value.shape, name=name)
         renames[value.name] = name
     proto = ir.serde.serialize_model(program.model)
-    _rename(proto, renames)
+    rename_initializers(proto, renames)
     return proto
-
-
-def _rename(model: onnx.ModelProto, renames: dict[str, str]) -> None:
-    from adaptive_export.exporter.weights import rename_initializers
-
-    rename_initializers(model, renames)
-
-
-def is_placeholder(init: onnx.TensorProto) -> bool:
-    return init.data_location == onnx.TensorProto.EXTERNAL and any(
-        e.key == "location" and e.value == LAZY_LOCATION for e in init.external_data
-    )
 
 
 def placeholder_array(init: onnx.TensorProto, lazy: Any) -> np.ndarray:

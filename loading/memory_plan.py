@@ -46,12 +46,11 @@ class MemoryNeed:
 
 def build_need(fields: Mapping[str, Any], streams: bool) -> MemoryNeed:
     """A build's peak from the model's dimensions (HF config names) and its path."""
-    head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
     if streams:
         table = fields["vocab_size"] * fields["hidden_size"]
         peak = STREAM_BASE + STREAM_PER_TABLE_ELEMENT * table
         return MemoryNeed("the build", peak, "close other programs or build on a machine with more memory")
-    peak = FULL_BASE + int(FULL_PER_FP32_BYTE * fp32_weight_bytes(fields, head_dim))
+    peak = FULL_BASE + int(FULL_PER_FP32_BYTE * fp32_weight_bytes(fields, _head_dim(fields)))
     fix = (
         "build from the .gguf with only the default export options (no calibration, --quantize auto|native|none, "
         "--backend onnx): that build streams the weights; or use a machine with more memory"
@@ -61,9 +60,12 @@ def build_need(fields: Mapping[str, Any], streams: bool) -> MemoryNeed:
 
 def check_need(fields: Mapping[str, Any]) -> MemoryNeed:
     """`check`'s peak: transformers' fp32 reference of the model plus the bundle's engines."""
-    head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
-    peak = CHECK_BASE + int(CHECK_PER_FP32_BYTE * fp32_weight_bytes(fields, head_dim))
+    peak = CHECK_BASE + int(CHECK_PER_FP32_BYTE * fp32_weight_bytes(fields, _head_dim(fields)))
     return MemoryNeed("check (the fp32 reference model)", peak, "run check on a machine with more memory")
+
+
+def _head_dim(fields: Mapping[str, Any]) -> int:
+    return int(fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"])
 
 
 def ensure_fits(need: MemoryNeed) -> None:
