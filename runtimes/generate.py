@@ -12,7 +12,6 @@ of text as its token is decoded, and `generate()` consumes it (docs/architecture
 from __future__ import annotations
 
 import collections.abc
-import enum
 import itertools
 import os
 import threading
@@ -27,59 +26,25 @@ import numpy as np
 from adaptive_export.runtimes.backends import Backend, make_backend
 from adaptive_export.runtimes.bundle import Bundle, load_bundle
 from adaptive_export.runtimes.decode_policy import DecodePolicy, prompt_policy
-from adaptive_export.runtimes.drafting import FREE_SOURCE, SOURCES, draft_source
+from adaptive_export.runtimes.decoders import DecodeArgs, DecodeContext, Decoder, Mode, decoder_for
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_decode_rows, check_draft_len
 from adaptive_export.runtimes.manifest import ConfigEntry
-from adaptive_export.runtimes.pipelined import PipelinedDecoder, check_stages
 from adaptive_export.runtimes.sampling import Sampler, SamplingParams, make_sampler
 from adaptive_export.runtimes.selection import choose_config
 from adaptive_export.runtimes.sequence import SequenceState
-from adaptive_export.runtimes.speculative import (
-    DraftWarmup,
-    SpeculativeRunner,
-    default_source,
-    min_decode_rows,
-    speculation_available,
-)
+from adaptive_export.runtimes.speculative import min_decode_rows
 from adaptive_export.runtimes.text import StreamDecoder, TextCodec
 
 if TYPE_CHECKING:  # typing.Unpack is Python 3.11+
     from typing_extensions import Unpack
 
 
-class Mode(enum.Enum):
-    """How tokens after the first are decoded (`run --mode`)."""
-
-    AR = "ar"  # plain steps
-    SPEC = "spec"  # speculative rounds with the chosen (or calibrated) draft source
-    AUTO = "auto"  # speculative rounds, gated: the calibrated source where it pays, else prompt lookup
-    PIPELINED = "pipelined"  # predictive pipelined decoding over the early-exit stages (runtimes/pipelined.py)
-
-    @classmethod
-    def parse(cls, mode: Mode | str) -> Mode:
-        if isinstance(mode, Mode):
-            return mode
-        if not isinstance(mode, str) or mode not in MODES:
-            raise UsageError(f"mode {mode!r} is unknown", f"choose one of: {', '.join(MODES)}")
-        return cls(mode)
-
-    @property
-    def loop(self) -> str:
-        """The loop that runs it, as the stats report it: "ar" (plain steps), "spec" (rounds) or "pipelined"."""
-        if self in (Mode.AR, Mode.PIPELINED):
-            return self.value
-        return "spec"
-
-
-MODES = tuple(mode.value for mode in Mode)
-
-
 @dataclass
 class GenerationStats:
     backend: str
-    mode: str  # Mode.loop: "ar", "spec" or "pipelined"
+    mode: str  # the decoder's loop: "ar", "spec" or "pipelined"
     config: str
     kept_layers: list[int]
     skipped_layers: int
@@ -116,13 +81,18 @@ class GenerationRequest:
     sampling: SamplingParams
     stop: list[str]
     config: str  # "auto" or a configuration id
-    mode: Mode
-    draft: str | None  # the draft source for Mode.SPEC (None: the calibrated one)
+    decoder: Decoder  # from the one table of runtimes/decoders.py: the mode and rows asked for
+    draft: str | None  # the draft source for --mode spec (None: the calibrated one)
     draft_len: int | None  # None: the source's calibrated draft length
     # asked once per token, after the token is counted: True ends the generation there (stop_reason
     # "cancelled"); a server passes "has the client gone?", so a departed client costs at most one token
     should_stop: Callable[[], bool] | None = None
     policy: DecodePolicy = DecodePolicy(1, "fixed")  # rows of every decode pass, chosen from the prompt
+
+    @property
+    def decode_args(self) -> DecodeArgs:
+        """What the decoder reads of this request."""
+        return DecodeArgs(self.max_new_tokens, self.policy.rows, self.draft, self.draft_len)
 
 
 class GenerateArguments(TypedDict, total=False):
@@ -238,7 +208,7 @@ class Generator:
         fixed = check_decode_rows(decode_rows) if decode_rows is not None else min_decode_rows(self.bundle)
         self.fixed_rows: int | None = fixed if decode_rows is not None or fixed >= 2 else None
         self.decode_rows = fixed
-        self.warmups: dict[str, DraftWarmup] = {}  # draft engine -> the background creation of its session
+        self.decoding = DecodeContext(self.bundle, self.backend)  # what the decoders read (runtimes/decoders.py)
         self._turn = _Turn()
 
     # ---- public API -------------------------------------------------------------------
@@ -311,38 +281,21 @@ class Generator:
         self._check_lengths(prompt_ids, max_new_tokens)
         parsed = Mode.parse(mode)
         policy = self._policy(prompt, prompt_ids, parsed)
-        resolved = self._auto_resolved(parsed, policy.rows)
+        decoder = decoder_for(parsed, policy.rows).resolve(self.decoding, policy.rows)
         return GenerationRequest(
-            prompt_ids, max_new_tokens, sampling, stop_strings, config, resolved, draft, draft_len, should_stop, policy
+            prompt_ids, max_new_tokens, sampling, stop_strings, config, decoder, draft, draft_len, should_stop, policy
         )
 
     def _policy(self, prompt: str | Sequence[int], prompt_ids: list[int], mode: Mode) -> DecodePolicy:
-        """The rows of every decode pass: the caller's or the bundle's where fixed; else, for auto
-        and ar alike (so their tokens agree), two rows with prompt lookup on an edit prompt
-        (runtimes/decode_policy.py). spec and pipelined keep one row, as they always did."""
+        """The rows of every decode pass: the caller's or the bundle's where fixed; else, for the
+        decoders whose tokens stay ar's (ar and auto alike, so their tokens agree), two rows with
+        prompt lookup on an edit prompt (runtimes/decode_policy.py). spec and pipelined keep one row."""
         if self.fixed_rows is not None:
             return DecodePolicy(self.fixed_rows, "fixed")
-        if mode not in (Mode.AUTO, Mode.AR) or self.backend.name != "onnx":
+        if not decoder_for(mode, 1).prompt_rows or not self.backend.rows_alike:
             return DecodePolicy(1, "fixed")
         text = prompt if isinstance(prompt, str) else self.codec.decode(prompt_ids)
         return prompt_policy(text)
-
-    def _auto_resolved(self, mode: Mode, rows: int) -> Mode:
-        """auto decodes plainly where a verify pass would not reproduce plain steps: `auto` never
-        changes the tokens of `--mode ar` (beyond float ties). `build --speculate auto` measures it on
-        the ONNX decode engine (manifest `speculation.verify_exactness`); without that measurement,
-        MatMulNBits at accuracy level 4 counts as inexact (SmolLM2's default GGUF-exact bundle: logits
-        up to 0.98 apart, docs/speculation.md), fp32 and accuracy 1 as exact. A bundle that decodes two
-        rows at least (`min_decode_rows`) was measured exact for those steps. `--mode spec` drafts anywhere."""
-        if mode is not Mode.AUTO or self.backend.name != "onnx" or rows >= 2:
-            return mode
-        speculation = self.bundle.manifest.speculation
-        measured = speculation.verify_exactness if speculation is not None else None
-        if measured is not None:
-            return mode if measured.exact else Mode.AR
-        onnx = self.bundle.manifest.backends.get("onnx")
-        exact = onnx is None or onnx.quantize == "none" or onnx.accuracy_level == 1
-        return mode if exact else Mode.AR
 
     def _prompt_ids(self, prompt: str | Sequence[int], raw: bool) -> list[int]:
         if isinstance(prompt, str):
@@ -383,11 +336,11 @@ class Generator:
         sampler = make_sampler(request.sampling)
         text = StreamDecoder(self.codec, request.stop)
         started = time.perf_counter()
-        warmups = self._warm_draft_sessions(request)  # off the critical path: during prefill and plain steps
+        warmups = request.decoder.warm(self.decoding, request.decode_args)  # off the critical path: during prefill
         seq, stats = self._prefill(request, sampler)
         stats.prefill_ms = (time.perf_counter() - started) * 1e3
         decode_start = time.perf_counter()
-        decoder = self._decoder(seq, stats, request, sampler, warmups)
+        decoder = request.decoder.tokens(self.decoding, seq, request.decode_args, sampler, warmups, stats.speculation)
         try:
             for token in itertools.chain((seq.pending,), decoder):
                 seq.tokens.append(token)
@@ -420,10 +373,10 @@ class Generator:
         arena.length = len(prompt_ids)
         chosen = self._resolve_config(request.config, out.router_scores)
         first = sampler.choose(out.logits[0, -1])
-        self._check_mode(request, chosen)
+        request.decoder.check(self.decoding, request.decode_args, chosen)
         stats = GenerationStats(
             backend=self.backend.name,
-            mode=request.mode.loop,
+            mode=request.decoder.loop,
             config=chosen.id,
             kept_layers=list(chosen.kept),
             skipped_layers=self.bundle.num_layers - len(chosen.kept),
@@ -441,126 +394,3 @@ class Generator:
         threshold = float(self.bundle.manifest.router_threshold)
         kept = [i for i, score in enumerate(router_scores) if score >= threshold]
         return choose_config(self.bundle.manifest.configs, kept)
-
-    def _check_mode(self, request: GenerationRequest, config: ConfigEntry) -> None:
-        """spec needs the draft source's engines; auto always runs the speculative loop (see
-        _speculative_runner), which falls back to plain steps where drafting does not pay."""
-        if request.mode is Mode.AR:
-            return
-        if request.mode is Mode.PIPELINED:
-            self._check_pipelined(request, config)
-            return
-        draft = request.draft
-        if draft is not None:
-            draft_source(draft)  # a clear error for an unknown name
-        if request.mode is Mode.SPEC and not speculation_available(self.bundle, config, draft):
-            name = draft or default_source(self.bundle, config)  # the bundle's calibrated source, named
-            raise UsageError(
-                f"configuration {config.id!r} has no {name} draft engines",
-                "use --draft prompt_lookup, --mode ar, or rebuild with --speculate",
-            )
-
-    def _check_pipelined(self, request: GenerationRequest, config: ConfigEntry) -> None:
-        """pipelined runs the early-exit engines as its two stages, on ONNX Runtime (two sessions at once)."""
-        if request.draft not in (None, "early_exit"):
-            raise UsageError(
-                f"--draft {request.draft} does not apply to --mode pipelined (its stages are the early-exit engines)",
-                "drop --draft, or use --mode spec",
-            )
-        check_stages(config, self.bundle.root)
-        if self.backend.name != "onnx":
-            raise UsageError(
-                f"--mode pipelined runs two engines at once, which backend {self.backend.name!r} does not",
-                "use --backend onnx, or another --mode",
-            )
-
-    # ---- decoders ---------------------------------------------------------------------
-    def _decoder(
-        self,
-        seq: SequenceState,
-        stats: GenerationStats,
-        request: GenerationRequest,
-        sampler: Sampler,
-        warmups: list[DraftWarmup],
-    ) -> collections.abc.Generator[int, None, None]:
-        """Tokens after the first: plain steps or speculative rounds (built only if asked for a token)."""
-        if request.mode is Mode.AR and request.policy.rows == 1:
-            yield from self._decode_ar(seq, sampler)
-            return
-        if request.mode is Mode.PIPELINED:
-            yield from self._decode_pipelined(seq, stats, request, sampler)
-            return
-        runner = self._speculative_runner(seq, request)
-        runner.warmups = warmups
-        try:
-            yield from runner.tokens(seq, request.max_new_tokens, sampler)
-        finally:
-            stats.speculation = asdict(runner.report())
-
-    def _speculative_runner(self, seq: SequenceState, request: GenerationRequest) -> SpeculativeRunner:
-        """auto: the calibrated source where it pays on average (and has engines for this
-        configuration), else prompt lookup; lookup and precision drafts are gated, so a prompt
-        whose drafts do not pay decodes plainly."""
-        draft_len, rows = request.draft_len, request.policy.rows
-        if request.mode is Mode.AR:  # two rows at least: plain steps are floor rounds (one guess each)
-            return SpeculativeRunner(self.bundle, self.backend, seq.config, FREE_SOURCE, 1, decode_rows=rows)
-        if request.mode is Mode.AUTO:
-            if not (self._auto_drafts_calibrated(seq.config, rows) and speculation_available(self.bundle, seq.config)):
-                source = FREE_SOURCE
-            else:  # the calibrated source, still gated: a prompt whose drafts stop paying decodes plainly
-                source = None
-            return SpeculativeRunner(
-                self.bundle, self.backend, seq.config, source, draft_len, gated=True, decode_rows=rows
-            )
-        return SpeculativeRunner(self.bundle, self.backend, seq.config, request.draft, draft_len, decode_rows=rows)
-
-    def _auto_drafts_calibrated(self, config: ConfigEntry, rows: int) -> bool:
-        """Whether auto drafts with the calibrated source: calibration found that it pays, and on a
-        bundle that decodes two rows at least, its rounds keep only rows of the decode engine."""
-        spec = self.bundle.manifest.speculation
-        if spec is None or not spec.auto_enabled:
-            return False
-        source = SOURCES.get(default_source(self.bundle, config))
-        return source is not None and (rows == 1 or source.decode_engine_rows)
-
-    def _warm_draft_sessions(self, request: GenerationRequest) -> list[DraftWarmup]:
-        """Start creating the sessions of the draft engines this request will draft with, in the
-        background (ONNX Runtime only), and only where a source with engines will run: `--mode
-        spec` with one, or auto where calibration found that its source pays on this bundle.
-        Prompt lookup, auto's source everywhere else, has no engine to create."""
-        full = self.bundle.config("full")
-        if request.mode in (Mode.AR, Mode.PIPELINED) or self.backend.name != "onnx":
-            return []  # pipelined runs its stages on sessions of their own (PipelinedDecoder)
-        if request.mode is Mode.AUTO and not self._auto_drafts_calibrated(full, request.policy.rows):
-            return []
-        name = request.draft if request.mode is Mode.SPEC and request.draft else default_source(self.bundle, full)
-        source = SOURCES.get(name)
-        if source is None or not source.available(full):
-            return []
-        graphs = [full.engines[role] for role in source.engines]
-        new = [graph for graph in graphs if graph not in self.warmups]
-        if new:
-            warmup = DraftWarmup(self.backend, new)
-            self.warmups.update(dict.fromkeys(new, warmup))
-        return list({id(self.warmups[graph]): self.warmups[graph] for graph in graphs}.values())
-
-    def _decode_pipelined(
-        self, seq: SequenceState, stats: GenerationStats, request: GenerationRequest, sampler: Sampler
-    ) -> Iterator[int]:
-        decoder = PipelinedDecoder(self.backend, seq.config, getattr(self.backend, "threads", 0))
-        try:
-            yield from decoder.tokens(seq, request.max_new_tokens, sampler)
-        finally:
-            decoder.close()
-            stats.speculation = asdict(decoder.stats)
-
-    def _decode_ar(self, seq: SequenceState, sampler: Sampler) -> Iterator[int]:
-        graph = seq.config.decode
-        arena = seq.arena
-        token = np.empty((1, 1), dtype=np.int64)
-        while True:
-            token[0, 0] = seq.pending
-            out = self.backend.run(graph, token, arena, arena.length)
-            arena.length += 1
-            seq.pending = sampler.choose(out.logits[0, -1])
-            yield seq.pending

@@ -238,16 +238,16 @@ def test_spec_mode_creates_the_draft_session_in_the_background(spec_bundle: Path
     assert not draft_session_files(generator)
     ids = generator.codec.encode(PROMPTS[5], raw=True)
     ar = generator.generate(ids, max_new_tokens=24).tokens
-    assert not draft_session_files(generator) and not generator.warmups  # plain decoding creates none
+    assert not draft_session_files(generator) and not generator.decoding.warmups  # plain decoding creates none
     spec = generator.generate(ids, max_new_tokens=24, mode="spec", draft="precision", draft_len=2)
     precision = generator.bundle.config("full").engines["precision_draft"]
-    warmup = generator.warmups[precision]
+    warmup = generator.decoding.warmups[precision]
     assert warmup.thread.name == "draft-session-warmup" and not warmup.thread.is_alive()
     assert draft_session_files(generator) == {generator.backend.entry.engine(precision).file}
     assert spec.stats.speculation["drafted"] > 0
     assert_same_or_tie(generator, ids, ar, spec.tokens)
     again = generator.generate(ids, max_new_tokens=24, mode="spec", draft="precision", draft_len=2)
-    assert generator.warmups[precision] is warmup and again.tokens == spec.tokens  # started once per generator
+    assert generator.decoding.warmups[precision] is warmup and again.tokens == spec.tokens  # started once per generator
 
 
 def test_auto_creates_no_draft_session_where_calibration_chose_none(spec_bundle: Path) -> None:
@@ -259,4 +259,4 @@ def test_auto_creates_no_draft_session_where_calibration_chose_none(spec_bundle:
         ids = generator.codec.encode(prompt, raw=True)
         result = generator.generate(ids, max_new_tokens=24, mode="auto")
         assert result.stats.speculation["draft_source"] == "prompt_lookup"
-    assert not draft_session_files(generator) and not generator.warmups
+    assert not draft_session_files(generator) and not generator.decoding.warmups

@@ -96,6 +96,7 @@ class CheckedBackend(Backend):
             inner.kv_layout,
             inner.skip_reason,
         )
+        self.rows_alike, self.parallel_sessions = inner.rows_alike, inner.parallel_sessions
 
     def __getattr__(self, attribute: str) -> Any:
         if attribute == "inner":  # not set yet (copying, unpickling): no recursion

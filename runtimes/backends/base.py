@@ -30,6 +30,9 @@ class Backend(ABC):
     executes: bool = True  # False where the engines can be converted but not run (CoreML off macOS)
     kv_layout: str = "seq"  # the KVArena layout this backend's engines read and write (runtimes/kv_arena.py)
     skip_reason: str = ""  # why not, when executes is False
+    # passes of two rows and more compute each row alike (so two-row steps and a wider verify agree)
+    rows_alike: bool = False
+    parallel_sessions: bool = False  # engines' sessions can be created and run beside a running one
 
     def __init__(self, bundle: Bundle) -> None:
         self.bundle = bundle

@@ -156,6 +156,8 @@ def available_provider(provider: str) -> str:
 
 class OnnxRuntimeBackend(Backend):
     name = "onnx"
+    rows_alike = True  # MatMulNBits at accuracy 4: a one-row pass differs, passes of two rows and more agree
+    parallel_sessions = True  # sessions are created without the GIL and run at once (warm-up, pipelined)
 
     def __init__(
         self,
