@@ -68,6 +68,18 @@ class DecodeArgs:
     draft_len: int | None  # None: the source's calibrated draft length
 
 
+@dataclass(frozen=True)
+class DecodeRun:
+    """One sequence's decoding: its state, the request's arguments, the sampler, the draft sessions
+    to wait for, and the stats' `speculation` dict the decoder fills."""
+
+    seq: SequenceState
+    args: DecodeArgs
+    sampler: Sampler
+    warmups: list[DraftWarmup]
+    speculation: dict[str, object]
+
+
 @dataclass
 class DecodeContext:
     """What every decoder reads: the bundle, its backend, and the draft sessions being created."""
@@ -103,15 +115,7 @@ class Decoder:
         """Start creating the draft sessions it will need, off the critical path (during prefill)."""
         return []
 
-    def tokens(
-        self,
-        context: DecodeContext,
-        seq: SequenceState,
-        args: DecodeArgs,
-        sampler: Sampler,
-        warmups: list[DraftWarmup],
-        speculation: dict[str, object],
-    ) -> TokenStream:
+    def tokens(self, context: DecodeContext, run: DecodeRun) -> TokenStream:
         raise NotImplementedError
 
 
@@ -120,16 +124,9 @@ class PlainSteps(Decoder):
 
     prompt_rows = True
 
-    def tokens(
-        self,
-        context: DecodeContext,
-        seq: SequenceState,
-        args: DecodeArgs,
-        sampler: Sampler,
-        warmups: list[DraftWarmup],
-        speculation: dict[str, object],
-    ) -> TokenStream:
-        backend, graph, arena = context.backend, seq.config.decode, seq.arena
+    def tokens(self, context: DecodeContext, run: DecodeRun) -> TokenStream:
+        seq, sampler, backend = run.seq, run.sampler, context.backend
+        graph, arena = seq.config.decode, seq.arena
         token = np.empty((1, 1), dtype=np.int64)
         while True:
             token[0, 0] = seq.pending
@@ -145,21 +142,13 @@ class _Rounds(Decoder):
     def runner(self, context: DecodeContext, seq: SequenceState, args: DecodeArgs) -> SpeculativeRunner:
         raise NotImplementedError
 
-    def tokens(
-        self,
-        context: DecodeContext,
-        seq: SequenceState,
-        args: DecodeArgs,
-        sampler: Sampler,
-        warmups: list[DraftWarmup],
-        speculation: dict[str, object],
-    ) -> TokenStream:
-        runner = self.runner(context, seq, args)
-        runner.warmups = warmups
+    def tokens(self, context: DecodeContext, run: DecodeRun) -> TokenStream:
+        runner = self.runner(context, run.seq, run.args)
+        runner.warmups = run.warmups
         try:
-            yield from runner.tokens(seq, args.max_new_tokens, sampler)
+            yield from runner.tokens(run.seq, run.args.max_new_tokens, run.sampler)
         finally:
-            speculation.update(asdict(runner.report()))
+            run.speculation.update(asdict(runner.report()))
 
 
 class FloorRounds(_Rounds):
@@ -266,21 +255,13 @@ class Pipelined(Decoder):
                 "use --backend onnx, or another --mode",
             )
 
-    def tokens(
-        self,
-        context: DecodeContext,
-        seq: SequenceState,
-        args: DecodeArgs,
-        sampler: Sampler,
-        warmups: list[DraftWarmup],
-        speculation: dict[str, object],
-    ) -> TokenStream:
-        decoder = PipelinedDecoder(context.backend, seq.config, getattr(context.backend, "threads", 0))
+    def tokens(self, context: DecodeContext, run: DecodeRun) -> TokenStream:
+        decoder = PipelinedDecoder(context.backend, run.seq.config, getattr(context.backend, "threads", 0))
         try:
-            yield from decoder.tokens(seq, args.max_new_tokens, sampler)
+            yield from decoder.tokens(run.seq, run.args.max_new_tokens, run.sampler)
         finally:
             decoder.close()
-            speculation.update(asdict(decoder.stats))
+            run.speculation.update(asdict(decoder.stats))
 
 
 def calibrated_source_pays(bundle: Bundle, config: ConfigEntry, rows: int) -> bool:

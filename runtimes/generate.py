@@ -26,7 +26,7 @@ import numpy as np
 from adaptive_export.runtimes.backends import Backend, make_backend
 from adaptive_export.runtimes.bundle import Bundle, load_bundle
 from adaptive_export.runtimes.decode_policy import DecodePolicy, prompt_policy
-from adaptive_export.runtimes.decoders import DecodeArgs, DecodeContext, Decoder, Mode, decoder_for
+from adaptive_export.runtimes.decoders import DecodeArgs, DecodeContext, Decoder, DecodeRun, Mode, decoder_for
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_decode_rows, check_draft_len
@@ -340,7 +340,8 @@ class Generator:
         seq, stats = self._prefill(request, sampler)
         stats.prefill_ms = (time.perf_counter() - started) * 1e3
         decode_start = time.perf_counter()
-        decoder = request.decoder.tokens(self.decoding, seq, request.decode_args, sampler, warmups, stats.speculation)
+        run = DecodeRun(seq, request.decode_args, sampler, warmups, stats.speculation)
+        decoder = request.decoder.tokens(self.decoding, run)
         try:
             for token in itertools.chain((seq.pending,), decoder):
                 seq.tokens.append(token)
