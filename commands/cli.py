@@ -392,7 +392,7 @@ def _add_run_decoding_arguments(run: argparse.ArgumentParser) -> None:
     from adaptive_export.runtimes import limits
     from adaptive_export.runtimes.draft_registry import DRAFT_SOURCES
 
-    _add_config_and_mode(run, default_mode="auto")  # fast by default; bench keeps ar
+    _add_config_and_mode(run)
     run.add_argument(
         "--draft",
         default=None,
@@ -446,11 +446,15 @@ MODE_HELP = {
 }
 
 
-def _add_config_and_mode(parser: argparse.ArgumentParser, default_mode: str = "ar") -> None:
-    """Which layers run and whether tokens are drafted: `run` (default auto) and `bench` (default ar)."""
+def _add_config_and_mode(parser: argparse.ArgumentParser) -> None:
+    """Which layers run and whether tokens are drafted: `run`, `serve` and `bench` alike, with the
+    defaults of the one decoding record (runtimes/settings.py)."""
+    from adaptive_export.runtimes.settings import DEFAULT_DECODING
+
+    default_mode = DEFAULT_DECODING.mode
     parser.add_argument(
         "--config",
-        default="auto",
+        default=DEFAULT_DECODING.config,
         help="skip configuration: auto (routers pick, default), full, or a config id from `inspect`",
     )
     order = [default_mode, *(mode for mode in MODE_HELP if mode != default_mode)]

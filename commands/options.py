@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 from adaptive_export.exporter.backends import parse_backends
+from adaptive_export.runtimes.settings import DEFAULT_DECODING, DecodingSettings
 
 T = TypeVar("T", bound="Options")
 
@@ -21,6 +22,11 @@ class Options:
         names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
         values = {name: getattr(args, name) for name in names if name not in converted}
         return cls(**values, **converted)
+
+
+def decoding_from_args(args: argparse.Namespace) -> DecodingSettings:
+    """The one decoding record from `--config`, `--mode`, `--draft` and `--draft-len` (checked as it is made)."""
+    return DecodingSettings(args.config, args.mode, getattr(args, "draft", None), getattr(args, "draft_len", None))
 
 
 @dataclass(frozen=True)
@@ -77,10 +83,7 @@ class RunOptions(Options):
     stop: tuple[str, ...] = ()
     raw: bool = False
     json: bool = False
-    config: str = "auto"
-    mode: str = "auto"
-    draft: str | None = None
-    draft_len: int | None = None
+    decoding: DecodingSettings = DEFAULT_DECODING  # --config, --mode, --draft, --draft-len
     decode_rows: int | None = None  # None: the bundle's min_decode_rows
     backend: str = "onnx"
     provider: str = "cpu"
@@ -90,7 +93,7 @@ class RunOptions(Options):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **converted: Any) -> RunOptions:
-        return super().from_args(args, stop=tuple(args.stop))
+        return super().from_args(args, stop=tuple(args.stop), decoding=decoding_from_args(args))
 
 
 @dataclass(frozen=True)
@@ -118,12 +121,15 @@ class BenchOptions(Options):
     prompt: str
     max_new_tokens: int = 32
     repeat: int = 5
-    config: str = "auto"
-    mode: str = "ar"
+    decoding: DecodingSettings = DEFAULT_DECODING  # --config, --mode
     threads: int = 0
     prepack: str = "auto"
     provider: str = "cpu"
     json: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **converted: Any) -> BenchOptions:
+        return super().from_args(args, decoding=decoding_from_args(args))
 
 
 @dataclass(frozen=True)
@@ -143,5 +149,6 @@ class ServeOptions(Options):
     @classmethod
     def from_args(cls, args: argparse.Namespace, **converted: Any) -> ServeOptions:
         shared = {f.name: getattr(args, f.name) for f in fields(RunOptions) if hasattr(args, f.name)}
+        run = RunOptions(**shared, decoding=decoding_from_args(args))
         origins = tuple(getattr(args, "allow_origins", None) or ())
-        return super().from_args(args, run=RunOptions(**shared), allow_origins=origins)
+        return super().from_args(args, run=run, allow_origins=origins)

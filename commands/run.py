@@ -48,11 +48,8 @@ def cmd_run(options: RunOptions) -> int:
         sampling=sampling,
         stop=list(options.stop),
         raw=options.raw,
-        config=options.config,
-        mode=options.mode,
+        decoding=options.decoding,
         on_text=write,
-        draft=options.draft,
-        draft_len=options.draft_len,
     )
     if options.json:
         print(
@@ -97,8 +94,7 @@ def cmd_bench(options: BenchOptions) -> int:
         options.prompt,
         options.max_new_tokens,
         options.repeat,
-        options.config,
-        options.mode,
+        options.decoding,
         limits.check_threads(options.threads),
         prepack_graphs(bundle, options.prepack),
         options.provider,

@@ -16,7 +16,6 @@ from adaptive_export.commands import EXIT_INTERRUPTED, EXIT_OK
 from adaptive_export.commands.options import ServeOptions
 from adaptive_export.commands.run import load_generator
 from adaptive_export.runtimes.errors import UsageError
-from adaptive_export.runtimes.generate import Mode
 
 if TYPE_CHECKING:  # the serve extra is imported only once `serve` runs (the CLI imports this module)
     from adaptive_export.commands.serve_guard import ConnectionLimits, EventLog
@@ -69,7 +68,6 @@ def check_options(options: ServeOptions) -> None:
         problem = check_origin_rules(origin)
         if problem:
             raise UsageError(problem, "pass an origin as a browser sends it, such as http://localhost:3000")
-    Mode.parse(options.run.mode)
 
 
 def ensure_descriptors(max_connections: int) -> None:
@@ -122,7 +120,7 @@ def cmd_serve(options: ServeOptions) -> int:
     from adaptive_export.commands.serve_app import create_app
     from adaptive_export.commands.serve_guard import ConnectionLimits, EventLog
     from adaptive_export.commands.serve_origin import BrowserPolicy
-    from adaptive_export.commands.serve_worker import DecodingSettings, GenerationWorker
+    from adaptive_export.commands.serve_worker import GenerationWorker
 
     warning = exposure_warning(options.host)
     if warning:
@@ -130,10 +128,9 @@ def cmd_serve(options: ServeOptions) -> int:
     ensure_descriptors(options.max_connections)
     run = options.run
     generator = load_generator(run)
-    if run.config != "auto":
-        generator.bundle.config(run.config)  # an unknown id fails now, not on every request
-    settings = DecodingSettings(run.config, run.mode, run.draft, run.draft_len, options.max_tokens)
-    worker = GenerationWorker(generator, settings, options.queue)
+    if run.decoding.config != "auto":
+        generator.bundle.config(run.decoding.config)  # an unknown id fails now, not on every request
+    worker = GenerationWorker(generator, run.decoding, options.queue, options.max_tokens)
     limits, events = ConnectionLimits(options.max_connections, options.read_timeout), EventLog()
     policy = BrowserPolicy(options.host, options.allow_origins)
     app = create_app(worker, model_name(run.bundle), limits, events, policy)

@@ -14,26 +14,12 @@ from dataclasses import dataclass, field
 
 from adaptive_export.commands.serve_api import Completion
 from adaptive_export.runtimes.errors import UsageError
-from adaptive_export.runtimes.generate import GenerateArguments, GenerationResult, Generator
+from adaptive_export.runtimes.generate import GenerationResult, Generator
 from adaptive_export.runtimes.sampling import SamplingParams
+from adaptive_export.runtimes.settings import DecodingSettings
 
 log = logging.getLogger("adaptive-export")
 CLIENT_GONE = 499  # nginx's "client closed request": the job was cancelled before it ran
-
-
-@dataclass(frozen=True)
-class DecodingSettings:
-    """The server-wide decoding choices (`serve --config/--mode/--draft/--draft-len/--max-tokens`)."""
-
-    config: str = "auto"
-    mode: str = "ar"
-    draft: str | None = None
-    draft_len: int | None = None
-    default_max_tokens: int = 256  # when a request names none (capped by the bundle's context)
-
-    def arguments(self) -> GenerateArguments:
-        """The generation arguments these settings choose; each request adds its own."""
-        return GenerateArguments(config=self.config, mode=self.mode, draft=self.draft, draft_len=self.draft_len)
 
 
 @dataclass(frozen=True)
@@ -149,9 +135,12 @@ class Job:
 class GenerationWorker:
     """Runs jobs one at a time on its own thread; at most `queue_size` wait behind the running one."""
 
-    def __init__(self, generator: Generator, settings: DecodingSettings, queue_size: int) -> None:
+    def __init__(
+        self, generator: Generator, decoding: DecodingSettings, queue_size: int, default_max_tokens: int
+    ) -> None:
         self.generator = generator
-        self.settings = settings
+        self.decoding = decoding  # the server's, for every request (`serve --config/--mode/--draft/--draft-len`)
+        self.default_max_tokens = default_max_tokens  # when a request names none (capped by the bundle's context)
         self.counters = ServeCounters()
         self.pace: Callable[[], None] | None = None  # called once per token (tests slow generation down with it)
         self.prompt_limit = PromptLimit.of(generator)
@@ -225,7 +214,7 @@ class GenerationWorker:
     def _start(self, job: Job) -> Stream[str, None, None]:
         """Encode the prompt the way `run` does (runtimes/text.py) and open the token stream (a generator).
         The lengths are checked here, in the request's own terms, before the runtime's checks."""
-        spec, settings, generator = job.spec, self.settings, self.generator
+        spec, generator = job.spec, self.generator
         max_len = generator.bundle.max_len
         if len(spec.prompt.encode("utf-8")) > self.prompt_limit.max_bytes:  # the HTTP side checked it; not the API
             raise RequestError(prompt_too_long(spec.prompt_field, spec.prompt, self.prompt_limit), spec.prompt_field)
@@ -245,11 +234,11 @@ class GenerationWorker:
             )
         return generator.stream(  # type: ignore[return-value]
             prompt_ids,
-            max_new_tokens=spec.max_tokens if spec.max_tokens is not None else min(settings.default_max_tokens, room),
+            max_new_tokens=spec.max_tokens if spec.max_tokens is not None else min(self.default_max_tokens, room),
             sampling=spec.sampling,
             stop=spec.stop,
             should_stop=job.should_stop,
-            **settings.arguments(),
+            decoding=self.decoding,
         )
 
     def _finish(self, job: Job, result: GenerationResult) -> None:

@@ -9,5 +9,15 @@ from adaptive_export.runtimes.bundle import Bundle, load_bundle
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.generate import GenerationResult, GenerationStats, Generator
 from adaptive_export.runtimes.sampling import SamplingParams
+from adaptive_export.runtimes.settings import DecodingSettings
 
-__all__ = ["Bundle", "GenerationResult", "GenerationStats", "Generator", "SamplingParams", "UsageError", "load_bundle"]
+__all__ = [
+    "Bundle",
+    "DecodingSettings",
+    "GenerationResult",
+    "GenerationStats",
+    "Generator",
+    "SamplingParams",
+    "UsageError",
+    "load_bundle",
+]

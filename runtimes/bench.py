@@ -7,6 +7,7 @@ from typing import TypedDict
 
 from adaptive_export.runtimes.bundle import Bundle
 from adaptive_export.runtimes.generate import Generator
+from adaptive_export.runtimes.settings import DEFAULT_DECODING, DecodingSettings
 
 
 class BenchReport(TypedDict):
@@ -29,17 +30,14 @@ def bench_bundle(
     prompt: str,
     new_tokens: int,
     repeat: int,
-    config: str = "auto",
-    mode: str = "ar",
+    decoding: DecodingSettings = DEFAULT_DECODING,
     threads: int = 0,
     prepack: list[str] | None = None,
     provider: str = "cpu",
 ) -> BenchReport:
     generator = Generator(directory, threads=threads, prepack=prepack, provider=provider)
-    generator.generate(prompt, max_new_tokens=new_tokens, config=config, mode=mode)  # warm-up
-    runs = [
-        generator.generate(prompt, max_new_tokens=new_tokens, config=config, mode=mode).stats for _ in range(repeat)
-    ]
+    generator.generate(prompt, max_new_tokens=new_tokens, decoding=decoding)  # warm-up
+    runs = [generator.generate(prompt, max_new_tokens=new_tokens, decoding=decoding).stats for _ in range(repeat)]
     return {
         "prefill_ms": round(statistics.median(s.prefill_ms for s in runs), 2),
         "tpot_ms": round(statistics.median(s.tpot_ms for s in runs), 2),

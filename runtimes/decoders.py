@@ -27,7 +27,7 @@ import numpy as np
 
 from adaptive_export.runtimes.backends import Backend
 from adaptive_export.runtimes.bundle import Bundle
-from adaptive_export.runtimes.drafting import FREE_SOURCE, SOURCES, draft_source
+from adaptive_export.runtimes.drafting import FREE_SOURCE, SOURCES
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest import ConfigEntry
 from adaptive_export.runtimes.pipelined import PipelinedDecoder, check_stages
@@ -169,8 +169,6 @@ class Speculative(_Rounds):
     loop = "spec"
 
     def check(self, context: DecodeContext, args: DecodeArgs, config: ConfigEntry) -> None:
-        if args.draft is not None:
-            draft_source(args.draft)  # a clear error for an unknown name
         if not speculation_available(context.bundle, config, args.draft):
             name = args.draft or default_source(context.bundle, config)  # the bundle's calibrated source, named
             raise UsageError(
@@ -216,10 +214,6 @@ class GatedSpeculative(_Rounds):
         onnx = context.bundle.manifest.backends.get("onnx")
         exact = onnx is None or onnx.quantize == "none" or onnx.accuracy_level == 1
         return self if exact else PLAIN_STEPS
-
-    def check(self, context: DecodeContext, args: DecodeArgs, config: ConfigEntry) -> None:
-        if args.draft is not None:
-            draft_source(args.draft)  # a clear error for an unknown name
 
     def warm(self, context: DecodeContext, args: DecodeArgs) -> list[DraftWarmup]:
         full = context.bundle.config("full")

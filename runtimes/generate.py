@@ -29,11 +29,12 @@ from adaptive_export.runtimes.decode_policy import DecodePolicy, prompt_policy
 from adaptive_export.runtimes.decoders import DecodeArgs, DecodeContext, Decoder, DecodeRun, Mode, decoder_for
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.kv_arena import KVArena
-from adaptive_export.runtimes.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_decode_rows, check_draft_len
+from adaptive_export.runtimes.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_decode_rows
 from adaptive_export.runtimes.manifest import ConfigEntry
 from adaptive_export.runtimes.sampling import Sampler, SamplingParams, make_sampler
 from adaptive_export.runtimes.selection import choose_config
 from adaptive_export.runtimes.sequence import SequenceState
+from adaptive_export.runtimes.settings import DECODING_FIELDS, DecodingSettings
 from adaptive_export.runtimes.speculative import min_decode_rows
 from adaptive_export.runtimes.text import StreamDecoder, TextCodec
 
@@ -80,10 +81,8 @@ class GenerationRequest:
     max_new_tokens: int
     sampling: SamplingParams
     stop: list[str]
-    config: str  # "auto" or a configuration id
+    decoding: DecodingSettings  # the configuration, mode and draft asked for
     decoder: Decoder  # from the one table of runtimes/decoders.py: the mode and rows asked for
-    draft: str | None  # the draft source for --mode spec (None: the calibrated one)
-    draft_len: int | None  # None: the source's calibrated draft length
     # asked once per token, after the token is counted: True ends the generation there (stop_reason
     # "cancelled"); a server passes "has the client gone?", so a departed client costs at most one token
     should_stop: Callable[[], bool] | None = None
@@ -92,23 +91,42 @@ class GenerationRequest:
     @property
     def decode_args(self) -> DecodeArgs:
         """What the decoder reads of this request."""
-        return DecodeArgs(self.max_new_tokens, self.policy.rows, self.draft, self.draft_len)
+        decoding = self.decoding
+        return DecodeArgs(self.max_new_tokens, self.policy.rows, decoding.draft, decoding.draft_len)
 
 
 class GenerateArguments(TypedDict, total=False):
-    """The keyword arguments of `Generator.generate` and `stream`; defaults and checks in `_request`."""
+    """The keyword arguments of `Generator.generate` and `stream`; defaults and checks in `_request`,
+    and for the decoding ones (config, mode, draft, draft_len: or all four as `decoding`) in
+    runtimes/settings.py."""
 
     max_new_tokens: int  # default 64
     sampling: SamplingParams | None  # None: greedy
     stop: Sequence[str]
     raw: bool  # True: no chat template
-    config: str  # "auto" (default) or a configuration id
-    mode: Mode | str  # default "ar"
+    decoding: DecodingSettings
+    config: str
+    mode: Mode | str
     draft: str | None
     draft_len: int | None
 
 
 Loop = collections.abc.Generator[str, None, GenerationResult]
+
+
+def _decoding_settings(decoding: DecodingSettings | None, fields: dict[str, Any]) -> DecodingSettings:
+    """The request's decoding: the record passed, or one made from the fields passed (defaults: the record's)."""
+    unknown = sorted(set(fields) - set(DECODING_FIELDS))
+    if unknown:
+        raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
+    if decoding is None:
+        return DecodingSettings(**fields)
+    if not isinstance(decoding, DecodingSettings) or fields:
+        raise UsageError(
+            "decoding must be one DecodingSettings, passed without config/mode/draft/draft_len beside it",
+            "pass decoding=DecodingSettings(...) or the fields alone",
+        )
+    return decoding
 
 
 def _stop_strings(stop: Any) -> list[str]:
@@ -258,32 +276,29 @@ class Generator:
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
         raw: bool = False,
-        config: str = "auto",
-        mode: Mode | str = "ar",
-        draft: str | None = None,
-        draft_len: int | None = None,
         should_stop: Callable[[], bool] | None = None,
+        decoding: DecodingSettings | None = None,
+        **decoding_fields: Any,
     ) -> GenerationRequest:
         """The one list of generate's and stream's arguments with their defaults (GenerateArguments
-        types them for callers): checked now, before the loop starts, and typed."""
+        types them for callers): checked now, before the loop starts, and typed. The decoding
+        arguments come as one `DecodingSettings` or as its fields, whose defaults it holds."""
+        decoding = _decoding_settings(decoding, decoding_fields)
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise UsageError(
                 f"sampling is {type(sampling).__name__}, not SamplingParams", "pass SamplingParams(...) or None"
             )
         stop_strings = _stop_strings(stop)
-        if not isinstance(config, str):
-            raise UsageError(f"config {config!r} is not a configuration id", "pass 'auto' or an id from `inspect`")
-        draft_len = check_draft_len(draft_len)
         if should_stop is not None and not callable(should_stop):
             raise UsageError(f"should_stop is {type(should_stop).__name__}, not a callable", "pass a function or None")
         prompt_ids = self._prompt_ids(prompt, raw)
         self._check_lengths(prompt_ids, max_new_tokens)
-        parsed = Mode.parse(mode)
-        policy = self._policy(prompt, prompt_ids, parsed)
-        decoder = decoder_for(parsed, policy.rows).resolve(self.decoding, policy.rows)
+        mode = decoding.parsed_mode
+        policy = self._policy(prompt, prompt_ids, mode)
+        decoder = decoder_for(mode, policy.rows).resolve(self.decoding, policy.rows)
         return GenerationRequest(
-            prompt_ids, max_new_tokens, sampling, stop_strings, config, decoder, draft, draft_len, should_stop, policy
+            prompt_ids, max_new_tokens, sampling, stop_strings, decoding, decoder, should_stop, policy
         )
 
     def _policy(self, prompt: str | Sequence[int], prompt_ids: list[int], mode: Mode) -> DecodePolicy:
@@ -372,7 +387,7 @@ class Generator:
         arena.reset()
         out = self.backend.run("prefill", np.asarray([prompt_ids], dtype=np.int64), arena, 0)
         arena.length = len(prompt_ids)
-        chosen = self._resolve_config(request.config, out.router_scores)
+        chosen = self._resolve_config(request.decoding.config, out.router_scores)
         first = sampler.choose(out.logits[0, -1])
         request.decoder.check(self.decoding, request.decode_args, chosen)
         stats = GenerationStats(

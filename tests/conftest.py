@@ -386,6 +386,7 @@ def assert_sampling_matches_plain(generator: Any, prompt: str, top_k: int, runs:
 
     def sampled(seed: int, **arguments: Any) -> tuple[int, ...]:
         params = SamplingParams(temperature=1.0, top_k=top_k, seed=seed)
+        arguments = {"mode": "ar", **arguments}  # plain unless the spec arguments say otherwise
         return tuple(generator.generate(ids, max_new_tokens=3, sampling=params, **arguments).tokens[1:3])
 
     plain = [sampled(seed) for seed in range(runs)]

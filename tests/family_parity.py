@@ -97,7 +97,7 @@ def assert_logits_and_greedy_match_hf(bundle: Path, model: Path) -> None:
         assert ours.shape == theirs.shape
         np.testing.assert_allclose(ours[0], theirs[0], atol=1e-4, rtol=1e-4)  # prefill
         np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)  # decode
-        tokens = generator.generate(ids, max_new_tokens=NEW_TOKENS, raw=True).tokens
+        tokens = generator.generate(ids, mode="ar", max_new_tokens=NEW_TOKENS, raw=True).tokens
         assert tokens == out[0, len(ids) :].tolist(), prompt
 
 

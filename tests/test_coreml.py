@@ -81,9 +81,11 @@ def test_check_reports_coreml_as_converted_not_executed(
 
 @pytest.mark.skipif(platform.system() != "Darwin", reason="CoreML prediction needs macOS")
 def test_coreml_greedy_matches_onnx(coreml_bundle: Path) -> None:
-    onnx_tokens = Generator(coreml_bundle).generate("The quick brown fox", max_new_tokens=8, raw=True).tokens
+    onnx_tokens = Generator(coreml_bundle).generate("The quick brown fox", mode="ar", max_new_tokens=8, raw=True).tokens
     coreml_tokens = (
-        Generator(coreml_bundle, backend="coreml").generate("The quick brown fox", max_new_tokens=8, raw=True).tokens
+        Generator(coreml_bundle, backend="coreml")
+        .generate("The quick brown fox", mode="ar", max_new_tokens=8, raw=True)
+        .tokens
     )
     assert coreml_tokens == onnx_tokens
 

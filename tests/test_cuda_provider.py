@@ -47,10 +47,10 @@ def test_engines_run_on_cuda_and_decode_as_on_the_cpu(flavour: str, request: pyt
     bundle = load_bundle(request.getfixturevalue(flavour))
     prompt = "The quick brown fox"
     cuda = Generator(bundle, provider="cuda")
-    on_gpu = cuda.generate(prompt, max_new_tokens=24, raw=True).tokens
+    on_gpu = cuda.generate(prompt, mode="ar", max_new_tokens=24, raw=True).tokens
     sessions = cuda.backend.inner._sessions.values()
     assert sessions and all(s.get_providers()[0] == PROVIDERS["cuda"] for s in sessions)
-    assert on_gpu == Generator(bundle).generate(prompt, max_new_tokens=24, raw=True).tokens
+    assert on_gpu == Generator(bundle).generate(prompt, mode="ar", max_new_tokens=24, raw=True).tokens
 
 
 @pytest.mark.parametrize("command", ["check", "run", "bench"])
@@ -93,8 +93,8 @@ def test_tensorrt_provider_decodes_as_the_cpu_or_is_refused(tiny_portable_bundle
     bundle = load_bundle(tiny_portable_bundle)
     prompt = "The quick brown fox"
     try:
-        tokens = Generator(bundle, provider="tensorrt").generate(prompt, max_new_tokens=16, raw=True).tokens
+        tokens = Generator(bundle, provider="tensorrt").generate(prompt, mode="ar", max_new_tokens=16, raw=True).tokens
     except UsageError as exc:
         assert "could not start TensorrtExecutionProvider" in str(exc), exc
         return
-    assert tokens == Generator(bundle).generate(prompt, max_new_tokens=16, raw=True).tokens
+    assert tokens == Generator(bundle).generate(prompt, mode="ar", max_new_tokens=16, raw=True).tokens

@@ -115,7 +115,7 @@ def test_trimmed_early_exit_draft_is_lossless(head_bundles: tuple[Path, Path], w
     accepted = 0
     for prompt in PROMPTS:
         ids = generator.codec.encode(prompt, raw=True)
-        ar = generator.generate(ids, max_new_tokens=30).tokens
+        ar = generator.generate(ids, mode="ar", max_new_tokens=30).tokens
         result = generator.generate(ids, max_new_tokens=30, mode="spec", draft="early_exit", draft_len=4)
         assert result.stats.speculation["draft_source"] == "early_exit"
         accepted += result.stats.speculation["accepted"]

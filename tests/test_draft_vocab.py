@@ -85,13 +85,13 @@ def test_trimmed_precision_draft_is_lossless_and_accepted(trimmed_bundle: Path, 
     generator = Generator(trimmed_bundle)
     for prompt in PROMPTS:
         prompt_ids = generator.codec.encode(prompt, raw=True)
-        ar = generator.generate(prompt_ids, max_new_tokens=24).tokens
+        ar = generator.generate(prompt_ids, mode="ar", max_new_tokens=24).tokens
         spec = generator.generate(prompt_ids, max_new_tokens=24, mode="spec", draft="precision", draft_len=k).tokens
         assert_same_or_tie(generator, prompt_ids, ar, spec)
     drafted = accepted = 0
     for prompt in read_prompts(str(ROOT / "samples" / "eval_prompts.jsonl")):
         prompt_ids = generator.codec.encode(prompt)
-        ar = generator.generate(prompt_ids, max_new_tokens=24).tokens
+        ar = generator.generate(prompt_ids, mode="ar", max_new_tokens=24).tokens
         spec = generator.generate(prompt_ids, max_new_tokens=24, mode="spec", draft="precision", draft_len=k)
         assert_same_or_tie(generator, prompt_ids, ar, spec.tokens)
         drafted += spec.stats.speculation["drafted"]

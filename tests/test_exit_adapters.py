@@ -95,7 +95,7 @@ def test_greedy_speculation_through_adapter_equals_plain_decoding(adapter_setup:
     drafted = 0
     for prompt in PROMPTS:
         ids = generator.codec.encode(prompt, raw=True)
-        ar = generator.generate(ids, max_new_tokens=32).tokens
+        ar = generator.generate(ids, mode="ar", max_new_tokens=32).tokens
         result = generator.generate(ids, max_new_tokens=32, mode="spec", draft="early_exit", draft_len=3)
         assert result.stats.speculation["draft_source"] == "early_exit"
         drafted += result.stats.speculation["drafted"]

@@ -122,7 +122,7 @@ def test_greedy_equals_hf_generate_past_the_window(gemma_bundle: Path, hf) -> No
     eos = sorted(generator.codec.eos_ids)
     for prompt in PROMPTS:
         ids = prompt_ids(hf.tokenizer, prompt)
-        ours = generator.generate(ids, max_new_tokens=NEW_TOKENS, raw=True).tokens
+        ours = generator.generate(ids, mode="ar", max_new_tokens=NEW_TOKENS, raw=True).tokens
         with torch.no_grad():
             out = hf.hf_model.generate(
                 torch.tensor([ids]),

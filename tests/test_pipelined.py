@@ -69,7 +69,7 @@ def test_greedy_pipelined_equals_plain_decoding(staged_bundle: Path) -> None:
     tokens = matches = 0
     for prompt in PROMPTS:
         ids = generator.codec.encode(prompt, raw=True)
-        ar = generator.generate(ids, max_new_tokens=NEW_TOKENS).tokens
+        ar = generator.generate(ids, mode="ar", max_new_tokens=NEW_TOKENS).tokens
         result = generator.generate(ids, max_new_tokens=NEW_TOKENS, mode="pipelined")
         assert result.stats.mode == "pipelined"
         stats = result.stats.speculation
@@ -96,7 +96,7 @@ def test_sampling_draws_plain_decodings_tokens(staged_bundle: Path) -> None:
         ids = generator.codec.encode(prompt, raw=True)
         for seed in (0, 1, 2):
             params = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
-            ar = generator.generate(ids, max_new_tokens=20, sampling=params).tokens
+            ar = generator.generate(ids, mode="ar", max_new_tokens=20, sampling=params).tokens
             pipelined = generator.generate(ids, max_new_tokens=20, sampling=params, mode="pipelined").tokens
             assert pipelined == ar, (prompt, seed)
 
@@ -107,7 +107,7 @@ def test_right_guesses_keep_stage_one(agreeing_bundle: Path) -> None:
     generator = Generator(agreeing_bundle)
     for prompt in PROMPTS[:4]:
         ids = generator.codec.encode(prompt, raw=True)
-        ar = generator.generate(ids, max_new_tokens=NEW_TOKENS).tokens
+        ar = generator.generate(ids, mode="ar", max_new_tokens=NEW_TOKENS).tokens
         result = generator.generate(ids, max_new_tokens=NEW_TOKENS, mode="pipelined")
         stats = result.stats.speculation
         assert stats["matches"] == stats["tokens"] > 0 and stats["match_rate"] == 1.0, stats

@@ -49,5 +49,5 @@ def test_check_reports_quality_for_quantized_bundle(int8_bundle: Path, tiny_mode
 def test_int8_run_generates(int8_bundle: Path) -> None:
     from adaptive_export.runtimes import Generator
 
-    result = Generator(int8_bundle).generate("The quick brown fox", max_new_tokens=6, raw=True)
+    result = Generator(int8_bundle).generate("The quick brown fox", mode="ar", max_new_tokens=6, raw=True)
     assert len(result.tokens) == 6 or result.stats.stop_reason == "eos"

@@ -57,7 +57,7 @@ def test_runtime_picks_config_by_superset_rule(router_setup: tuple[Path, Path, P
     generator = Generator(routed)
     bundle = generator.bundle
     for prompt in CALIB:
-        result = generator.generate(prompt, max_new_tokens=4)
+        result = generator.generate(prompt, mode="ar", max_new_tokens=4)
         ids = generator.codec.encode(prompt)
         generator.arena.reset()
         scores = generator.backend.run("prefill", torch.tensor([ids]).numpy(), generator.arena, 0).router_scores
@@ -76,8 +76,8 @@ def test_config_full_equals_bundle_without_routers(router_setup: tuple[Path, Pat
     with_routers, without = Generator(routed), Generator(plain)
     for prompt in CALIB:
         assert (
-            with_routers.generate(prompt, max_new_tokens=16, config="full").tokens
-            == without.generate(prompt, max_new_tokens=16).tokens
+            with_routers.generate(prompt, mode="ar", max_new_tokens=16, config="full").tokens
+            == without.generate(prompt, mode="ar", max_new_tokens=16).tokens
         )
 
 

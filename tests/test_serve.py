@@ -43,8 +43,9 @@ from adaptive_export.commands.serve import exposure_warning, model_name, uvicorn
 from adaptive_export.commands.serve_app import create_app  # noqa: E402
 from adaptive_export.commands.serve_guard import ConnectionLimits, EventLog  # noqa: E402
 from adaptive_export.commands.serve_origin import BrowserPolicy  # noqa: E402
-from adaptive_export.commands.serve_worker import DecodingSettings, GenerationWorker  # noqa: E402
+from adaptive_export.commands.serve_worker import GenerationWorker  # noqa: E402
 from adaptive_export.runtimes import Generator, SamplingParams  # noqa: E402
+from adaptive_export.runtimes.settings import DecodingSettings  # noqa: E402
 
 PROMPT = "What is the capital of France?"
 
@@ -75,7 +76,7 @@ def serving(
     policy: BrowserPolicy | None = None,
 ) -> Iterator[Served]:
     """uvicorn configured as `serve` configures it, on a socket bound here (so the port is known and free)."""
-    worker = GenerationWorker(load_generator(RunOptions(str(bundle))), settings or DecodingSettings(), queue)
+    worker = GenerationWorker(load_generator(RunOptions(str(bundle))), settings or DecodingSettings(), queue, 256)
     limits, events = limits or ConnectionLimits(), EventLog()
     app = create_app(worker, model_name(str(bundle)), limits, events, policy)
     server = uvicorn.Server(uvicorn_config(app, limits, events))
@@ -138,7 +139,7 @@ def test_chat_greedy_equals_the_generator(served: Served, reference: Generator) 
     assert response.usage.prompt_tokens == len(expected.prompt_ids)
     assert response.usage.completion_tokens == len(expected.tokens)
     stats = response.model_extra["adaptive_export"]
-    assert stats["mode"] == "ar" and stats["new_tokens"] == len(expected.tokens) and stats["tpot_ms"] > 0
+    assert stats["mode"] == expected.stats.mode and stats["new_tokens"] == len(expected.tokens) and stats["tpot_ms"] > 0
 
 
 def test_chat_streamed_equals_the_generator(served: Served, reference: Generator) -> None:
@@ -317,8 +318,9 @@ def test_serve_is_torch_free(tiny_bundle: Path) -> None:
 from adaptive_export.commands.options import RunOptions
 from adaptive_export.commands.run import load_generator
 from adaptive_export.commands.serve_app import create_app
-from adaptive_export.commands.serve_worker import DecodingSettings, GenerationWorker
-app = create_app(GenerationWorker(load_generator(RunOptions({str(tiny_bundle)!r})), DecodingSettings(), 1), 'tiny')
+from adaptive_export.commands.serve_worker import GenerationWorker
+from adaptive_export.runtimes.settings import DecodingSettings
+app = create_app(GenerationWorker(load_generator(RunOptions({str(tiny_bundle)!r})), DecodingSettings(), 1, 64), 'tiny')
 assert not any(m.split('.')[0] in ('torch', 'transformers') for m in sys.modules), 'torch leaked'
 print('ok')
 """
@@ -350,5 +352,11 @@ def test_serve_options_hold_runs_decoding_and_engine_options() -> None:
     options = ServeOptions.from_args(build_parser().parse_args(argv))
     assert (options.queue, options.port, options.max_tokens) == (3, 8000, 256)
     run = options.run
-    assert (run.bundle, run.mode, run.draft_len, run.threads, run.verify) == ("b", "spec", 2, 2, "size")
-    assert (run.config, run.prepack, run.prompt, run.max_new_tokens) == ("auto", "auto", None, 64)
+    assert (run.bundle, run.decoding.mode, run.decoding.draft_len, run.threads, run.verify) == (
+        "b",
+        "spec",
+        2,
+        2,
+        "size",
+    )
+    assert (run.decoding.config, run.prepack, run.prompt, run.max_new_tokens) == ("auto", "auto", None, 64)

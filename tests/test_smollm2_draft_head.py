@@ -50,7 +50,7 @@ def test_trained_head_keeps_its_held_out_acceptance(head_bundle: Path) -> None:
     drafted = accepted = 0
     for prompt in read_prompts(str(ROOT / "samples" / "eval_prompts.jsonl"))[:12]:
         ids = generator.codec.encode(prompt)
-        plain = generator.generate(ids, max_new_tokens=NEW_TOKENS).tokens
+        plain = generator.generate(ids, mode="ar", max_new_tokens=NEW_TOKENS).tokens
         result = generator.generate(ids, max_new_tokens=NEW_TOKENS, mode="spec", draft="early_exit")
         assert_same_or_tie(generator, ids, plain, result.tokens)
         drafted += result.stats.speculation["drafted"]

@@ -27,7 +27,7 @@ def test_pipelined_is_lossless(smol_bundle: Path, prompt_file: str) -> None:
     identical = tokens = matches = 0
     for prompt in prompts:
         ids = generator.codec.encode(prompt)
-        ar = generator.generate(ids, max_new_tokens=NEW_TOKENS).tokens
+        ar = generator.generate(ids, mode="ar", max_new_tokens=NEW_TOKENS).tokens
         result = generator.generate(ids, max_new_tokens=NEW_TOKENS, mode="pipelined")
         assert_same_or_tie(generator, ids, ar, result.tokens)
         identical += result.tokens == ar

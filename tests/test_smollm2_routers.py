@@ -62,8 +62,8 @@ def test_config_full_equals_plain_bundle_and_auto_reports_its_choice(
     prompt = "What is the capital of France?"
     with_routers, plain = Generator(routed), Generator(smol_bundle)
     assert (
-        with_routers.generate(prompt, max_new_tokens=24, config="full").tokens
-        == plain.generate(prompt, max_new_tokens=24).tokens
+        with_routers.generate(prompt, mode="ar", max_new_tokens=24, config="full").tokens
+        == plain.generate(prompt, mode="ar", max_new_tokens=24).tokens
     )
     assert main(["run", str(routed), "-p", prompt, "--max-new-tokens", "8", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]

@@ -34,7 +34,7 @@ def speculate_against_plain(
     identical = 0
     for prompt in prompts:
         ids = generator.codec.encode(prompt)
-        ar = generator.generate(ids, max_new_tokens=NEW_TOKENS).tokens
+        ar = generator.generate(ids, mode="ar", max_new_tokens=NEW_TOKENS).tokens
         for draft in drafts:
             result = generator.generate(ids, max_new_tokens=NEW_TOKENS, mode="spec", draft=draft)
             assert_same_or_tie(generator, ids, ar, result.tokens)

@@ -85,7 +85,7 @@ def test_mode_auto_follows_the_calibrated_choice(auto_bundle: Path) -> None:
         spec["prompt_lookup"]["verify_cost_prepacked"]
     ) >= {"1", "2", "4"}
     ids = generator.codec.encode(CALIB[0], raw=True)
-    plain = generator.generate(ids, max_new_tokens=20)
+    plain = generator.generate(ids, mode="ar", max_new_tokens=20)
     auto = generator.generate(ids, max_new_tokens=20, mode="auto")
     used = auto.stats.speculation
     if spec["auto_enabled"]:
@@ -117,7 +117,7 @@ def test_gated_drafting_follows_the_round_times_it_measures(auto_bundle: Path, m
         spec["prompt_lookup"][key] = {str(k): 1.0 for k in range(1, 10)}
     with_speculation(generator.bundle, spec)
     ids = generator.codec.encode("the sea the sea the sea and the sky the sea", raw=True)
-    plain = generator.generate(ids, max_new_tokens=48).tokens
+    plain = generator.generate(ids, mode="ar", max_new_tokens=48).tokens
     verify = PromptLookup.verify
     runs = {}
     for slow in ("drafting", "plain"):
@@ -158,7 +158,7 @@ def test_gated_lookup_scores_proposals_on_plain_rounds(auto_bundle: Path, monkey
         spec["prompt_lookup"][key] = {str(k): 1.3 for k in range(1, 10)}
     with_speculation(generator.bundle, spec)
     ids = generator.codec.encode("the sea the sea the sea and the sky the sea", raw=True)
-    plain = generator.generate(ids, max_new_tokens=40).tokens
+    plain = generator.generate(ids, mode="ar", max_new_tokens=40).tokens
     never = next(t for t in range(generator.bundle.model.vocab_size) if t not in plain)
     monkeypatch.setattr(PromptLookup, "propose", lambda self, pending, context, k, *rest: Proposal([never] * k))
     wrong = generator.generate(ids, max_new_tokens=40, mode="auto")

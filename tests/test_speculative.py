@@ -89,7 +89,7 @@ def test_greedy_speculation_equals_plain_decoding(spec_bundle: Path, draft: str,
     rounds = 0
     for prompt in PROMPTS:
         ids = generator.codec.encode(prompt, raw=True)
-        ar = generator.generate(ids, max_new_tokens=40).tokens
+        ar = generator.generate(ids, mode="ar", max_new_tokens=40).tokens
         result = generator.generate(ids, max_new_tokens=40, mode="spec", draft=draft, draft_len=k)
         assert result.stats.mode == "spec" and result.stats.speculation["draft_source"] == draft
         spec = result.stats.speculation
@@ -237,7 +237,7 @@ def test_spec_mode_creates_the_draft_session_in_the_background(spec_bundle: Path
     generator = Generator(spec_bundle)
     assert not draft_session_files(generator)
     ids = generator.codec.encode(PROMPTS[5], raw=True)
-    ar = generator.generate(ids, max_new_tokens=24).tokens
+    ar = generator.generate(ids, mode="ar", max_new_tokens=24).tokens
     assert not draft_session_files(generator) and not generator.decoding.warmups  # plain decoding creates none
     spec = generator.generate(ids, max_new_tokens=24, mode="spec", draft="precision", draft_len=2)
     precision = generator.bundle.config("full").engines["precision_draft"]

@@ -110,8 +110,8 @@ def test_tensorrt_greedy_matches_onnx(tiny_model_dir: Path, tmp_path: Path) -> N
         )
         == 0
     )
-    reference = Generator(out).generate("The quick brown fox", max_new_tokens=8, raw=True).tokens
+    reference = Generator(out).generate("The quick brown fox", mode="ar", max_new_tokens=8, raw=True).tokens
     assert (
-        Generator(out, backend="tensorrt").generate("The quick brown fox", max_new_tokens=8, raw=True).tokens
+        Generator(out, backend="tensorrt").generate("The quick brown fox", mode="ar", max_new_tokens=8, raw=True).tokens
         == reference
     )
