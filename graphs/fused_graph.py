@@ -41,6 +41,23 @@ class PackedLayer:
     down: Tensor  # [I, H]
 
 
+def share_storage(w: LayerWeights, packed: PackedLayer) -> None:
+    """Point the HF model's own weights at views of the packed ones, so the layer's weights are
+    held once, not twice (issue #36: `check` of the 1.5B held both fp32 copies, 5.2 GB more).
+    The values are the same; a weight that is not its module's own parameter (phi3's slices of
+    a fused projection) keeps its storage."""
+    stacked = {"qkv": (w.q, w.k, w.v), "o": (w.o,), "gate_up": (w.gate, w.up), "down": (w.down,)}
+    for name, modules in stacked.items():
+        whole, start = getattr(packed, name), 0
+        for module in modules:
+            weight = module.weight
+            rows = weight.shape[0]
+            view = whole[:, start : start + rows].T
+            start += rows
+            if isinstance(weight, nn.Parameter) and weight.device.type != "meta" and view.shape == weight.shape:
+                weight.data = view
+
+
 class PackedWeights:
     """The fused flavour's weight layout, computed once per build and shared by its graphs."""
 
@@ -51,15 +68,15 @@ class PackedWeights:
         for index in range(parts.spec.num_layers):
             w = arch.layer(hf, index)
             biases = [w.q.bias, w.k.bias, w.v.bias]
-            self.layers.append(
-                PackedLayer(
-                    qkv=torch.cat([w.q.weight, w.k.weight, w.v.weight]).T.contiguous(),
-                    qkv_bias=torch.cat(biases).contiguous() if all(b is not None for b in biases) else None,
-                    o=w.o.weight.T.contiguous(),
-                    gate_up=torch.cat([w.gate.weight, w.up.weight]).T.contiguous(),
-                    down=w.down.weight.T.contiguous(),
-                )
+            packed = PackedLayer(
+                qkv=torch.cat([w.q.weight, w.k.weight, w.v.weight]).T.contiguous(),
+                qkv_bias=torch.cat(biases).contiguous() if all(b is not None for b in biases) else None,
+                o=w.o.weight.T.contiguous(),
+                gate_up=torch.cat([w.gate.weight, w.up.weight]).T.contiguous(),
+                down=w.down.weight.T.contiguous(),
             )
+            share_storage(w, packed)
+            self.layers.append(packed)
         # GroupQueryAttention's cos/sin caches [max_len, hd / 2] (the first half of each rotate_half
         # table: its two halves are equal), one pair per rotary table
         self.rotary: dict[str, tuple[Tensor, Tensor]] = {}
