@@ -113,7 +113,6 @@ def test_packing_holds_each_layer_weight_once(tmp_path: Path, family: str) -> No
     phi3's q/k/v and gate/up are slices of fused projections and keep their own storage."""
     from adaptive_export.graphs.architectures import architecture
     from adaptive_export.graphs.fused_graph import packed_weights
-
     from tests.family_parity import make_family_model
 
     made = make_family_model(tmp_path / "m", "phi3") if family == "phi3" else make_tiny_model(tmp_path / "m", family)

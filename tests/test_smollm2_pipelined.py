@@ -17,7 +17,9 @@ from tests.test_speculative import assert_same_or_tie
 pytestmark = [needs_smollm2, pytest.mark.slow, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).parents[1]
 NEW_TOKENS = 24
-# measured (AMD EPYC, onnxruntime 1.32): 10/10 and 50/50 identical; match rate 0.353 (held-out), 0.309 (spec)
+# measured (AMD EPYC, onnxruntime 1.32): 10/10 and 50/50 identical; match rate 0.353 (held-out), 0.309 (spec).
+# The rates are deterministic for these prompts on a pinned ONNX Runtime: each floor sits 0.04 below its measurement
+MATCH_FLOOR = {"eval_prompts.jsonl": 0.31, "spec_prompts.jsonl": 0.27}
 
 
 @pytest.mark.parametrize("prompt_file", ["eval_prompts.jsonl", "spec_prompts.jsonl"], ids=["held-out", "spec"])
@@ -35,4 +37,5 @@ def test_pipelined_is_lossless(smol_bundle: Path, prompt_file: str) -> None:
         matches += result.stats.speculation["matches"]
     print(f"{prompt_file}: {identical}/{len(prompts)} identical, match rate {matches / tokens:.3f} at E=24, k=1")
     assert identical >= len(prompts) - 1  # ties are rare; more would hide a bug
-    assert 0 < matches < tokens  # both paths ran: the exit at 24 of 30 layers guesses right some of the time
+    assert matches < tokens  # both paths ran: the exit at 24 of 30 layers is sometimes wrong
+    assert matches / tokens >= MATCH_FLOOR[prompt_file]  # and right as often as measured

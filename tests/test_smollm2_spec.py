@@ -19,9 +19,10 @@ pytestmark = [needs_smollm2, pytest.mark.slow, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).parents[1]
 NEW_TOKENS = 24
 # measured on the 50 spec prompts (AMD EPYC, onnxruntime 1.32): precision 0.956, early exit
-# (E=24, no adapter) 0.151, prompt lookup 0.171, prompt tokens (the shipped m=2 prompt tokens, k=2) 0.148;
-# the floors sit well below and far above 0
-ACCEPTANCE_FLOOR = {"precision": 0.85, "early_exit": 0.08, "prompt_lookup": 0.08, "prompt_tokens": 0.05}
+# (E=24, no adapter) 0.151, prompt lookup 0.171, prompt tokens (the shipped m=2 prompt tokens, k=2) 0.148.
+# These rates are deterministic for fixed prompts on a pinned ONNX Runtime: each floor sits 0.04 below
+# its measurement, so a source that loses a quarter of its accepted drafts fails here
+ACCEPTANCE_FLOOR = {"precision": 0.91, "early_exit": 0.11, "prompt_lookup": 0.13, "prompt_tokens": 0.10}
 
 
 def speculate_against_plain(
@@ -83,8 +84,8 @@ def test_prompt_tokens_runtime_acceptance_matches_calibration(smol_bundle: Path)
 
 # measured on the 50 spec prompts (AMD EPYC, onnxruntime 1.32): 0.703 for the native4 draft over
 # the 8192 ids ranked on the eval prompts (the full-head native4 draft: 0.96; the spec prompts
-# are rewrites whose words the chat calibration did not see); the floor sits below, far above 0
-TRIMMED_FLOOR = 0.55
+# are rewrites whose words the chat calibration did not see); the floor sits 0.04 below
+TRIMMED_FLOOR = 0.66
 
 
 def test_trimmed_native4_draft_is_lossless_on_50_prompts(trimmed_native_bundle: Path) -> None:
