@@ -105,3 +105,67 @@ def test_generator_names_one_thing(path: Path) -> None:
         and any(alias.name == "Generator" and alias.asname in (None, "Generator") for alias in node.names)
     ]
     assert not bare, f"{path.relative_to(ROOT)} binds the standard Generator unqualified (line {bare})"
+
+
+def load_time_imports(path: Path, modules: set[str]) -> set[str]:
+    """The runtimes modules this file imports when it is loaded: module-level imports, including
+    those under `if TYPE_CHECKING` (a circle held open by a guard is still a circle); imports
+    inside functions run later and do not count."""
+    found = set()
+    scopes: list[ast.AST] = [ast.parse(path.read_text(), str(path))]
+    while scopes:
+        for node in ast.iter_child_nodes(scopes.pop()):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found |= {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                    for a in node.names
+                }
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            else:
+                scopes.append(node)
+    return found & modules
+
+
+def runtimes_import_graph() -> dict[str, set[str]]:
+    paths = {}
+    for path in (ROOT / "runtimes").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        paths[".".join((IMPORT_NAME, *parts))] = path
+    modules = set(paths)
+    return {name: load_time_imports(path, modules) - {name} for name, path in paths.items()}
+
+
+def import_circle(graph: dict[str, set[str]]) -> list[str]:
+    """One circle of the graph (empty when there is none), by depth-first search."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (circle := visit(nxt)):
+                return circle
+        path.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (circle := visit(node)):
+            return circle
+    return []
+
+
+def test_runtimes_has_no_import_circle() -> None:
+    """Issue #39: the manifest types once imported the drafting sources, which import the backends,
+    which import the bundle, which imports the manifest. The drawn graph must have no circle."""
+    graph = runtimes_import_graph()
+    assert len(graph) > 30 and graph[f"{IMPORT_NAME}.runtimes.generate"]  # the graph was drawn
+    assert import_circle(graph) == []
+    assert import_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
