@@ -164,6 +164,8 @@ def test_prompt_lookup_proposals() -> None:
     assert lookup_ngram([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]
     assert lookup_ngram([5, 6, 7], 3) == []
     assert lookup_ngram([4, 8, 4], 3) == [8, 4]
+    assert lookup_ngram([4, 8, 4], 3, min_ngram=2) == []  # only a 1-gram recurs
+    assert lookup_ngram([7, 2, 5, 2, 9, 2], 1) == [9] and lookup_ngram([7, 2, 5, 2, 9, 2], 1, min_ngram=2) == []
 
 
 def _chi_square_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:

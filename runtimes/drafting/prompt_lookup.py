@@ -13,9 +13,10 @@ from adaptive_export.runtimes.sampling import Sampler
 MAX_NGRAM = 3
 
 
-def lookup_ngram(context: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
-    """Tokens that followed the latest earlier occurrence of the context's last n-gram."""
-    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+def lookup_ngram(context: list[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1) -> list[int]:
+    """Tokens that followed the latest earlier occurrence of the context's last n-gram (the longest
+    n from max_ngram down to min_ngram that occurred before)."""
+    for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
         tail = context[-n:]
         for start in range(len(context) - n - 1, -1, -1):
             if context[start : start + n] == tail:
