@@ -115,7 +115,7 @@ def test_what_this_tool_did_not_make_is_never_deleted(tmp_path: Path, kind: str)
 @pytest.mark.parametrize("out", ["/proc/bundle", "/sys/bundle"])
 def test_an_output_that_cannot_hold_a_bundle_is_one_line(tiny_model_dir: Path, out: str) -> None:
     if not Path(out).parent.is_dir():
-        pytest.skip(f"no {Path(out).parent}")
+        pytest.skip(f"{Path(out).parent} is not mounted here")
     outcome = run_cli_bounded(["build", str(tiny_model_dir), "-o", out, "--max-len", "96"])
     assert_one_error_line(outcome, "cannot hold a bundle")
 

