@@ -77,8 +77,10 @@ class Round:
 Policy = Callable[[list[int], list[int]], Round]  # (context, the tokens still to come) -> the round
 
 
-def lookup(context: Sequence[int], k: int, max_ngram: int = 3) -> list[int]:
-    return lookup_match(context, k, max_ngram)[0]
+def lookup(context: Sequence[int], k: int) -> list[int]:
+    from adaptive_export.runtimes.drafting.prompt_lookup import lookup_ngram
+
+    return lookup_ngram(list(context), k)
 
 
 def lookup_match(context: Sequence[int], k: int, max_ngram: int = 3) -> tuple[list[int], int]:

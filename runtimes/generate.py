@@ -34,7 +34,7 @@ from adaptive_export.runtimes.manifest import ConfigEntry
 from adaptive_export.runtimes.sampling import Sampler, SamplingParams, make_sampler
 from adaptive_export.runtimes.selection import choose_config
 from adaptive_export.runtimes.sequence import SequenceState
-from adaptive_export.runtimes.settings import DECODING_FIELDS, DecodingSettings
+from adaptive_export.runtimes.settings import DecodingSettings
 from adaptive_export.runtimes.speculative import min_decode_rows
 from adaptive_export.runtimes.text import StreamDecoder, TextCodec
 
@@ -115,10 +115,8 @@ Loop = collections.abc.Generator[str, None, GenerationResult]
 
 
 def _decoding_settings(decoding: DecodingSettings | None, fields: dict[str, Any]) -> DecodingSettings:
-    """The request's decoding: the record passed, or one made from the fields passed (defaults: the record's)."""
-    unknown = sorted(set(fields) - set(DECODING_FIELDS))
-    if unknown:
-        raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
+    """The request's decoding: the record passed, or one made from the fields passed (defaults: the
+    record's; an unknown keyword is the record's TypeError)."""
     if decoding is None:
         return DecodingSettings(**fields)
     if not isinstance(decoding, DecodingSettings) or fields:

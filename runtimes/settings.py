@@ -38,4 +38,3 @@ class DecodingSettings:
 
 
 DEFAULT_DECODING = DecodingSettings()
-DECODING_FIELDS = ("config", "mode", "draft", "draft_len")
