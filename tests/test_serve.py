@@ -295,6 +295,43 @@ def test_full_queue_gets_429(tiny_bundle: Path) -> None:
         assert len(results) == 2
 
 
+def get(url: str) -> tuple[int, dict[str, object]]:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_an_unknown_path_gets_404_in_openai_shape(served: Served) -> None:
+    status, answer = get(f"{served.url}/v1/engines")
+    assert status == 404, answer
+    assert answer["error"]["type"] == "not_found_error" and "/v1/engines" in answer["error"]["message"]
+
+
+def test_a_wrong_method_gets_405_naming_it(served: Served) -> None:
+    status, answer = get(f"{served.url}/v1/completions")
+    assert status == 405, answer
+    assert answer["error"]["message"].startswith("GET /v1/completions")
+
+
+def test_a_failure_while_generating_is_500_and_the_worker_lives_on(served: Served) -> None:
+    """A bug in the generation loop (raised here through the per-token hook) answers 500 without a
+    traceback, and the worker thread that every later request waits on keeps serving."""
+
+    def fail() -> None:
+        raise RuntimeError("a bug in the loop")
+
+    served.worker.pace = fail
+    try:
+        status, answer = post(f"{served.url}/v1/completions", json.dumps({"model": "tiny", "prompt": PROMPT}).encode())
+    finally:
+        served.worker.pace = None
+    assert status == 500, answer
+    assert answer["error"]["type"] == "server_error" and "Traceback" not in json.dumps(answer)
+    assert chat(served, max_tokens=4).choices[0].finish_reason  # the next request is answered
+
+
 def test_body_over_the_limit_gets_413(served: Served) -> None:
     body = json.dumps({"model": "tiny", "prompt": "x" * (5 << 20)}).encode()
     status, answer = post(f"{served.url}/v1/completions", body)
