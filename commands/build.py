@@ -20,6 +20,8 @@ from adaptive_export.exporter.backends import needs_portable_onnx, preflight
 from adaptive_export.exporter.build import ExportOptions, build_bundle
 from adaptive_export.exporter.bundle_writer import check_output_dir
 from adaptive_export.exporter.tokenizer_export import chat_format
+from adaptive_export.graphs.drafts.early_exit import NAME as EXIT
+from adaptive_export.graphs.drafts.precision import NAME as PRECISION
 from adaptive_export.graphs.plan import BuildPlan
 from adaptive_export.graphs.span_graph import ModelParts
 from adaptive_export.loading.gguf_header import read_gguf_header
@@ -217,9 +219,7 @@ def calibrate_routers(options: BuildOptions, loaded: Any, parts: ModelParts, sta
     router_options = RouterOptions(**{f.name: getattr(options, f.name) for f in fields(RouterOptions)})
     parts.routers, configs, state.calibration["routers"], router_files = plan_routers(router_options, loaded)
     state.extra_files = {**state.extra_files, **router_files}
-    state.plan = BuildPlan(
-        num_layers=loaded.spec.num_layers, configs=configs, routers=True, precision_draft=state.plan.precision_draft
-    )
+    state.plan = BuildPlan(num_layers=loaded.spec.num_layers, configs=configs, routers=True, drafts=state.plan.drafts)
     state.calibration["configs"] = state.calibration["routers"].pop("configs")
 
 
@@ -264,7 +264,7 @@ def calibrate_speculation(options: BuildOptions, loaded: Any, parts: ModelParts,
     speculation_options = SpeculationOptions(
         options.speculate, exit_adapter=options.exit_adapter, calib=options.calib, seed=options.seed
     )
-    state.plan.exit, state.speculation, measured, adapter_files = plan_speculation(
+    state.plan.drafts[EXIT], state.speculation, measured, adapter_files = plan_speculation(
         speculation_options, loaded, parts, state.built
     )
     state.calibration.update(measured)
@@ -277,10 +277,9 @@ def calibrate_draft_head(options: BuildOptions, loaded: Any, parts: ModelParts, 
     from adaptive_export.calibration.speculation import keep_built_sections
 
     assert options.speculate is not None  # checked with the options
-    state.plan.exit, speculation, measured, files = plan_draft_head(
-        options.draft_head, options.speculate, loaded, parts
-    )
-    state.plan.draft_vocab = state.plan.exit.draft_vocab  # the bundle's draft_vocab.bin holds the head's ids
+    exit_plan, speculation, measured, files = plan_draft_head(options.draft_head, options.speculate, loaded, parts)
+    state.plan.drafts[EXIT] = exit_plan
+    state.plan.draft_vocab = exit_plan.draft_vocab  # the bundle's draft_vocab.bin holds the head's ids
     keep_built_sections(state.built, speculation, measured["speculation"])  # sources built by their own option
     state.speculation = speculation
     state.calibration.update(measured)
@@ -356,7 +355,8 @@ def run_build(options: BuildOptions) -> Manifest:
         loaded.tokenizer
     )  # the model's own template, rendered bounded: a hostile one fails here, not after export
     parts = ModelParts(loaded.hf_model, loaded.spec)
-    state = Calibrated(BuildPlan(num_layers=loaded.spec.num_layers, precision_draft=checked.draft_precision))
+    drafts = {PRECISION: checked.draft_precision} if checked.draft_precision else {}
+    state = Calibrated(BuildPlan(num_layers=loaded.spec.num_layers, drafts=drafts))
     if options.routers:
         calibrate_routers(options, loaded, parts, state)
     if options.draft_vocab:

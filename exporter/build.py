@@ -265,7 +265,7 @@ def _manifest(
         tuple(special["prefix_token_ids"]),
     )
     configs = tuple(
-        ConfigEntry(c.id, tuple(c.kept), {"decode": f"decode_{c.id}", **_exit_engines(graphs, c.id)})
+        ConfigEntry(c.id, tuple(c.kept), {"decode": f"decode_{c.id}", **draft_engines(graphs, c.id)})
         for c in plan.configs
     )
     return Manifest(
@@ -302,15 +302,7 @@ def draft_vocab_bytes(parts: ModelParts) -> bytes:
     return np.ascontiguousarray(parts.draft_vocab.numpy(), dtype="<i4").tobytes()
 
 
-def _exit_engines(graphs: list[GraphSpec], config_id: str) -> dict[str, str]:
-    """A configuration's draft engines: early exit's draft/verify pair, a precision draft, and the
-    roles a draft source's graph piece gives a graph (graphs/drafts/: `engine_role`)."""
-    engines: dict[str, str] = {}
-    for graph in graphs:
-        if graph.config == config_id:
-            engines.update((role, graph.name) for role in engine_roles(graph))
-        if graph.config == config_id and graph.kind in ("draft", "verify"):
-            engines[graph.kind] = graph.name
-        elif graph.config == config_id and graph.precision is not None:
-            engines["precision_draft"] = graph.name
-    return engines
+def draft_engines(graphs: list[GraphSpec], config_id: str) -> dict[str, str]:
+    """A configuration's draft-source engines: the roles each source's graph piece gives its
+    graphs (graphs/drafts/: `engine_role`)."""
+    return {role: graph.name for graph in graphs if graph.config == config_id for role in engine_roles(graph)}

@@ -8,14 +8,12 @@ Pure data so the runtime and `inspect` can read it back from the manifest.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 from adaptive_export.graphs.span_graph import GraphSpec
 
-if TYPE_CHECKING:  # the graph pieces import this module
-    from adaptive_export.graphs.drafts.early_exit import ExitPlan
-
 FULL_CONFIG = "full"
+Plan = TypeVar("Plan")
 
 
 @dataclass(frozen=True)
@@ -31,19 +29,27 @@ class BuildPlan:
     num_layers: int
     configs: list[SkipConfig] = field(default_factory=list)
     routers: bool = False
-    exit: ExitPlan | None = None
-    # A draft engine over the same layers and arena at a cheaper weight precision
-    # (runtimes/speculative.py, source "precision"); built for the full configuration only.
-    precision_draft: str | None = None
-    # What a draft source's build step decided for its graph piece (graphs/drafts/<name>.py), as
-    # the graph fields the piece sets, by key; unset: the source adds nothing.
+    # What each draft source with engines decided for its graph piece (graphs/drafts/<name>.py),
+    # under the source's registered name, in the piece's own type (early exit: its ExitPlan; the
+    # precision draft: its precision); absent: the source adds no engine.
+    drafts: dict[str, object] = field(default_factory=dict)
+    # What a draft source's build step decided for its graph piece, as the graph fields the piece
+    # sets, by key; unset: the source adds nothing.
     draft_fields: dict[str, int] = field(default_factory=dict)
-    # VocabTrim: the precision draft's head scores only this many token ids (0: all).
+    # A reduced draft vocabulary (VocabTrim, or a trained draft head's): the head of a source's
+    # draft graph scores only this many token ids (0: all); the bundle's draft_vocab.bin.
     draft_vocab: int = 0
 
     def __post_init__(self) -> None:
         if not any(c.id == FULL_CONFIG for c in self.configs):
             self.configs.insert(0, SkipConfig(FULL_CONFIG, tuple(range(self.num_layers))))
+
+    def draft(self, name: str, kind: type[Plan]) -> Plan | None:
+        """The named source's plan, of the type its piece reads (None: the source adds nothing)."""
+        plan = self.drafts.get(name)
+        if plan is not None and not isinstance(plan, kind):
+            raise TypeError(f"the {name} draft's plan is a {type(plan).__name__}, not a {kind.__name__}")
+        return plan
 
     def graphs(self) -> list[GraphSpec]:
         """prefill, one decode graph per configuration, then each draft source's graph piece

@@ -17,7 +17,7 @@ from adaptive_export.calibration.draft_sources import DraftMeasure
 from adaptive_export.calibration.drafts import BUILD_STEPS, MEASURES, measure_of
 from adaptive_export.commands.cli import build_parser
 from adaptive_export.commands.options import BuildOptions
-from adaptive_export.exporter.build import _exit_engines
+from adaptive_export.exporter.build import draft_engines
 from adaptive_export.exporter.graph_entry import manifest_graph
 from adaptive_export.graphs.drafts import GRAPH_PIECES, appended_ids, engine_roles
 from adaptive_export.graphs.plan import BuildPlan
@@ -125,7 +125,7 @@ def test_engine_roles_are_assigned_by_the_exporter_and_checked_by_the_manifest(n
     """The roles a source declares are among its engines, the exporter gives each to a graph of the
     declared kind (the graph piece's `engine_role`), and the source's validator accepts the result."""
     source, graphs = SOURCES[name], {graph.name: graph for graph in planned(name)}
-    engines = {"decode": "decode_full", **_exit_engines(list(graphs.values()), "full")}
+    engines = {"decode": "decode_full", **draft_engines(list(graphs.values()), "full")}
     by_name = {name: manifest_graph(graph) for name, graph in graphs.items()}
     for role, kind in source.engine_kinds.items():
         assert role in source.engines and role in engines, (role, engines)

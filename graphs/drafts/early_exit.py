@@ -53,9 +53,18 @@ def exit_graphs(config: SkipConfig, plan: ExitPlan) -> list[GraphSpec]:
     ]
 
 
+NAME = "early_exit"  # the registered source (runtimes/draft_registry.py); its plan's key
+EXIT_KINDS = ("draft", "verify")  # the graph kinds this piece plans, each its configuration's engine role
+
+
 def add_graphs(plan: BuildPlan, graphs: list[GraphSpec]) -> list[GraphSpec]:
     """Every configuration's draft and verify graphs, when the plan speculates with an exit."""
-    if plan.exit is None:
+    exit_plan = plan.draft(NAME, ExitPlan)
+    if exit_plan is None:
         return graphs
-    exit_plan = plan.exit
     return graphs + [graph for config in plan.configs for graph in exit_graphs(config, exit_plan)]
+
+
+def engine_role(graph: GraphSpec) -> str | None:
+    """An exit's draft graph is its configuration's `draft` engine, its verify graph the `verify` one."""
+    return graph.kind if graph.kind in EXIT_KINDS else None

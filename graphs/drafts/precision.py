@@ -14,6 +14,8 @@ if TYPE_CHECKING:  # the plan applies this piece
     from adaptive_export.graphs.plan import BuildPlan
 
 PRECISION_DRAFTS = ("int8", "int4", "native4")
+NAME = "precision"  # the registered source (runtimes/draft_registry.py); its plan's key
+ROLE = "precision_draft"  # the full configuration's engine role of the draft graph
 
 
 def precision_draft_graph(num_layers: int, precision: str, draft_vocab: int = 0) -> GraphSpec:
@@ -33,7 +35,13 @@ def precision_draft_graph(num_layers: int, precision: str, draft_vocab: int = 0)
 
 
 def add_graphs(plan: BuildPlan, graphs: list[GraphSpec]) -> list[GraphSpec]:
-    """The precision draft graph, when the plan has one."""
-    if plan.precision_draft is None:
+    """The precision draft graph, when the plan names a precision for it (the full configuration only)."""
+    precision = plan.draft(NAME, str)
+    if precision is None:
         return graphs
-    return [*graphs, precision_draft_graph(plan.num_layers, plan.precision_draft, plan.draft_vocab)]
+    return [*graphs, precision_draft_graph(plan.num_layers, precision, plan.draft_vocab)]
+
+
+def engine_role(graph: GraphSpec) -> str | None:
+    """A graph at a precision of its own (cheaper than the bundle's) is the precision draft."""
+    return ROLE if graph.precision is not None else None
