@@ -38,48 +38,6 @@ from adaptive_export.runtimes.manifest import Manifest
 LEAN_QUANTIZE = ("native", "none")  # the precisions whose weights the lean build writes tensor by tensor
 
 
-def needs_speculate(flag: str, option: str, speculate: str | None, part: str) -> None:
-    """`--exit-adapter` and `--draft-head` shape the early-exit draft, which only --speculate builds."""
-    if not speculate:
-        raise UsageError(
-            f"{flag} {option} needs --speculate (the {part} belongs to the early-exit draft)",
-            "add --speculate auto, or --speculate E:k",
-        )
-
-
-def check_option_file(option: str, what: str, fix: str) -> None:
-    """A FILE given to a build option must exist: it fails before minutes of loading."""
-    if not Path(option).is_file():
-        raise UsageError(f"{what} file {option!r} does not exist", fix)
-
-
-def check_exit_adapter_option(options: BuildOptions) -> None:
-    """`--exit-adapter none|fit|FILE` needs --speculate; a missing FILE fails before minutes of loading."""
-    option = options.exit_adapter or "none"
-    if option == "none":
-        return
-    needs_speculate("--exit-adapter", option, options.speculate, "adapter")
-    if option != "fit":
-        fix = "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build"
-        check_option_file(option, "exit adapter", fix)
-
-
-def check_draft_head_option(options: BuildOptions) -> None:
-    """`--draft-head none|train|FILE` needs --speculate, and replaces --exit-adapter and --draft-vocab."""
-    option = options.draft_head or "none"
-    if option == "none":
-        return
-    needs_speculate("--draft-head", option, options.speculate, "head")
-    if (options.exit_adapter or "none") != "none" or options.draft_vocab:
-        raise UsageError(
-            f"--draft-head {option} brings its own exit block and vocabulary",
-            "drop --exit-adapter and --draft-vocab",
-        )
-    if option != "train":
-        fix = "pass --draft-head train, or a draft head file (samples/smollm2_draft_head.safetensors)"
-        check_option_file(option, "draft head", fix)
-
-
 def quantized_gguf(model: str) -> Path | None:
     """The model's .gguf file when it holds quantized tensors (its own grid to keep), else None.
     Read from the checked header: gguf's reader would parse the whole vocabulary (19 s on Gemma 3)."""
@@ -111,40 +69,6 @@ def resolve_quantize(choice: str, model: str, backends: tuple[str, ...], flavour
     return "native", source
 
 
-def check_draft_precision(options: BuildOptions, quantize: str) -> str | None:
-    """`--draft-precision` needs ONNX Runtime's fused engines (MatMulNBits) and a cheaper grid."""
-    choice = options.draft_precision or "none"
-    if choice == "none":
-        return None
-    if options.onnx_flavour != "ort" or set(options.backends) != {"onnx"}:
-        raise UsageError(
-            f"--draft-precision {choice} builds an ONNX Runtime engine (MatMulNBits, fused flavour), "
-            f"which --backend {','.join(options.backends)} --onnx-flavour {options.onnx_flavour} does not run",
-            "build it with --backend onnx and the default --onnx-flavour ort",
-        )
-    cheaper = {"none": ("int8", "int4"), "int8": ("int4",), "native": ("native4",)}
-    if choice not in cheaper.get(quantize, ()):
-        raise UsageError(
-            f"--draft-precision {choice} is not a cheaper precision of this --quantize {quantize} bundle",
-            "use int8 or int4 on a float bundle, int4 on an int8 one, native4 on a GGUF-exact (--quantize native) one",
-        )
-    if choice == "native4" and options.quant_accuracy == 4:
-        raise UsageError(
-            "--draft-precision native4 would draft at the precision the bundle already runs (accuracy 4)",
-            "build with --quant-accuracy 1 (the exact engines) to draft at accuracy 4",
-        )
-    return choice
-
-
-def check_draft_vocab_option(size: int, draft_precision: str | None) -> None:
-    """`--draft-vocab N` trims a precision draft's head, so it needs one."""
-    if size and draft_precision is None:
-        raise UsageError(
-            f"--draft-vocab {size} trims the precision draft's LM head, and this build has no precision draft",
-            "add --draft-precision (int8/int4 on a float bundle, native4 on a GGUF-exact one), or drop --draft-vocab",
-        )
-
-
 def check_draft_options(options: BuildOptions) -> tuple[tuple[str, str], ...]:
     """The draft sources asked for by their own build options (calibration/drafts/<name>.py BUILD),
     as (source, value), each value checked before minutes of loading."""
@@ -154,6 +78,15 @@ def check_draft_options(options: BuildOptions) -> tuple[tuple[str, str], ...]:
     for name, value in asked:
         BUILD_STEPS[name].check(value)
     return asked
+
+
+def check_source_options(options: BuildOptions, quantize: str) -> None:
+    """Each draft source's own checks of the options that shape it (calibration/drafts/<name>.py
+    `check_options`), before minutes of loading."""
+    from adaptive_export.calibration.drafts import OPTION_CHECKS
+
+    for check in OPTION_CHECKS.values():
+        check(options, quantize)
 
 
 @dataclass(frozen=True)
@@ -181,8 +114,6 @@ class Calibrated:
 
 def check_build_options(options: BuildOptions) -> CheckedBuild:
     """Every check that needs no model, so a bad option fails in a second, not after the loading."""
-    check_exit_adapter_option(options)
-    check_draft_head_option(options)
     draft_builds = check_draft_options(options)
     preflight(options.backends)  # a backend whose tools are missing fails before any work
     output = Path(options.output)
@@ -206,8 +137,8 @@ def check_build_options(options: BuildOptions) -> CheckedBuild:
         validate_options(options.quant_block, options.quant_accuracy)  # before minutes of loading and export
     if options.calib and (options.routers or options.speculate or draft_builds or options.draft_vocab):
         read_prompts(options.calib)  # a bad calibration file fails before minutes of loading
-    draft_precision = check_draft_precision(options, quantize)
-    check_draft_vocab_option(options.draft_vocab, draft_precision)
+    check_source_options(options, quantize)
+    draft_precision = None if options.draft_precision in ("none", "") else options.draft_precision
     return CheckedBuild(output, quantize, native_source, draft_precision, draft_builds)
 
 

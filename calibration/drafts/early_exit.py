@@ -4,6 +4,7 @@ draft length k, priced by the layer cost model and by the draft/verify engines' 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from adaptive_export.calibration.draft_sources import (
     mean_of,
     simulate_rounds,
 )
+from adaptive_export.runtimes.errors import UsageError
 
 EARLY_EXIT_KS = (1, 2, 3, 4, 6, 8)
 
@@ -101,6 +103,55 @@ class EarlyExitMeasure(DraftMeasure):
             fields = {"source": "early_exit", "exit_layer": e, "draft_len": k, "tokens_per_round": tokens}
             out.append(latency_candidate(fields, round_ms, step))
         return out
+
+
+def needs_speculate(flag: str, option: str, speculate: str | None, part: str) -> None:
+    """`--exit-adapter` and `--draft-head` shape the early-exit draft, which only --speculate builds."""
+    if not speculate:
+        raise UsageError(
+            f"{flag} {option} needs --speculate (the {part} belongs to the early-exit draft)",
+            "add --speculate auto, or --speculate E:k",
+        )
+
+
+def check_option_file(option: str, what: str, fix: str) -> None:
+    """A FILE given to a build option must exist: it fails before minutes of loading."""
+    if not Path(option).is_file():
+        raise UsageError(f"{what} file {option!r} does not exist", fix)
+
+
+def check_exit_adapter_option(options: Any) -> None:
+    """`--exit-adapter none|fit|FILE` needs --speculate; a missing FILE fails before minutes of loading."""
+    option = options.exit_adapter or "none"
+    if option == "none":
+        return
+    needs_speculate("--exit-adapter", option, options.speculate, "adapter")
+    if option != "fit":
+        fix = "pass --exit-adapter fit, or an exit_adapters.safetensors file written by a previous build"
+        check_option_file(option, "exit adapter", fix)
+
+
+def check_draft_head_option(options: Any) -> None:
+    """`--draft-head none|train|FILE` needs --speculate, and replaces --exit-adapter and --draft-vocab."""
+    option = options.draft_head or "none"
+    if option == "none":
+        return
+    needs_speculate("--draft-head", option, options.speculate, "head")
+    if (options.exit_adapter or "none") != "none" or options.draft_vocab:
+        raise UsageError(
+            f"--draft-head {option} brings its own exit block and vocabulary",
+            "drop --exit-adapter and --draft-vocab",
+        )
+    if option != "train":
+        fix = "pass --draft-head train, or a draft head file (samples/smollm2_draft_head.safetensors)"
+        check_option_file(option, "draft head", fix)
+
+
+def check_options(options: Any, quantize: str) -> None:
+    """The build options that shape the early-exit draft (commands/options.py BuildOptions),
+    checked before minutes of loading."""
+    check_exit_adapter_option(options)
+    check_draft_head_option(options)
 
 
 MEASURE = EarlyExitMeasure
