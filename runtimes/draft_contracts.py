@@ -22,6 +22,12 @@ from adaptive_export.runtimes.manifest_fields import is_int, need
 class DraftFieldGraph(Protocol):
     """What a contract reads of a manifest graph (runtimes/manifest_graphs.py GraphEntry)."""
 
+    @property
+    def layers(self) -> tuple[int, ...]: ...
+
+    @property
+    def precision(self) -> str | None: ...
+
     def draft_field(self, key: str) -> int: ...
 
 
@@ -61,6 +67,42 @@ class DraftContract:
         return None
 
 
+class EarlyExitContract(DraftContract):
+    """Early-exit drafts (runtimes/drafting/early_exit.py): a draft graph of the layers below the
+    exit and a verify graph of the rest, always as a pair."""
+
+    name = "early_exit"
+    engine_kinds = {"draft": "draft", "verify": "verify"}
+
+    @classmethod
+    def check_engines(cls, config: str, engines: Mapping[str, str], graphs: Mapping[str, DraftFieldGraph]) -> None:
+        need(
+            ("draft" in engines) == ("verify" in engines),
+            f"config {config!r} needs both or neither of draft and verify engines",
+        )
+
+
+PRECISIONS = ("int8", "int4", "native4")  # a precision draft's weights (graphs/drafts/precision.py PRECISION_DRAFTS)
+PRECISION_ROLE = "precision_draft"
+
+
+class PrecisionContract(DraftContract):
+    """Precision drafts (runtimes/drafting/precision.py): the configuration's decode graph again,
+    over the same layers, at a cheaper weight precision."""
+
+    name = "precision"
+    engine_kinds = {PRECISION_ROLE: "decode"}
+
+    @classmethod
+    def check_engines(cls, config: str, engines: Mapping[str, str], graphs: Mapping[str, DraftFieldGraph]) -> None:
+        if PRECISION_ROLE in engines:
+            draft, decode = graphs[engines[PRECISION_ROLE]], graphs[engines["decode"]]
+            need(
+                draft.precision in PRECISIONS and sorted(draft.layers) == sorted(decode.layers),
+                f"config {config!r} has a precision draft that is no draft precision of its decode graph",
+            )
+
+
 MAX_PROMPT_TOKENS = 16  # prompt tokens a decode graph may embed
 PROMPT_TOKENS_FIELD = PROMPT_TOKENS_ROLE = "prompt_tokens"  # the decode graph's field and the configuration's role
 PROMPT_TOKENS_FIX = "train prompt tokens for this model with --prompt-tokens N"
@@ -97,7 +139,7 @@ class PromptTokensContract(DraftContract):
 
 def _contract(name: str) -> type[DraftContract]:
     """The named source's contract: its own class here, else one that adds nothing."""
-    own = {c.name: c for c in (PromptTokensContract,)}
+    own = {c.name: c for c in (EarlyExitContract, PrecisionContract, PromptTokensContract)}
     return own.get(name) or type(f"{name}_contract", (DraftContract,), {"name": name})
 
 

@@ -14,17 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from adaptive_export.runtimes import limits
-from adaptive_export.runtimes.draft_contracts import CONTRACTS
+from adaptive_export.runtimes.draft_contracts import CONTRACTS, PRECISIONS
 from adaptive_export.runtimes.manifest_fields import is_int, is_name, is_str_list, need
 
-PRECISIONS = ("int8", "int4", "native4")  # a precision draft's weights (graphs/drafts/precision.py PRECISION_DRAFTS)
 GRAPH_KINDS = ("prefill", "decode", "draft", "verify")
 _KIND_SOURCE = {"prefill": "ids", "decode": "ids", "draft": "ids", "verify": "hidden"}
 _ROLE_KINDS = {
     "decode": "decode",
-    "draft": "draft",
-    "verify": "verify",
-    "precision_draft": "decode",
     **{role: kind for source in CONTRACTS.values() for role, kind in source.engine_kinds.items()},
 }
 # every draft source's integer graph fields, in registry order (the manifest writes each, 0 when unset)
@@ -207,8 +203,8 @@ def _check_graph_io(graph: GraphEntry) -> None:
 
 @dataclass(frozen=True)
 class ConfigEntry:
-    """A skip configuration: the layers it keeps and its engines by role (decode, draft and
-    verify, precision_draft, and the draft sources' own roles), each the name of a graph."""
+    """A skip configuration: the layers it keeps and its engines by role (decode, and the draft
+    sources' own roles: runtimes/draft_contracts.py), each the name of a graph."""
 
     id: str
     kept: tuple[int, ...]
@@ -255,16 +251,6 @@ class ConfigEntry:
             sorted(graphs[self.decode].layers) == kept,
             f"config {self.id!r} keeps other layers than its decode graph runs",
         )
-        need(
-            ("draft" in engines) == ("verify" in engines),
-            f"config {self.id!r} needs both or neither of draft and verify engines",
-        )
-        if "precision_draft" in engines:
-            draft = graphs[engines["precision_draft"]]
-            need(
-                draft.precision in PRECISIONS and sorted(draft.layers) == kept,
-                f"config {self.id!r} has a precision draft that is no draft precision of its decode graph",
-            )
         for source in CONTRACTS.values():
             source.check_engines(self.id, engines, graphs)
 

@@ -20,6 +20,7 @@ from adaptive_export.commands.options import BuildOptions
 from adaptive_export.exporter.build import draft_engines
 from adaptive_export.exporter.graph_entry import manifest_graph
 from adaptive_export.graphs.drafts import GRAPH_PIECES, appended_ids, engine_roles
+from adaptive_export.graphs.drafts.early_exit import ExitPlan
 from adaptive_export.graphs.plan import BuildPlan
 from adaptive_export.graphs.span_graph import GraphSpec
 from adaptive_export.runtimes.draft_contracts import CONTRACTS
@@ -94,9 +95,14 @@ def test_build_options_are_unique_across_sources() -> None:
     assert len(set(flags)) == len(flags), flags
 
 
+# a plan of its own for each source whose graph piece reads one from BuildPlan.drafts
+PIECE_PLANS: dict[str, object] = {"early_exit": ExitPlan(exit_layer=1, draft_len=2), "precision": "int8"}
+
+
 def planned(name: str) -> list[GraphSpec]:
-    """The graphs of a plan whose draft fields set each of the source's graph fields to 1."""
-    return BuildPlan(num_layers=2, draft_fields={key: 1 for key in SOURCES[name].graph_fields}).graphs()
+    """The graphs of a plan with the source's own plan, its draft fields each set to 1."""
+    drafts = {name: PIECE_PLANS[name]} if name in PIECE_PLANS else {}
+    return BuildPlan(num_layers=2, drafts=drafts, draft_fields={key: 1 for key in SOURCES[name].graph_fields}).graphs()
 
 
 def planned_with_fields(name: str) -> list[GraphEntry]:
@@ -118,6 +124,12 @@ def test_graph_fields_pass_the_plan_the_manifest_and_its_validator(name: str) ->
         bad = {**carrying[0].to_json(), key: -1}
         with pytest.raises(UsageError, match=f"bad {key}"):
             GraphEntry.from_json(carrying[0].name, bad, 2)
+
+
+def test_every_source_with_engines_is_planned_here() -> None:
+    """Each source with engines of its own plans them from PIECE_PLANS or its graph fields."""
+    for name in GRAPH_PIECES:
+        assert name in PIECE_PLANS or SOURCES[name].graph_fields, name
 
 
 @pytest.mark.parametrize("name", [n for n in DRAFT_SOURCES if SOURCES[n].engine_kinds])

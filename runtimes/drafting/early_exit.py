@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from adaptive_export.runtimes.backends import Backend, StepOutputs
+from adaptive_export.runtimes.draft_contracts import EarlyExitContract
 from adaptive_export.runtimes.drafting.base import DraftSource, Proposal, engine_drafts
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.kv_arena import KVArena
@@ -21,7 +22,7 @@ from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
 from adaptive_export.runtimes.sampling import Sampler
 
 
-class EarlyExit(DraftSource):
+class EarlyExit(EarlyExitContract, DraftSource):
     name = "early_exit"
     engines = ("draft", "verify")
     decode_engine_rows = False  # the draft engine writes layers below E, one row per pass

@@ -9,22 +9,23 @@ sampling stays lossless (the rejection rule with q = the draft's distribution)."
 from __future__ import annotations
 
 from adaptive_export.runtimes.backends import StepOutputs
+from adaptive_export.runtimes.draft_contracts import PRECISION_ROLE, PrecisionContract
 from adaptive_export.runtimes.drafting.base import DraftSource, Proposal, decode_engine_verify, engine_drafts
 from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.sampling import Sampler
 
 
-class PrecisionDraft(DraftSource):
+class PrecisionDraft(PrecisionContract, DraftSource):
     """Drafts from the precision_draft engine, verified (with the bonus row) by the decode engine."""
 
     name = "precision"
-    engines = ("precision_draft",)
+    engines = (PRECISION_ROLE,)
     bonus = gateable = True
 
     def propose(
         self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
     ) -> Proposal:
-        return engine_drafts(self.backend, self.config.engines["precision_draft"], pending, k, start, arena, sampler)
+        return engine_drafts(self.backend, self.config.engines[PRECISION_ROLE], pending, k, start, arena, sampler)
 
     def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
         return decode_engine_verify(self.backend, self.config, pending, proposal.tokens, start, arena)
