@@ -600,6 +600,20 @@ def progress_bar(items: Any, desc: str, unit: str, enabled: bool) -> Iterator[An
         yield bar
 
 
+def quality_gated_engines(bundle: Bundle) -> list[tuple[str, str]]:
+    """(label, engine) of the full configuration's draft engines whose own quality `check` gates
+    (a draft source's contract names them: runtimes/draft_contracts.py `quality_gated`)."""
+    from adaptive_export.runtimes.draft_contracts import CONTRACTS
+
+    engines = bundle.config("full").engines
+    return [
+        (role.replace("_", " "), engines[role])
+        for contract in CONTRACTS.values()
+        for role in contract.quality_gated
+        if role in engines
+    ]
+
+
 def check_backend(
     bundle: Bundle,
     backend_name: str,
@@ -627,9 +641,8 @@ def check_backend(
             for graph in engines
         ]
     generator = Generator(bundle, backend=backend_name, **options)
-    draft_engine = bundle.config("full").engines.get("precision_draft")
-    if draft_engine is not None:  # the draft's own quality: drafts that rarely agree cost time, not correctness
-        rows = quality_rows(generator, references, settings, draft_engine, "precision draft")
+    for label, draft_engine in quality_gated_engines(bundle):  # drafts that rarely agree cost time, not correctness
+        rows = quality_rows(generator, references, settings, draft_engine, label)
         detected = precision.engines.get(draft_engine)
         bits = (
             detected.dtype if detected and detected.quantized else precision_bits(bundle.graph(draft_engine).precision)

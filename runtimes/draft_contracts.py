@@ -53,6 +53,9 @@ class DraftContract:
     # of its own (role -> the graph kind it must be), integer graph fields its graph piece sets
     # (written as `graphs[].<key>`, 0 when unset) and the trained table it ships, if any.
     engine_kinds: ClassVar[Mapping[str, str]] = {}
+    # Roles whose engine is the model at another precision, so `check` gates its own output
+    # quality against the reference (drafts that rarely agree cost time, not correctness).
+    quality_gated: ClassVar[tuple[str, ...]] = ()
     graph_fields: ClassVar[tuple[str, ...]] = ()
     table: ClassVar[TableArtifact | None] = None
 
@@ -92,6 +95,7 @@ class PrecisionContract(DraftContract):
 
     name = "precision"
     engine_kinds = {PRECISION_ROLE: "decode"}
+    quality_gated = (PRECISION_ROLE,)
 
     @classmethod
     def check_engines(cls, config: str, engines: Mapping[str, str], graphs: Mapping[str, DraftFieldGraph]) -> None:
