@@ -84,15 +84,10 @@ def lookup(context: Sequence[int], k: int) -> list[int]:
 
 
 def lookup_match(context: Sequence[int], k: int, max_ngram: int = 3) -> tuple[list[int], int]:
-    """Prompt lookup's proposal (runtimes/drafting/prompt_lookup.py) and the n-gram length it matched."""
-    from adaptive_export.runtimes.drafting.prompt_lookup import lookup_ngram
+    """Prompt lookup's proposal and the n-gram length it matched (runtimes/drafting/prompt_lookup.py)."""
+    from adaptive_export.runtimes.drafting.prompt_lookup import lookup_match as runtime_match
 
-    context = list(context)
-    for n in range(min(max_ngram, len(context) - 1), 0, -1):
-        proposal = lookup_ngram(context, k, max_ngram=n, min_ngram=n)
-        if proposal:
-            return proposal, n
-    return [], 0
+    return runtime_match(list(context), k, max_ngram)
 
 
 def accepted(proposal: Sequence[int], future: Sequence[int]) -> int:
@@ -114,7 +109,8 @@ def lookup_k4(context: list[int], future: list[int]) -> Round:
 
 
 def growing_k(most: int = 3, sure_ngram: int = 3, max_ngram: int = 4) -> Callable[[], Policy]:
-    """A fresh policy per prompt: its draft length is state (see the module docstring)."""
+    """A fresh policy per prompt: its draft length is state (see the module docstring). `run`'s
+    default on edit prompts (runtimes/drafting/prompt_lookup.py GrowingLookup, the same constants)."""
 
     def fresh() -> Policy:
         state = {"k": 1}

@@ -11,7 +11,8 @@ chat and edit prompts of samples/coder_chat_prompts.jsonl and coder_edit_prompts
 - `default`: what `run` does: the rows and policy chosen at prefill (runtimes/decode_policy.py), --mode auto,
 - `ar-1row`: plain decoding with T=1 steps (the bundle's plain decoding without min_decode_rows),
 - `ar-2rows`: plain decoding of floor rounds (one free guess per step, T=2),
-- `auto-2rows`: `--mode auto` over floor rounds (gated prompt lookup),
+- `auto-2rows`: `--mode auto` over floor rounds (prompt lookup growing from one draft a round),
+- `gated-2rows`: `--mode auto --draft-len 4` over floor rounds (prompt lookup at k=4, gated by timing),
 - `spec-2rows`: prompt lookup at k=4 over floor rounds,
 each against ar-1row, with how many prompts' tokens equal ar-2rows' (the exactness claim) and
 ar-1row's (which rounds its rows differently).
@@ -38,6 +39,7 @@ MODES = {  # name -> (decode rows, generate keyword arguments); rows None: chose
     "ar-1row": (1, {"mode": "ar"}),
     "ar-2rows": (2, {"mode": "ar"}),
     "auto-2rows": (2, {"mode": "auto"}),
+    "gated-2rows": (2, {"mode": "auto", "draft_len": 4}),
     "spec-2rows": (2, {"mode": "spec", "draft": "prompt_lookup", "draft_len": 4}),
 }
 

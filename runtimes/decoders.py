@@ -28,6 +28,7 @@ import numpy as np
 from adaptive_export.runtimes.backends import Backend
 from adaptive_export.runtimes.bundle import Bundle
 from adaptive_export.runtimes.drafting import FREE_SOURCE, SOURCES
+from adaptive_export.runtimes.drafting.prompt_lookup import GROWING_MOST
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest import ConfigEntry
 from adaptive_export.runtimes.pipelined import PipelinedDecoder, check_stages
@@ -224,6 +225,10 @@ class GatedSpeculative(_Rounds):
     def runner(self, context: DecodeContext, seq: SequenceState, args: DecodeArgs) -> SpeculativeRunner:
         rows, bundle = args.rows, context.bundle
         calibrated = calibrated_source_pays(bundle, seq.config, rows) and speculation_available(bundle, seq.config)
+        if not calibrated and rows >= 2 and args.draft_len is None:  # prompt lookup, growing from floor rounds
+            return SpeculativeRunner(
+                bundle, context.backend, seq.config, FREE_SOURCE, GROWING_MOST, decode_rows=rows, growing=True
+            )
         source = None if calibrated else FREE_SOURCE  # None: the calibrated source, still gated
         return SpeculativeRunner(
             bundle, context.backend, seq.config, source, args.draft_len, gated=True, decode_rows=rows

@@ -48,7 +48,7 @@ from adaptive_export.runtimes.drafting import (
     draft_source,
     lookup_ngram,
 )
-from adaptive_export.runtimes.drafting.prompt_lookup import PromptLookup
+from adaptive_export.runtimes.drafting.prompt_lookup import GrowingLookup, PromptLookup
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.gate import DraftingGate
 from adaptive_export.runtimes.kv_arena import KVArena
@@ -221,7 +221,10 @@ class SpeculativeRunner:
         gated: bool = False,
         warmups: Sequence[DraftWarmup] = (),
         decode_rows: int = 1,
+        growing: bool = False,
     ) -> None:
+        """`growing`: prompt lookup's drafts follow its own acceptance, up to the draft length
+        (runtimes/drafting/prompt_lookup.py GrowingLookup), instead of k every round."""
         self.warmups = warmups  # draft sessions being created off the critical path: wait for them before drafting
         self.source = source or default_source(bundle, config)
         source_class = draft_source(self.source)
@@ -234,7 +237,10 @@ class SpeculativeRunner:
         self.k = int(draft_len or calibrated.draft_len or DEFAULT_LOOKUP_K)
         if self.k < 1:
             raise UsageError(f"draft length {self.k} is not positive", "use a draft length of 1 or more")
-        self.drafter = source_class(backend, config, bundle.model, self.k)
+        if growing and self.source != FREE_SOURCE:
+            raise ValueError(f"only prompt lookup grows its drafts, not {self.source}")
+        drafter_class = GrowingLookup if growing else source_class
+        self.drafter = drafter_class(backend, config, bundle.model, self.k)
         # a round without drafts is a floor round (one guess, T=2) on a bundle that decodes two rows at least
         self.floor = FloorGuess(backend, config, bundle.model, 1) if decode_rows >= 2 else None
         self.counts = RoundCounts()

@@ -16,6 +16,7 @@ import pytest
 from adaptive_export.calibration.verify_exactness import measure_verify_exactness
 from adaptive_export.commands.cli import main
 from adaptive_export.runtimes import Generator
+from adaptive_export.runtimes.drafting.prompt_lookup import GROWING_MOST, GrowingLookup, lookup_match
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.gate import DraftingGate
 from adaptive_export.runtimes.limits import check_decode_rows
@@ -71,7 +72,29 @@ def test_every_mode_gives_the_same_tokens_on_two_rows(accuracy4_bundle: Path) ->
             assert spec.tokens == plain.tokens, (prompt, k)
         auto = generator.generate(prompt, raw=True, max_new_tokens=24, mode="auto")
         assert auto.tokens == plain.tokens, prompt
+        assert not auto.stats.speculation["gated"] and auto.stats.speculation["draft_len"] == GROWING_MOST
+        gated = generator.generate(prompt, raw=True, max_new_tokens=24, mode="auto", draft_len=4)
+        assert gated.tokens == plain.tokens and gated.stats.speculation["gated"], prompt
     assert floors > 0  # plain decoding ran floor rounds, not one-row steps
+
+
+def grown(context: list[int], then: list[int]) -> list[int]:
+    """What a fresh GrowingLookup proposes after `context`, then after `then` is emitted."""
+    lookup = GrowingLookup(None, None, None, GROWING_MOST)  # type: ignore[arg-type]  # propose reads only context
+    lookup.propose(0, context, GROWING_MOST, 0, None, None)  # type: ignore[arg-type]
+    return lookup.propose(0, context + then, GROWING_MOST, 0, None, None).tokens  # type: ignore[arg-type]
+
+
+def test_growing_lookup_drafts_more_only_after_all_were_accepted() -> None:
+    """One draft first; after it is accepted, two from a 4-token match; after a rejection, one again;
+    never more than one from a match shorter than SURE_NGRAM tokens."""
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]
+    lookup = GrowingLookup(None, None, None, GROWING_MOST)  # type: ignore[arg-type]
+    assert lookup.propose(0, text, GROWING_MOST, 0, None, None).tokens == [4]  # type: ignore[arg-type]
+    assert grown(text, [4, 5]) == [6, 7]  # [4] was accepted: two, from the 4-gram 2 3 4 5
+    assert grown(text, [9, 5]) == [6]  # [4] was rejected: one again
+    assert grown([4, 5, 9, 1, 4], [5]) == [9]  # [5] was accepted, but the match is 2 tokens: one
+    assert lookup_match([1, 2, 3, 1, 2], 3) == ([3, 1, 2], 2)
 
 
 def test_a_one_token_budget_still_decodes_two_rows(accuracy4_bundle: Path) -> None:

@@ -5,25 +5,37 @@ always emits accepted + 1 tokens."""
 
 from __future__ import annotations
 
-from adaptive_export.runtimes.backends import StepOutputs
+from adaptive_export.runtimes.backends import Backend, StepOutputs
 from adaptive_export.runtimes.drafting.base import DraftSource, Proposal, decode_engine_verify
 from adaptive_export.runtimes.kv_arena import KVArena
+from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
 from adaptive_export.runtimes.sampling import Sampler
 
 MAX_NGRAM = 3
+# Growing lookup (`GrowingLookup`): at most this many drafts a round (a T=4 pass), more than one
+# only after a round whose drafts were all accepted and from a match of SURE_NGRAM tokens or more,
+# over n-grams of up to GROWING_MAX_NGRAM (benchmarks/lookup_ceiling.py measured the rule).
+GROWING_MOST = 3
+SURE_NGRAM = 3
+GROWING_MAX_NGRAM = 4
+
+
+def lookup_match(context: list[int], k: int, max_ngram: int = MAX_NGRAM) -> tuple[list[int], int]:
+    """Up to k tokens that followed the latest earlier occurrence of the context's last n-gram,
+    for the longest n up to max_ngram that occurred before, and that n ([], 0: none occurred)."""
+    for n in range(min(max_ngram, len(context) - 1), 0, -1):
+        tail = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start : start + n] == tail:
+                return context[start + n : start + n + k], n
+    return [], 0
 
 
 def lookup_ngram(context: list[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1) -> list[int]:
     """Tokens that followed the latest earlier occurrence of the context's last n-gram (the longest
     n from max_ngram down to min_ngram that occurred before)."""
-    for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
-        tail = context[-n:]
-        for start in range(len(context) - n - 1, -1, -1):
-            if context[start : start + n] == tail:
-                follow = context[start + n : start + n + k]
-                if follow:
-                    return follow
-    return []
+    follow, n = lookup_match(context, k, max_ngram)
+    return follow if n >= min_ngram else []
 
 
 class PromptLookup(DraftSource):
@@ -38,6 +50,35 @@ class PromptLookup(DraftSource):
 
     def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
         return decode_engine_verify(self.backend, self.config, pending, proposal.tokens, start, arena)
+
+
+class GrowingLookup(PromptLookup):
+    """Prompt lookup whose draft length follows its own acceptance, decided from the tokens alone
+    (so a run is deterministic, as `--mode ar` is): one draft a round, a floor round's guess, until
+    a round's drafts are all accepted; then twice as many, up to the `k` it was made with, but more
+    than one only from a match of SURE_NGRAM tokens; back to one at the first rejection. On two-row
+    bundles, where a one-draft round costs what a plain step does, it never drafts more than the
+    last round earned (docs/speculation.md, "What prompt lookup can reach")."""
+
+    def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int) -> None:
+        super().__init__(backend, config, model, k)
+        self.length = 1  # drafts the next round may propose
+        self.last: tuple[list[int], int] = ([], 0)  # the last proposal and the context's length then
+
+    def propose(
+        self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
+    ) -> Proposal:
+        self._learn(context)
+        proposal, n = lookup_match(context, min(k, self.length), GROWING_MAX_NGRAM)
+        proposal = proposal if n >= SURE_NGRAM else proposal[:1]
+        self.last = (proposal, len(context))
+        return Proposal(proposal)
+
+    def _learn(self, context: list[int]) -> None:
+        """The last round's drafts were all accepted iff the context now continues with them."""
+        proposal, at = self.last
+        earned = bool(proposal) and context[at : at + len(proposal)] == proposal
+        self.length = min(self.k, self.length * 2) if earned else 1
 
 
 SOURCE = PromptLookup
