@@ -85,24 +85,26 @@ def run_mode(generators: Generators, mode: str, prompt: str, tokens: int) -> tup
 Generators = dict[int | None, Any]  # decode rows (None: chosen at prefill) -> Generator
 
 
-def measure_set(generators: Generators, name: str, prompts: list[str], tokens: int, repeat: int) -> list[ModeRow]:
+def measure_set(
+    generators: Generators, name: str, prompts: list[str], tokens: int, repeat: int, modes: tuple[str, ...]
+) -> list[ModeRow]:
     """Every mode on every prompt, modes interleaved within each repetition (one warm-up pass)."""
-    tpot: dict[str, list[float]] = {mode: [] for mode in MODES}
-    per_pass: dict[str, list[float]] = {mode: [] for mode in MODES}
-    outputs: dict[str, list[list[int]]] = {mode: [] for mode in MODES}
+    tpot: dict[str, list[float]] = {mode: [] for mode in modes}
+    per_pass: dict[str, list[float]] = {mode: [] for mode in modes}
+    outputs: dict[str, list[list[int]]] = {mode: [] for mode in modes}
     for prompt in prompts:
-        for mode in MODES:
+        for mode in modes:
             run_mode(generators, mode, prompt, tokens)
         last: dict[str, list[int]] = {}
         for _ in range(repeat):
-            for mode in MODES:
+            for mode in modes:
                 ms, last[mode], passes = run_mode(generators, mode, prompt, tokens)
                 tpot[mode].append(ms)
                 per_pass[mode].append(passes)
-        for mode in MODES:
+        for mode in modes:
             outputs[mode].append(last[mode])
     base = statistics.median(tpot["ar-1row"])
-    return [mode_row(name, mode, tpot, per_pass, outputs, base) for mode in MODES]
+    return [mode_row(name, mode, tpot, per_pass, outputs, base) for mode in modes]
 
 
 def mode_row(name: str, mode: str, tpot: Any, per_pass: Any, outputs: Any, base: float) -> ModeRow:
@@ -127,8 +129,20 @@ def main() -> None:
         default="smollm2",
         help="smollm2: eval chat + rewrite prompts (default); coder: samples/coder_chat and coder_edit prompts",
     )
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated modes to run, ar-1row and ar-2rows always among them (default: {','.join(MODES)})",
+    )
+    parser.add_argument("--sets", default=None, help="comma-separated prompt sets of --prompt-sets (default: all)")
     args = parse_and_pin(parser)
     from adaptive_export.runtimes import Generator
+
+    asked = {mode for mode in args.modes.split(",") if mode} | {"ar-1row", "ar-2rows"}
+    unknown = asked - set(MODES)
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
+    modes = tuple(mode for mode in MODES if mode in asked)
 
     bundle = Path(args.bundle)
     print(f"{cpu_model()}, {args.threads} threads, bundle {bundle}")
@@ -137,10 +151,13 @@ def main() -> None:
     print_table(exact, ["plain pass rows", "max_logit_diff", "logit_scale", "top1_flips", "exact"])
     generators = {rows: Generator(bundle, decode_rows=rows, threads=args.threads) for rows in (None, 1, 2)}
     sets = CODER_SETS if args.prompt_sets == "coder" else SETS
+    chosen = args.sets.split(",") if args.sets else list(sets)
+    if set(chosen) - set(sets):
+        parser.error(f"unknown prompt sets {sorted(set(chosen) - set(sets))}; choose from {', '.join(sets)}")
     rows = [
         row
-        for name, prompts in sets.items()
-        for row in measure_set(generators, name, prompts()[: args.prompts], args.tokens, args.repeat)
+        for name in chosen
+        for row in measure_set(generators, name, sets[name]()[: args.prompts], args.tokens, args.repeat, modes)
     ]
     print_table([asdict(r) for r in rows], list(ModeRow.__dataclass_fields__))
     if args.json:
