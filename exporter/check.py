@@ -715,11 +715,13 @@ def run_check(
     """Load the bundle and the reference the user named once, then check what the engines are,
     the tokenizer, and every backend against it. Nothing is taken from the bundle on trust."""
     from adaptive_export.loading.artifacts import load_parts
+    from adaptive_export.loading.read_once import model_headers_read_once
     from adaptive_export.runtimes.bundle import load_bundle
 
     bundle = load_bundle(bundle_dir)
-    structure = structure_check(bundle, model)  # before the fp32 reference loads: one model in memory at a time
-    loaded, parts = load_parts(bundle, model)
+    with model_headers_read_once():  # the rebuild and the reference load one model: its metadata is parsed once
+        structure = structure_check(bundle, model)  # before the fp32 reference loads: one model in memory at a time
+        loaded, parts = load_parts(bundle, model)
     precision = bundle_precision(bundle)
     report = CheckReport(bundle=str(bundle_dir), model=loaded.source, provider=provider)
     report.results += structure + bundle_rows(bundle, precision, expect_precision, loaded)

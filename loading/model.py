@@ -21,6 +21,7 @@ from adaptive_export.loading.gguf_tensors import check_block_scales
 from adaptive_export.loading.hub import HubModel, is_hub_id, resolve_hub_model, snapshot_blob
 from adaptive_export.loading.model_checks import check_config_json, check_dimensions, check_side_files, spec_fields
 from adaptive_export.loading.packaged import PACKAGED
+from adaptive_export.loading.read_once import read_once
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.tokenizer_policy import (
     TokenizerRules,
@@ -216,7 +217,14 @@ def _load_checked_model(model: str, directory: Path, gguf_file: str | None) -> L
 
 
 def load_config(model: str, directory: Path, gguf_file: str | None) -> Any:
-    """The model's transformers config, from config.json or the GGUF metadata."""
+    """The model's transformers config, from config.json or the GGUF metadata (a .gguf's read once
+    inside `model_headers_read_once`, loading/read_once.py)."""
+    if gguf_file:
+        return read_once("config", directory / gguf_file, lambda: _read_config(model, directory, gguf_file))
+    return _read_config(model, directory, gguf_file)
+
+
+def _read_config(model: str, directory: Path, gguf_file: str | None) -> Any:
     from transformers import AutoConfig
 
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
@@ -230,7 +238,15 @@ def load_config(model: str, directory: Path, gguf_file: str | None) -> Any:
 
 
 def load_tokenizer(model: str, directory: Path, gguf_file: str | None) -> Any:
-    """The model's tokenizer through transformers, a Rust panic or missing file as one error line."""
+    """The model's tokenizer through transformers, a Rust panic or missing file as one error line
+    (a .gguf's read once inside `model_headers_read_once`, loading/read_once.py)."""
+    if gguf_file:
+        path = directory / gguf_file
+        return read_once("tokenizer", path, lambda: _read_tokenizer(model, directory, gguf_file), shared=True)
+    return _read_tokenizer(model, directory, gguf_file)
+
+
+def _read_tokenizer(model: str, directory: Path, gguf_file: str | None) -> Any:
     from transformers import AutoTokenizer
 
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
