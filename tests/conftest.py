@@ -350,6 +350,14 @@ def smol_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.fixture(scope="session")
+def smol_default_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's default build at --max-len 256 (GGUF-exact, accuracy 4), what the README's first
+    command makes; built once for tests/test_smollm2_native.py and tests/test_check_structure.py
+    (which tampers copies only)."""
+    return build_smollm2(tmp_path_factory, "smol_default", "--max-len", "256")
+
+
 TRIMMED_VOCAB = 8192
 
 

@@ -16,7 +16,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from tests.conftest import build_in_child, needs_smollm2
+from tests.conftest import needs_smollm2
 from tests.test_hardening import edit_engine, engine_file, resign
 from tests.test_lean_build import CLI, run_measured
 
@@ -25,8 +25,8 @@ GiB = 1 << 30
 
 
 @pytest.fixture(scope="module")
-def plain_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_in_child(tmp_path_factory.mktemp("structure") / "bundle", "smollm2", "--max-len", "256")
+def plain_bundle(smol_default_bundle: Path) -> Path:
+    return smol_default_bundle  # tests tamper copies of it (tampered_copy)
 
 
 def tampered_copy(bundle: Path, tmp_path: Path) -> Path:

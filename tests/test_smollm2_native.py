@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.conftest import build_in_child, cli, needs_smollm2
+from tests.conftest import cli, needs_smollm2
 
 # the first test pays the session's trimmed native build (minutes on 2 cores); the check decodes
 # 10 prompts plainly and per draft source; the default build is built and checked in its test
@@ -111,10 +111,10 @@ def test_accuracy_1_keeps_8_bit_tables_as_exact_floats(trimmed_native_bundle: Pa
         assert "token_embd.qweight" not in initializers and "model.embed_tokens.weight" in initializers, graph
 
 
-def test_default_build_is_gguf_exact_at_accuracy_4(tmp_path: Path) -> None:
+def test_default_build_is_gguf_exact_at_accuracy_4(smol_default_bundle: Path, tmp_path: Path) -> None:
     """What the README's first command builds: the GGUF's own grid, int8 activations, the tied
     Q8_0 table stored once for the embedding gather and the LM head; check gates it on quality."""
-    out = build_in_child(tmp_path / "default", "--max-len", "256")
+    out = smol_default_bundle
     manifest = json.loads((out / "manifest.json").read_text())
     onnx_entry = manifest["backends"]["onnx"]
     assert onnx_entry["quantize"] == "native" and onnx_entry["quant_options"]["accuracy_level"] == 4
