@@ -351,6 +351,20 @@ def smol_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smol_transformers_model():  # type: ignore[no-untyped-def]
+    """SmolLM2 as transformers itself loads the packaged GGUF (`from_pretrained(gguf_file=...)`, fp32),
+    the reference our own readers are compared with; loaded once for the session."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from adaptive_export.loading.model import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    torch.set_num_threads(2)
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
 def smol_default_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2's default build at --max-len 256 (GGUF-exact, accuracy 4), what the README's first
     command makes; built once for tests/test_smollm2_native.py and tests/test_check_structure.py

@@ -280,15 +280,8 @@ def test_smollm2_mapped_like_gguf_reader(smol_reader: gguf.GGUFReader) -> None:
 
 
 @pytest.fixture(scope="module")
-def smol_hf():
-    torch = pytest.importorskip("torch")
-    from transformers import AutoModelForCausalLM
-
-    from adaptive_export.loading.model import smollm2_gguf_path
-
-    path = smollm2_gguf_path()
-    torch.set_num_threads(2)
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+def smol_hf(smol_transformers_model):  # type: ignore[no-untyped-def]
+    return smol_transformers_model
 
 
 @needs_smollm2
