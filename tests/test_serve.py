@@ -227,13 +227,19 @@ def test_disconnect_mid_stream_stops_within_one_token(served: Served, reference:
     assert chat(served, max_tokens=4).choices[0].finish_reason  # the worker is free for the next request
 
 
-def post(url: str, body: bytes) -> tuple[int, dict[str, object]]:
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+def ask(url: str, body: bytes | None = None) -> tuple[int, dict[str, object]]:
+    """The status and JSON answer of a POST of `body` (a GET without one), errors included."""
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    request = urllib.request.Request(url, data=body, headers=headers, method="GET" if body is None else "POST")
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def post(url: str, body: bytes) -> tuple[int, dict[str, object]]:
+    return ask(url, body)
 
 
 def test_bad_json_gets_400_in_openai_shape(served: Served) -> None:
@@ -295,22 +301,14 @@ def test_full_queue_gets_429(tiny_bundle: Path) -> None:
         assert len(results) == 2
 
 
-def get(url: str) -> tuple[int, dict[str, object]]:
-    try:
-        with urllib.request.urlopen(url, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 def test_an_unknown_path_gets_404_in_openai_shape(served: Served) -> None:
-    status, answer = get(f"{served.url}/v1/engines")
+    status, answer = ask(f"{served.url}/v1/engines")
     assert status == 404, answer
     assert answer["error"]["type"] == "not_found_error" and "/v1/engines" in answer["error"]["message"]
 
 
 def test_a_wrong_method_gets_405_naming_it(served: Served) -> None:
-    status, answer = get(f"{served.url}/v1/completions")
+    status, answer = ask(f"{served.url}/v1/completions")
     assert status == 405, answer
     assert answer["error"]["message"].startswith("GET /v1/completions")
 
