@@ -10,8 +10,11 @@ request and never branches on the mode itself:
 | ar | 1 | `PlainSteps` | one T=1 decode pass per token |
 | ar | 2+ | `FloorRounds` | one T=2 pass per round, over [pending, a free guess]: 1-2 tokens |
 | spec | any | `Speculative` | rounds of the chosen source's drafts, ungated |
-| auto | any | `GatedSpeculative` | rounds of the source that pays, drafting only while it pays |
+| auto | any | `GatedSpeculative` | rounds of the source that pays, drafting only while it pays (*) |
 | pipelined | any | `Pipelined` | predictive pipelined decoding over the early-exit stages |
+
+(*) On two rows without a calibrated source: prompt lookup growing from one draft a round
+(`GrowingLookup`), decided from the tokens alone.
 
 `auto` on a one-row bundle whose verify passes would not reproduce plain steps resolves to
 `PlainSteps`, so it never changes `ar`'s tokens (`GatedSpeculative.resolve`).
@@ -194,7 +197,9 @@ class Speculative(_Rounds):
 class GatedSpeculative(_Rounds):
     """`--mode auto`: the calibrated source where calibration found it pays (and it has engines for
     this configuration), else prompt lookup; drafting is gated, so a prompt whose drafts do not pay
-    decodes plainly (runtimes/gate.py)."""
+    decodes plainly (runtimes/gate.py). On two rows, where one draft a round costs what a floor
+    round does, prompt lookup grows its drafts from the tokens instead (deterministic; `--draft-len`
+    keeps the gated k)."""
 
     loop = "spec"
     prompt_rows = True
