@@ -28,9 +28,13 @@ CLI = "import sys; from adaptive_export.commands.cli import main; sys.exit(main(
 
 
 PEAK = "peak-rss-kib "
+# VmHWM, not ru_maxrss: Linux carries the forking parent's high-water mark into the child's
+# ru_maxrss across exec (tests/bounded.py), so a test process that holds a model (a session
+# fixture) would inflate every child's peak; VmHWM is the child's own address space's
 REPORT_PEAK = (
-    "import atexit, resource; atexit.register(lambda: print("
-    f"{PEAK!r} + str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss), file=sys.stderr)); "
+    "import atexit; atexit.register(lambda: print("
+    f"{PEAK!r} + next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')),"
+    " file=sys.stderr)); "
 )
 
 
