@@ -437,7 +437,8 @@ def _add_run_engine_arguments(run: argparse.ArgumentParser) -> None:
 MODE_HELP = {
     "auto": "the draft source calibration found to pay on this bundle, else prompt lookup (free: no draft engine), "
     "gated to draft only while drafts pay for the wider verify pass (plain speed on chat, faster where the answer "
-    "repeats the context; ar's tokens under greedy decoding, up to near-ties: docs/speculation.md)",
+    "repeats the context; ar's tokens under greedy decoding, up to near-ties: docs/speculation.md); on two-row "
+    "passes (an edit prompt) prompt lookup drafts one token a round, more after rounds it got all right",
     "ar": "plain decoding",
     "spec": "self-speculative with --draft, ungated",
     "pipelined": "predictive pipelined decoding: the early-exit draft of the next token runs beside the rest of this "
