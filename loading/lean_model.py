@@ -49,12 +49,14 @@ def load_lean_model(model: str) -> LeanModel:
     directory, gguf_file = check_model_files(model)
     if gguf_file is None:
         raise UsageError(f"the memory-lean build reads .gguf files, and {model!r} is not one", "build it as usual")
-    with one_parse_per_file():  # transformers reads a .gguf for the config and again for the tokenizer
+    # transformers reads a .gguf for the config and again for the tokenizer, and rebuilds gguf's
+    # tensor-name table for every module while mapping the weights' names: all shared in the block
+    with one_parse_per_file():
         config = load_config(model, directory, gguf_file)
         spec = spec_from_config(config)
         hf_model = fake_model(config)
         tokenizer = load_tokenizer(model, directory, gguf_file)
-    weights = GGUFWeights(directory / gguf_file, hf_model)
+        weights = GGUFWeights(directory / gguf_file, hf_model)
     _read_small_parameters(hf_model, weights)
     return LeanModel(hf_model, tokenizer, spec, model_source(model, directory, gguf_file), weights)
 
