@@ -262,3 +262,29 @@ def test_auto_creates_no_draft_session_where_calibration_chose_none(spec_bundle:
         result = generator.generate(ids, max_new_tokens=24, mode="auto")
         assert result.stats.speculation["draft_source"] == "prompt_lookup"
     assert not draft_session_files(generator) and not generator.decoding.warmups
+
+
+def full_config(manifest: dict) -> dict:
+    return next(c for c in manifest["configs"] if c["id"] == "full")
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda m: full_config(m)["engines"].pop("verify"), "both or neither of draft and verify"),
+        (
+            lambda m: full_config(m)["engines"].update(precision_draft=full_config(m)["engines"]["decode"]),
+            "no draft precision of its decode graph",
+        ),
+    ],
+)
+def test_a_manifest_breaking_early_exit_or_precision_contracts_is_refused(
+    spec_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: object, words: str
+) -> None:
+    """The sources' manifest contracts (runtimes/draft_contracts.py) hold on a hostile bundle whose
+    file checksums all match: a draft engine without its verify engine, a precision draft that is
+    the decode graph itself."""
+    from tests.test_bad_bundles import corrupt_copy, edit_manifest, expect_usage_error
+
+    copy = corrupt_copy(spec_bundle, tmp_path, edit_manifest(edit))  # type: ignore[arg-type]
+    expect_usage_error(["run", str(copy), "-p", "hi", "--mode", "ar"], capsys, words)
