@@ -47,6 +47,9 @@ class SourceBuild:
     section: dict[str, Any]  # its manifest `speculation` section
     rounds: dict[str, Any]  # its calibration.json `speculation` entry (simulated rounds)
     files: dict[str, bytes] = field(default_factory=dict)  # bundle files beside the engines
+    draft_vocab: Any = (
+        None  # ModelParts.draft_vocab: the ascending token ids its heads score (draft_vocab.bin), or None
+    )
 
 
 class BuildStep(ABC):

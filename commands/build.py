@@ -176,6 +176,8 @@ def calibrate_draft_builds(
     for name, value in checked.draft_builds:
         built = BUILD_STEPS[name].build(value, loaded, calibration_prompts(options.calib), options.seed)
         parts.draft_tables[name] = built.table
+        if built.draft_vocab is not None:  # the bundle's one draft vocabulary (the source's check_options saw to it)
+            parts.draft_vocab, state.plan.draft_vocab = built.draft_vocab, int(built.draft_vocab.numel())
         state.plan.draft_fields.update(built.draft_fields)
         state.extra_files = {**state.extra_files, **built.files}
         state.built.append(built)

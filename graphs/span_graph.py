@@ -77,7 +77,7 @@ class ModelParts:
     spec: ModelSpec
     routers: Routers | None = None
     exit_adapters: dict[int, ExitAdapter] = field(default_factory=dict)
-    # trained tables a draft source's graphs embed, by source name (graphs/drafts/<name>.py)
+    # trained tables a draft source's graphs embed or run, by source name (graphs/drafts/<name>.py)
     draft_tables: dict[str, torch.Tensor] = field(default_factory=dict)
     draft_vocab: torch.Tensor | None = None  # VocabTrim: the sorted token ids a draft head scores (int64)
     # Derived once per build and shared by its graphs (graphs/fused_graph.packed_weights, draft_head):
@@ -88,6 +88,13 @@ class ModelParts:
 def appended_embeddings(parts: ModelParts, graph: GraphSpec) -> torch.Tensor | None:
     """Rows that ids vocab.. embed as (a draft source's trained table; graphs/drafts/), or None."""
     from adaptive_export.graphs.drafts import appended_embeddings as of_pieces  # the pieces import this module
+
+    return of_pieces(parts, graph)
+
+
+def guess_head(parts: ModelParts, graph: GraphSpec) -> nn.Module | None:
+    """The head a graph guesses with after each row (a draft source's; graphs/drafts/), or None."""
+    from adaptive_export.graphs.drafts import guess_head as of_pieces  # the pieces import this module
 
     return of_pieces(parts, graph)
 
@@ -134,12 +141,14 @@ class SpanFlow(nn.Module):
     routers: Routers | None
     adapter: ExitAdapter | None
     draft_head: Tensor | None
+    guess: nn.Module | None
 
     def add_graph_parts(self, parts: ModelParts, graph: GraphSpec) -> None:
-        """The GraphSpec's own additions: routers, exit adapter, a VocabTrim draft head."""
+        """The GraphSpec's own additions: routers, exit adapter, a VocabTrim draft head, a guessing head."""
         self.graph = graph
         self.routers, self.adapter = trainable_additions(parts, graph)
         self.register_buffer("draft_head", draft_head(parts, graph), persistent=False)
+        self.guess = guess_head(parts, graph)
 
     def tokens(self, x: Tensor) -> Tensor:
         """x [.., T, H] as [T, H] (the routers score tokens, the head reads rows)."""
@@ -178,6 +187,8 @@ class SpanFlow(nn.Module):
             outputs.append(torch.stack(scores))
         if self.graph.exit_hidden:
             outputs.append(self.batched(hidden))
+        if self.guess is not None:  # per row, the token after the row's choice (a draft source's head)
+            outputs.append(self.guess(self.tokens(rows), logits, self.head)[None])
         return tuple(outputs + keys + values)
 
 

@@ -58,6 +58,9 @@ class DraftContract:
     quality_gated: ClassVar[tuple[str, ...]] = ()
     graph_fields: ClassVar[tuple[str, ...]] = ()
     table: ClassVar[TableArtifact | None] = None
+    # One of `graph_fields` that, set, makes the graph also output `guesses` (int64 [1, R]): per
+    # row, its head's guess at the token after the token the row chooses (graphs/drafts/ `guess_head`).
+    guess_field: ClassVar[str | None] = None
 
     @classmethod
     def check_graph_field(cls, graph: str, kind: str, key: str, value: Any) -> None:
@@ -149,3 +152,6 @@ def _contract(name: str) -> type[DraftContract]:
 
 # every registered source's contract, in registry order
 CONTRACTS: dict[str, type[DraftContract]] = {name: _contract(name) for name in DRAFT_SOURCES}
+
+# the graph fields whose graphs also output `guesses`
+GUESS_FIELDS = tuple(contract.guess_field for contract in CONTRACTS.values() if contract.guess_field)

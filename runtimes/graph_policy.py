@@ -90,6 +90,8 @@ ALLOWED_OPS: dict[str, frozenset[str]] = {
             "Trilu",
             "Log",
             "Abs",
+            # a draft source's guessing head (graphs/drafts/eagle.py): the row's choice, the head's choice
+            "ArgMax",
             # the ONNX Runtime flavour (ORT registers it in the default domain)
             "SimplifiedLayerNormalization",
         }
@@ -130,6 +132,7 @@ IO_RULES: list[tuple[str, frozenset[int], tuple[tuple[Any, ...], ...]]] = [
     ("logit_rows", frozenset({INT64}), ((None,),)),
     ("logits", frozenset({FLOAT}), ((1, "logit_rows", "vocab"),)),
     ("router_scores", frozenset({FLOAT}), (("layers",),)),
+    ("guesses", frozenset({INT64}), ((1, "logit_rows"),)),
     ("seqlens_k", frozenset({INT32, INT64}), ((1,),)),
     ("total_sequence_length", frozenset({INT32, INT64}), ((), (1,))),
     ("last_n", frozenset({INT32, INT64}), ((), (1,))),

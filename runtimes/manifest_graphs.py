@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adaptive_export.runtimes import limits
-from adaptive_export.runtimes.draft_contracts import CONTRACTS, PRECISIONS
+from adaptive_export.runtimes.draft_contracts import CONTRACTS, GUESS_FIELDS, PRECISIONS
 from adaptive_export.runtimes.manifest_fields import is_int, is_name, is_str_list, need
 
 GRAPH_KINDS = ("prefill", "decode", "draft", "verify")
@@ -64,6 +64,8 @@ class GraphEntry:
             names.append("router_scores")
         if self.exit_hidden:
             names.append("exit_hidden")
+        if self.guesses:
+            names.append("guesses")
         kv = "present" if self.flavour == "ort" else "new"
         return names + [f"{kv}_key_{i}" for i in self.layers] + [f"{kv}_value_{i}" for i in self.layers]
 
@@ -81,6 +83,11 @@ class GraphEntry:
             self.draft_fields,
             self.draft_vocab,
         )
+
+    @property
+    def guesses(self) -> bool:
+        """Whether the graph also outputs a draft source's guess per row (GUESS_FIELDS)."""
+        return any(self.draft_field(key) for key in GUESS_FIELDS)
 
     def draft_field(self, key: str) -> int:
         """A draft source's graph field (DRAFT_FIELDS), 0 when unset."""
@@ -197,7 +204,7 @@ def _check_graph_io(graph: GraphEntry) -> None:
         f"graph {name!r} lacks an output the runtime reads (logits, new/present key and value of its layers, "
         "flagged outputs)",
     )
-    for flag in ("router_scores", "exit_hidden"):
+    for flag in ("router_scores", "exit_hidden", "guesses"):
         need(getattr(graph, flag) or flag not in outputs, f"graph {name!r} has output {flag!r} without its flag")
 
 

@@ -81,13 +81,19 @@ def min_decode_rows(bundle: Bundle) -> int:
 
 
 class FloorGuess(PromptLookup):
-    """A floor round's one guess: prompt lookup's next token, else `pending` again (a repeat is as
+    """A floor round's one guess: prompt lookup's next token, else the last pass's in-graph guess
+    (a bundle with an EAGLE head: runtimes/drafting/eagle.py), else `pending` again (a repeat is as
     good a guess as any); verified by the decode engine over [pending, guess] (runtimes/drafting/prompt_lookup.py)."""
+
+    guess, guess_at = 0, -1
+
+    def observe_guess(self, start: int, guess: int | None) -> None:
+        self.guess, self.guess_at = (guess, start) if guess is not None else (0, -1)
 
     def propose(
         self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
     ) -> Proposal:
-        return Proposal(lookup_ngram(context, 1) or [pending])
+        return Proposal(lookup_ngram(context, 1) or [self.guess if start == self.guess_at else pending])
 
 
 def default_source(bundle: Bundle, config: ConfigEntry) -> str:
@@ -154,11 +160,16 @@ def speculative_round(
     if proposal.plain and floor is not None:
         proposal, verifier = floor.propose(state.pending, context, 1, start, arena, sampler), floor
     drafted = time.perf_counter()
-    verify_rows = verifier.verify(state.pending, proposal, start, arena).logits[0]
+    outputs = verifier.verify(state.pending, proposal, start, arena)
     verified = time.perf_counter()
-    verdict = judge(proposal.tokens, proposal.rows, verify_rows, sampler)
+    verdict = judge(proposal.tokens, proposal.rows, outputs.logits[0], sampler)
     # crop: the inputs pending, d1..d(accepted) now have valid KV in every kept layer
     arena.length = start + (verdict.accepted + 1 if verdict.token is not None else verdict.accepted)
+    guess = None  # the pass's guess after the token it emitted last: the row that chose that token guessed it
+    if outputs.guesses is not None and verdict.token is not None:
+        guess = int(outputs.guesses[0, verdict.accepted])
+    for source in (drafter, floor) if floor is not None else (drafter,):
+        source.observe_guess(arena.length, guess)
     emitted = proposal.tokens[: verdict.accepted] + ([verdict.token] if verdict.token is not None else [])
     return Round(proposal, verdict, emitted, drafted - started, verified - drafted, verifier is not drafter)
 

@@ -9,7 +9,10 @@ Optional hooks of a piece (module-level functions of these names):
 - `engine_role(graph) -> str | None`: the configuration's engine role a graph also serves
   (the exporter assigns it; the source's runtime class checks it in the manifest);
 - `appended_ids(graph) -> int`: how many ids vocab.. the graph embeds as trained rows;
-- `embedding_rows(parts, graph) -> Tensor | None`: those rows, from `ModelParts.draft_tables`.
+- `embedding_rows(parts, graph) -> Tensor | None`: those rows, from `ModelParts.draft_tables`;
+- `guess_head(parts, graph) -> nn.Module | None`: a head the graph runs on its rows to guess the
+  token after each row's choice (output `guesses`, int64 [1, R]; the source's runtime class names
+  the field that turns it on as its contract's `guess_field`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torch import Tensor
+    from torch import Tensor, nn
 
     from adaptive_export.graphs.plan import BuildPlan
     from adaptive_export.graphs.span_graph import GraphSpec, ModelParts
@@ -35,12 +38,13 @@ class GraphPiece:
     engine_role: Callable[[GraphSpec], str | None] | None = None
     appended_ids: Callable[[GraphSpec], int] | None = None
     embedding_rows: Callable[[ModelParts, GraphSpec], Tensor | None] | None = None
+    guess_head: Callable[[ModelParts, GraphSpec], nn.Module | None] | None = None
 
 
 def _pieces() -> dict[str, GraphPiece]:
     names = sorted(info.name for info in pkgutil.iter_modules(__path__))
     modules = {name: import_module(f"{__name__}.{name}") for name in names}
-    hooks = ("engine_role", "appended_ids", "embedding_rows")
+    hooks = ("engine_role", "appended_ids", "embedding_rows", "guess_head")
     return {
         name: GraphPiece(module.add_graphs, **{hook: getattr(module, hook, None) for hook in hooks})
         for name, module in modules.items()
@@ -70,3 +74,12 @@ def appended_embeddings(parts: ModelParts, graph: GraphSpec) -> Tensor | None:
             f"graph {graph.name!r} embeds the trained rows of {len(tables)} draft sources after the vocabulary"
         )
     return tables[0] if tables else None
+
+
+def guess_head(parts: ModelParts, graph: GraphSpec) -> nn.Module | None:
+    """The head that guesses after each row of the graph: one piece's at most."""
+    hooks = [piece.guess_head for piece in GRAPH_PIECES.values() if piece.guess_head is not None]
+    heads = [head for head in (hook(parts, graph) for hook in hooks) if head is not None]
+    if len(heads) > 1:
+        raise ValueError(f"graph {graph.name!r} guesses with the heads of {len(heads)} draft sources")
+    return heads[0] if heads else None

@@ -23,6 +23,7 @@ class StepOutputs:
     logits: np.ndarray  # [1, T or 1, V]
     router_scores: np.ndarray | None = None  # [L]
     exit_hidden: np.ndarray | None = None  # [1, T, H]
+    guesses: np.ndarray | None = None  # [1, R] int64: per logits row, a draft source's guess after its choice
 
 
 class Backend(ABC):
@@ -68,4 +69,4 @@ class Backend(ABC):
         for layer in layers:
             arena.rows(layer, 0, start, count)[...] = out[f"new_key_{layer}"]
             arena.rows(layer, 1, start, count)[...] = out[f"new_value_{layer}"]
-        return StepOutputs(out["logits"], out.get("router_scores"), out.get("exit_hidden"))
+        return StepOutputs(out["logits"], out.get("router_scores"), out.get("exit_hidden"), out.get("guesses"))

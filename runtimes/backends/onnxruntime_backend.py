@@ -87,6 +87,7 @@ class FusedBinding:
         self.last_only = info.logits == "last"
         self.router_scores = info.router_scores
         self.exit_hidden = info.exit_hidden
+        self.guesses = info.guesses
         self.vocab, self.hidden = logits_width(info, model), model.hidden_size
         self.seqlens = np.zeros(1, dtype=np.int32)
         self.total = np.zeros((), dtype=np.int32)
@@ -95,6 +96,7 @@ class FusedBinding:
         self.arena: KVArena | None = None
         self.count: int | None = None  # T of the bound per-step buffers
         self.logits = self.scores = self.hidden_out = np.empty(0, dtype=np.float32)
+        self.guessed = np.empty(0, dtype=np.int64)
         if self.router_scores:
             self.scores = np.empty(len(self.layers), dtype=np.float32)
             self.binding.bind_output("router_scores", "cpu", 0, np.float32, self.scores.shape, self.scores.ctypes.data)
@@ -121,6 +123,9 @@ class FusedBinding:
             self.binding.bind_output(
                 "exit_hidden", "cpu", 0, np.float32, self.hidden_out.shape, self.hidden_out.ctypes.data
             )
+        if self.guesses:
+            self.guessed = np.empty((1, rows.size), dtype=np.int64)
+            self.binding.bind_output("guesses", "cpu", 0, np.int64, self.guessed.shape, self.guessed.ctypes.data)
         self.count = count
 
     def run(self, first: np.ndarray, arena: KVArena, start: int) -> StepOutputs:
@@ -135,7 +140,10 @@ class FusedBinding:
         self.total[...] = start + count
         self.guard.run(self.engine, count, lambda options: self.session.run_with_iobinding(self.binding, options))
         return StepOutputs(
-            self.logits, self.scores if self.router_scores else None, self.hidden_out if self.exit_hidden else None
+            self.logits,
+            self.scores if self.router_scores else None,
+            self.hidden_out if self.exit_hidden else None,
+            self.guessed if self.guesses else None,
         )
 
 
@@ -329,11 +337,11 @@ class OnnxRuntimeBackend(Backend):
             zip(names, self.guard.run(self._engine(graph), count, lambda options: session.run(names, feeds, options)))
         )
 
-    def _buffer(self, graph: str, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def _buffer(self, graph: str, name: str, shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
         key = (graph, name, shape)
         buffer = self._out_buffers.get(key)
         if buffer is None:
-            buffer = self._out_buffers[key] = np.empty(shape, dtype=np.float32)
+            buffer = self._out_buffers[key] = np.empty(shape, dtype=dtype)
         return buffer
 
     def run(self, graph: str, first: np.ndarray, arena: KVArena, start: int) -> StepOutputs:
@@ -361,15 +369,18 @@ class OnnxRuntimeBackend(Backend):
                 binding.bind_output(f"new_{kind}_{layer}", "cpu", 0, np.float32, rows.shape, rows.ctypes.data)
         logits = self._buffer(graph, "logits", (1, 1 if info.logits == "last" else count, logits_width(info, model)))
         binding.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
-        scores = hidden = None
+        scores = hidden = guessed = None
         if info.router_scores:
             scores = self._buffer(graph, "router_scores", (len(info.layers),))
             binding.bind_output("router_scores", "cpu", 0, np.float32, scores.shape, scores.ctypes.data)
         if info.exit_hidden:
             hidden = self._buffer(graph, "exit_hidden", (1, count, model.hidden_size))
             binding.bind_output("exit_hidden", "cpu", 0, np.float32, hidden.shape, hidden.ctypes.data)
+        if info.guesses:
+            guessed = self._buffer(graph, "guesses", (1, logits.shape[1]), np.int64)
+            binding.bind_output("guesses", "cpu", 0, np.int64, guessed.shape, guessed.ctypes.data)
         self.guard.run(self._engine(graph), count, lambda options: session.run_with_iobinding(binding, options))
-        return StepOutputs(logits, scores, hidden)
+        return StepOutputs(logits, scores, hidden, guessed)
 
     def _engine(self, graph: str) -> str:
         """The engine file a graph runs from (graphs of one file share a session and its first-run time)."""

@@ -206,10 +206,11 @@ class TensorRTBackend(Backend):
             "logits": (1, 1 if info.logits == "last" else count, logits_width(info, model)),
             "router_scores": (len(info.layers),),
             "exit_hidden": (1, count, model.hidden_size),
+            "guesses": (1, 1 if info.logits == "last" else count),
         }
         for name in info.outputs:
             if name in shapes:
-                host[name] = np.empty(shapes[name], dtype=np.float32)
+                host[name] = np.empty(shapes[name], dtype=np.int64 if name == "guesses" else np.float32)
                 context.set_tensor_address(name, self._device(host[name].nbytes, (name, host[name].nbytes)))
         if not context.execute_async_v3(self.stream):
             raise RuntimeError(f"TensorRT execution of {graph!r} failed")
@@ -221,4 +222,4 @@ class TensorRTBackend(Backend):
                 self._copy(arena.data[layer, kv, start].ctypes.data, offset, count * row, "d2h")
         _check(self.cudart.cudaStreamSynchronize(self.stream))
         self._device_rows = start + count
-        return StepOutputs(host["logits"], host.get("router_scores"), host.get("exit_hidden"))
+        return StepOutputs(host["logits"], host.get("router_scores"), host.get("exit_hidden"), host.get("guesses"))

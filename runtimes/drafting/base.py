@@ -79,6 +79,10 @@ class DraftSource(DraftContract, ABC):
         """Drafts for a round that may emit at most `budget` more tokens."""
         return min(self.k, budget - 1 if self.bonus else budget)
 
+    def observe_guess(self, start: int, guess: int | None) -> None:  # noqa: B027 - most sources draft without it
+        """After each round: the verify pass's in-graph guess (`StepOutputs.guesses`) at the token
+        after the last one the round emitted, for the round at arena length `start` (None: no guess)."""
+
     @abstractmethod
     def propose(
         self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
