@@ -1,12 +1,14 @@
-"""What each draft source adds to a bundle's manifest (docs/architecture.md sections 3 and 9).
+"""The registration of draft sources and what each adds to a bundle's manifest (docs/architecture.md
+sections 3, 7 and 9).
 
-A source may own engine roles (role -> the graph kind it must be), integer graph fields its
-graph piece sets (written as `graphs[].<key>`, 0 when unset), their validators and a trained
-table it ships. The manifest types (runtimes/manifest_graphs.py) check every registered
-source's contract from `CONTRACTS`; the runtime class of a source (runtimes/drafting/<name>.py)
-inherits its contract, so `SOURCES[name].graph_fields` and the rest read the same declaration.
-This module sits below the manifest and imports no draft source, backend or bundle: the
-manifest is read without importing the code that drafts.
+`REGISTERED` lists one contract per source: registering a source is writing its contract here
+(a name, and for a source that adds to the manifest its engine roles (role -> the graph kind it
+must be), integer graph fields its graph piece sets (written as `graphs[].<key>`, 0 when unset),
+their validators and a trained table it ships). The manifest types (runtimes/manifest_graphs.py)
+check every registered source's contract from `CONTRACTS`; the runtime class of a source
+(runtimes/drafting/<name>.py) inherits its contract, so `SOURCES[name].graph_fields` and the rest
+read the same declaration. This module sits below the manifest and imports no draft source,
+backend or bundle: the manifest is read without importing the code that drafts.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from adaptive_export.runtimes.draft_registry import DRAFT_SOURCES
 from adaptive_export.runtimes.manifest_fields import is_int, need
 
 
@@ -144,14 +145,25 @@ class PromptTokensContract(DraftContract):
             )
 
 
-def _contract(name: str) -> type[DraftContract]:
-    """The named source's contract: its own class here, else one that adds nothing."""
-    own = {c.name: c for c in (EarlyExitContract, PrecisionContract, PromptTokensContract)}
-    return own.get(name) or type(f"{name}_contract", (DraftContract,), {"name": name})
+class PromptLookupContract(DraftContract):
+    """Prompt-lookup drafts (runtimes/drafting/prompt_lookup.py): copied from the context, they add
+    nothing to the manifest."""
+
+    name = "prompt_lookup"
 
 
-# every registered source's contract, in registry order
-CONTRACTS: dict[str, type[DraftContract]] = {name: _contract(name) for name in DRAFT_SOURCES}
+# THE REGISTRATION of draft sources: one contract per source, in this order, which is the order
+# calibration measures and reports the sources in, and the order of `run --draft`'s choices.
+# runtimes/draft_registry.py names the sources from it.
+REGISTERED: tuple[type[DraftContract], ...] = (
+    EarlyExitContract,
+    PromptLookupContract,
+    PrecisionContract,
+    PromptTokensContract,
+)
+
+# every registered source's contract, by name, in registry order
+CONTRACTS: dict[str, type[DraftContract]] = {contract.name: contract for contract in REGISTERED}
 
 # the graph fields whose graphs also output `guesses`
 GUESS_FIELDS = tuple(contract.guess_field for contract in CONTRACTS.values() if contract.guess_field)
