@@ -145,6 +145,37 @@ class PromptTokensContract(DraftContract):
             )
 
 
+MAX_EAGLE_WIDTH = 16384  # the EAGLE head's MLP width (graphs/drafts/eagle.py; its table is 5 x width rows)
+EAGLE_FIELD = EAGLE_ROLE = "eagle"  # the decode graph's field (the head's width) and the configuration's role
+EAGLE_FIX = "train an EAGLE head for this model with --eagle-head N"
+
+
+class EagleContract(DraftContract):
+    """EAGLE-head drafts (runtimes/drafting/eagle.py): the decode graph also outputs a guess per row."""
+
+    name = "eagle"
+    engine_kinds = {EAGLE_ROLE: "decode"}
+    graph_fields = (EAGLE_FIELD,)
+    guess_field = EAGLE_FIELD
+    table = TableArtifact("eagle_head.safetensors", "eagle", 5 * MAX_EAGLE_WIDTH, "EAGLE head", EAGLE_FIX)
+
+    @classmethod
+    def check_graph_field(cls, graph: str, kind: str, key: str, value: Any) -> None:
+        need(
+            is_int(value) and 0 <= value <= MAX_EAGLE_WIDTH and (kind == "decode" or not value),
+            f"graph {graph!r} has a bad {EAGLE_FIELD} (a decode graph's head width, 0..{MAX_EAGLE_WIDTH})",
+        )
+
+    @classmethod
+    def check_engines(cls, config: str, engines: Mapping[str, str], graphs: Mapping[str, DraftFieldGraph]) -> None:
+        """Its engine is the configuration's own decode graph, guessing with the head."""
+        if EAGLE_ROLE in engines:
+            need(
+                engines[EAGLE_ROLE] == engines["decode"] and graphs[engines[EAGLE_ROLE]].draft_field(EAGLE_FIELD) > 0,
+                f"config {config!r} has an {EAGLE_ROLE} engine that is not its decode graph with the head",
+            )
+
+
 class PromptLookupContract(DraftContract):
     """Prompt-lookup drafts (runtimes/drafting/prompt_lookup.py): copied from the context, they add
     nothing to the manifest."""
@@ -160,6 +191,7 @@ REGISTERED: tuple[type[DraftContract], ...] = (
     PromptLookupContract,
     PrecisionContract,
     PromptTokensContract,
+    EagleContract,
 )
 
 # every registered source's contract, by name, in registry order

@@ -1,0 +1,155 @@
+"""The EAGLE head (`build --eagle-head N`, runtimes/drafting/eagle.py): the decode graph's in-graph
+guesses equal PyTorch's (`check` parity), drafting with them never changes plain decoding's tokens,
+the floor round of two-row decoding drafts with them, and a bad option or a hostile manifest is one
+error line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from adaptive_export.commands.cli import main
+from tests.conftest import build_tiny
+
+EAGLE_FLAGS = ("--max-len", "128", "--eagle-head", "64")
+PROMPTS = ("def add(a, b):", "Write a haiku about autumn leaves.", "The capital of France is")
+
+
+@pytest.fixture(scope="module")
+def eagle_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny(tmp_path_factory, *EAGLE_FLAGS)
+
+
+def run_json(bundle: Path, prompt: str, capsys: pytest.CaptureFixture[str], *flags: str) -> dict:
+    capsys.readouterr()
+    assert main(["run", str(bundle), "-p", prompt, "--max-new-tokens", "40", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_head_ships_in_the_decode_graph_and_its_guesses_pass_check(
+    eagle_bundle: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The full decode graph guesses (field `eagle` = the head's width, output `guesses`), the head's
+    table and vocabulary ship beside it, and `check` finds every guess equal to PyTorch's head on
+    the same inputs, and the eagle drafts greedy-identical."""
+    from tests.conftest import tiny6_model
+
+    manifest = json.loads((eagle_bundle / "manifest.json").read_text())
+    decode = manifest["graphs"]["decode_full"]
+    assert decode["eagle"] == 2 * 64 and "guesses" in decode["outputs"]  # the tiny model's hidden size is 64
+    assert manifest["graphs"]["prefill"]["eagle"] == 0 and "guesses" not in manifest["graphs"]["prefill"]["outputs"]
+    assert manifest["configs"][0]["engines"]["eagle"] == "decode_full"
+    assert manifest["draft_vocab"]["size"] == 64 and "eagle_head.safetensors" in manifest["files"]
+    assert 0.0 <= manifest["speculation"]["eagle"]["acceptance"] <= 1.0
+    report = tmp_path / "report.json"
+    model = tiny6_model(tmp_path_factory)
+    assert main(["check", str(eagle_bundle), "--model", str(model), "--report", str(report)]) == 0
+    results = json.loads(report.read_text())["results"]
+    parity = next(r for r in results if r["engine"] == "decode_full" and r["check"] == "parity")
+    assert parity["passed"] and "guesses" not in parity["detail"]
+    assert any(r["engine"] == "spec:full:eagle" and r["passed"] for r in results)
+
+
+def test_guesses_are_compared_token_for_token() -> None:
+    """`check` fails an engine whose guesses differ from the reference's on an fp32 engine."""
+    from adaptive_export.exporter.check import compare_outputs
+
+    same = np.array([[5, 7, 9]]), np.array([[5, 7, 9]])
+    other = np.array([[5, 8, 9]]), np.array([[5, 7, 9]])
+    assert not compare_outputs(["guesses"], [same], False, 1.0).failures
+    failures = compare_outputs(["guesses"], [other], False, 1.0).failures
+    assert failures == ("guesses: 67% of rows guess the reference's token",)
+    assert not compare_outputs(["guesses"], [other], True, 1.0).failures  # quantized: informational
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_eagle_drafts_keep_plain_tokens(eagle_bundle: Path, prompt: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--draft eagle` drafts one guess a round from the last pass and keeps `--mode ar`'s tokens (one
+    row and two); its rounds draft after every round that emitted a token the head guessed after."""
+    plain = run_json(eagle_bundle, prompt, capsys, "--mode", "ar")["tokens"]
+    eagle = run_json(eagle_bundle, prompt, capsys, "--mode", "spec", "--draft", "eagle")
+    two_rows = run_json(eagle_bundle, prompt, capsys, "--mode", "ar", "--decode-rows", "2")
+    assert eagle["tokens"] == plain and two_rows["tokens"] == plain
+    rounds = eagle["stats"]
+    assert rounds["draft_source"] == "eagle" and rounds["draft_len"] == 1
+    # every round drafts but the first (prefill guesses nothing) and one whose budget leaves only the bonus token
+    assert rounds["drafted"] >= rounds["rounds"] - 2
+    assert rounds["accepted"] <= rounds["drafted"]
+
+
+def test_the_floor_round_guesses_with_the_head() -> None:
+    """A floor round's guess: prompt lookup's when the context repeats, else the last pass's in-graph
+    guess for this very position, else `pending`."""
+    from adaptive_export.runtimes.speculative import FloorGuess
+
+    floor = FloorGuess.__new__(FloorGuess)  # propose reads no engine: the backend is never touched
+    sampler = None  # nor the sampler: a floor guess is deterministic
+    context = [1, 2, 3, 4]  # no n-gram repeats
+    floor.observe_guess(10, 42)
+    assert floor.propose(7, context, 1, 10, None, sampler).tokens == [42]  # type: ignore[arg-type]
+    assert floor.propose(7, context, 1, 11, None, sampler).tokens == [7]  # type: ignore[arg-type]
+    floor.observe_guess(11, None)
+    assert floor.propose(7, context, 1, 11, None, sampler).tokens == [7]  # type: ignore[arg-type]
+    assert floor.propose(7, [5, 6, 5], 1, 11, None, sampler).tokens == [6]  # type: ignore[arg-type]
+
+
+def test_the_head_starts_as_the_model_head() -> None:
+    """Untrained (down = 0), the block passes h through, so the head guesses what the LM head's
+    trimmed rows choose; pack and unpack are inverse."""
+    from adaptive_export.graphs.drafts.eagle import EagleBlock, pack, unpack
+
+    block = EagleBlock(8, 16, 1e-6)
+    h, e = torch.randn(3, 8), torch.randn(3, 8)
+    torch.testing.assert_close(block(h, e), h)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_()
+    again = unpack(pack(block), 1e-6)
+    torch.testing.assert_close(again(h, e), block(h, e))
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (("--eagle-head", "5"), "is not a vocabulary size"),
+        (("--eagle-head", "64", "--draft-precision", "int8"), "one draft vocabulary"),
+        (("--eagle-head", "64", "--backend", "onnx,coreml"), "ONNX Runtime engines only"),
+    ],
+)
+def test_bad_eagle_options_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], words: str
+) -> None:
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", layers=2)
+    capsys.readouterr()
+    assert main(["build", str(model), "-o", str(tmp_path / "b"), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+    assert not (tmp_path / "b").exists()
+
+
+def _eagle_on_prefill(manifest: dict) -> None:
+    manifest["graphs"]["prefill"]["eagle"] = 128
+
+
+def _eagle_role_elsewhere(manifest: dict) -> None:
+    manifest["configs"][0]["engines"]["eagle"] = "prefill"
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [(_eagle_on_prefill, "bad eagle"), (_eagle_role_elsewhere, "as its eagle engine")],
+)
+def test_a_manifest_breaking_the_eagle_contract_is_refused(
+    eagle_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: object, words: str
+) -> None:
+    """Checksums intact: a head on a graph that is no decode graph, or an eagle engine other than the decode graph."""
+    from tests.test_bad_bundles import corrupt_copy, edit_manifest, expect_usage_error
+
+    copy = corrupt_copy(eagle_bundle, tmp_path, edit_manifest(edit))  # type: ignore[arg-type]
+    expect_usage_error(["run", str(copy), "-p", "hi", "--mode", "ar"], capsys, words)
