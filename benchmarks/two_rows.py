@@ -14,6 +14,9 @@ chat and edit prompts of samples/coder_chat_prompts.jsonl and coder_edit_prompts
 - `auto-2rows`: `--mode auto` over floor rounds (prompt lookup growing from one draft a round),
 - `gated-2rows`: `--mode auto --draft-len 4` over floor rounds (prompt lookup at k=4, gated by timing),
 - `spec-2rows`: prompt lookup at k=4 over floor rounds,
+- `eagle-2rows` (`--modes`, on a bundle built with `--eagle-head N`): the EAGLE head's guess every
+  round (`--draft eagle`) over floor rounds (where the bundle has the head, every floor round above
+  guesses with it too when prompt lookup has no match),
 each against ar-1row, with how many prompts' tokens equal ar-2rows' (the exactness claim) and
 ar-1row's (which rounds its rows differently).
 """
@@ -41,7 +44,9 @@ MODES = {  # name -> (decode rows, generate keyword arguments); rows None: chose
     "auto-2rows": (2, {"mode": "auto"}),
     "gated-2rows": (2, {"mode": "auto", "draft_len": 4}),
     "spec-2rows": (2, {"mode": "spec", "draft": "prompt_lookup", "draft_len": 4}),
+    "eagle-2rows": (2, {"mode": "spec", "draft": "eagle"}),  # a bundle built with --eagle-head only
 }
+DEFAULT_MODES = tuple(mode for mode in MODES if not mode.startswith("eagle"))
 
 
 @dataclass(frozen=True)
@@ -131,8 +136,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--modes",
-        default=",".join(MODES),
-        help=f"comma-separated modes to run, ar-1row and ar-2rows always among them (default: {','.join(MODES)})",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated modes to run, ar-1row and ar-2rows always among them (of {', '.join(MODES)}; "
+        f"default: {','.join(DEFAULT_MODES)})",
     )
     parser.add_argument("--sets", default=None, help="comma-separated prompt sets of --prompt-sets (default: all)")
     args = parse_and_pin(parser)

@@ -168,6 +168,8 @@ def speculative_round(
     guess = None  # the pass's guess after the token it emitted last: the row that chose that token guessed it
     if outputs.guesses is not None and verdict.token is not None:
         guess = int(outputs.guesses[0, verdict.accepted])
+        if not 0 <= guess < drafter.backend.bundle.model.vocab_size:  # an engine's output is untrusted input
+            guess = None
     for source in (drafter, floor) if floor is not None else (drafter,):
         source.observe_guess(arena.length, guess)
     emitted = proposal.tokens[: verdict.accepted] + ([verdict.token] if verdict.token is not None else [])
