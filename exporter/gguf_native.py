@@ -573,7 +573,7 @@ def blocksum_nodes(x: str, out: str, k: int, prefix: str) -> tuple[list[onnx.Nod
 
 
 def gather_block_quantized_nodes(
-    ids: str, out: str, prefix: str, linear: NativeLinear
+    ids: str, out: str, prefix: str, linear: NativeLinear, scope: str = "gather"
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """out [*ids.shape, K] = rows `ids` of the dequantized W [N, K] (an embedding table), read by
     com.microsoft GatherBlockQuantized from the SAME packed/scales initializers as the linear's
@@ -583,6 +583,8 @@ def gather_block_quantized_nodes(
     and the op's default zero point 2**(bits-1); GatherBlockQuantized wants scales of the data's
     rank, so a Reshape views the [N, K/B] scales as [N, K/B, 1]. A correction, when present, is
     gathered from its [K/32, N] layout (Gather axis 1 + Transpose) and added per block of 32.
+    `scope` names the nodes and values: a graph that gathers the table twice (the token embedding
+    and a draft head's) gives each its own.
     """
     if not linear.symmetric:
         # GatherBlockQuantized would need its zero points as [n, k/B, 1] (one per byte), MatMulNBits
@@ -591,7 +593,7 @@ def gather_block_quantized_nodes(
             "GatherBlockQuantized for a table with explicit zero points (zero_points set) is not wired"
         )
     names = initializer_names(prefix)
-    ns = f"{prefix}/gather"  # node and value names; initializers are shared with the MatMulNBits of `prefix`
+    ns = f"{prefix}/{scope}"  # node and value names; initializers are shared with the MatMulNBits of `prefix`
     nb = linear.k // linear.block_size
     scale_shape, flat, tail = f"{prefix}.scale_shape3d", f"{prefix}.flat", f"{prefix}.row_tail"
     inits = linear_initializers(prefix, linear) + [
@@ -619,7 +621,7 @@ def gather_block_quantized_nodes(
     )
     rows = f"{ns}/rows3d"
     if linear.correction is not None:
-        correction_nodes, correction_inits, rows = _gathered_correction(prefix, linear, rows, gather_ids)
+        correction_nodes, correction_inits, rows = _gathered_correction(prefix, linear, rows, gather_ids, scope)
         nodes += correction_nodes
         inits += correction_inits
     nodes += [
@@ -631,12 +633,12 @@ def gather_block_quantized_nodes(
 
 
 def _gathered_correction(
-    prefix: str, linear: NativeLinear, rows: str, gather_ids: str
+    prefix: str, linear: NativeLinear, rows: str, gather_ids: str, scope: str = "gather"
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], str]:
     """Nodes adding the gathered rows' correction (from its [K/32, N] layout) per block of 32 to
     `rows`; returns them, their initializer and the corrected rows' name."""
     names = initializer_names(prefix)
-    ns = f"{prefix}/gather"
+    ns = f"{prefix}/{scope}"
     c32 = f"{prefix}.corr_shape"
     inits = [numpy_helper.from_array(np.array([-1, linear.k // 32, 32], np.int64), c32)]
     nodes = [

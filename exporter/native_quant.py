@@ -176,8 +176,10 @@ def _replacement(
         and EMBEDDING in weights
         and _attrs(node).get("axis", 0) == 0
     ):
+        earlier = sum(1 for done in nodes if done.op_type == "GatherBlockQuantized")  # the same table gathered before
+        scope = f"gather_{earlier + 1}" if earlier else "gather"
         new, inits = gather_block_quantized_nodes(
-            node.input[1], node.output[0], "token_embd", weights.linear(EMBEDDING)
+            node.input[1], node.output[0], "token_embd", weights.linear(EMBEDDING), scope
         )
         nodes.extend(new)
         added.extend(inits)

@@ -6,8 +6,10 @@ on Qwen2.5-Coder-0.5B's edit prompts (issue #37, Xeon), 0.86x on SmolLM2's rewri
 (Zen 3). An open question copies nothing, and a two-row pass costs 1.1-1.3 one-row passes, so
 there plain one-row steps win. The runtime picks per request, before the first decode step,
 from the prompt alone (deterministic): two rows with prompt lookup where the prompt holds a
-fenced code block of at least `MIN_CODE_CHARS`, else one row. `--mode ar` decodes with the same
-rows, so the default run's tokens equal `--mode ar`'s for every prompt.
+fenced code block of at least `MIN_CODE_CHARS`, else one row, or two where the bundle's decode
+graph guesses the next token itself (an EAGLE head: every floor round then drafts its guess).
+`--mode ar` decodes with the same rows, so the default run's tokens equal `--mode ar`'s for every
+prompt.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ def code_chars(prompt: str) -> int:
     return max((len(block.strip()) for block in FENCED.findall(prompt)), default=0)
 
 
-def prompt_policy(prompt: str) -> DecodePolicy:
-    """The policy a prompt gets when neither the caller nor the bundle fixes the rows."""
-    return DecodePolicy(2, "lookup") if code_chars(prompt) >= MIN_CODE_CHARS else DecodePolicy(1, "plain")
+def prompt_policy(prompt: str, guessing: bool = False) -> DecodePolicy:
+    """The policy a prompt gets when neither the caller nor the bundle fixes the rows. `guessing`:
+    the bundle's decode graph guesses the next token itself (an EAGLE head, runtimes/drafting/eagle.py),
+    so every floor round of two rows drafts: two rows for every prompt ("head" where no code block
+    would be copied)."""
+    if code_chars(prompt) >= MIN_CODE_CHARS:
+        return DecodePolicy(2, "lookup")
+    return DecodePolicy(2, "head") if guessing else DecodePolicy(1, "plain")

@@ -308,7 +308,7 @@ class Generator:
         if not decoder_for(mode, 1).prompt_rows or not self.backend.rows_alike:
             return DecodePolicy(1, "fixed")
         text = prompt if isinstance(prompt, str) else self.codec.decode(prompt_ids)
-        return prompt_policy(text)
+        return prompt_policy(text, self.bundle.graph(self.bundle.config("full").decode).guesses)
 
     def _prompt_ids(self, prompt: str | Sequence[int], raw: bool) -> list[int]:
         if isinstance(prompt, str):

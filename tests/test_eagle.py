@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from adaptive_export.commands.cli import main
-from tests.conftest import build_tiny
+from tests.conftest import build_tiny, needs_smollm2
 
 EAGLE_FLAGS = ("--max-len", "128", "--eagle-head", "64")
 PROMPTS = ("def add(a, b):", "Write a haiku about autumn leaves.", "The capital of France is")
@@ -116,6 +116,7 @@ def test_the_head_starts_as_the_model_head() -> None:
     ("flags", "words"),
     [
         (("--eagle-head", "5"), "is not a vocabulary size"),
+        (("--eagle-head", "no/such/head.safetensors"), "does not exist"),
         (("--eagle-head", "64", "--draft-precision", "int8"), "one draft vocabulary"),
         (("--eagle-head", "64", "--backend", "onnx,coreml"), "ONNX Runtime engines only"),
     ],
@@ -153,3 +154,41 @@ def test_a_manifest_breaking_the_eagle_contract_is_refused(
 
     copy = corrupt_copy(eagle_bundle, tmp_path, edit_manifest(edit))  # type: ignore[arg-type]
     expect_usage_error(["run", str(copy), "-p", "hi", "--mode", "ar"], capsys, words)
+
+
+def untrained_head_file(path: Path, hidden: int, width: int, ids: list[int]) -> Path:
+    """A head as `build --eagle-head` writes it, untrained (the block passes h through)."""
+    from safetensors.torch import save
+
+    from adaptive_export.graphs.drafts.eagle import EagleBlock, pack
+
+    table = pack(EagleBlock(hidden, width, 1e-5))
+    tensors = {"eagle": table, "ids": torch.tensor(ids, dtype=torch.int32)}
+    path.write_bytes(save(tensors, metadata={"acceptance_own_text": "None"}))
+    return path
+
+
+@needs_smollm2
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_gguf_exact_bundle_runs_the_head_and_keeps_plain_tokens(
+    tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SmolLM2's GGUF-exact bundle with a head from a file (`--eagle-head FILE`, no training): its
+    decode graph gathers the quantized embedding twice (the tokens' and the head's, each its own
+    nodes), ONNX Runtime loads it, the default run decodes two rows with the head on a chat prompt
+    ("head" policy) and its tokens equal `--mode ar`'s."""
+    from tests.conftest import build_smollm2
+
+    head = untrained_head_file(
+        tmp_path_factory.mktemp("head") / "eagle_head.safetensors", 576, 64, list(range(0, 8192, 2))
+    )
+    bundle = build_smollm2(tmp_path_factory, "smol-eagle", "--max-len", "256", "--eagle-head", str(head))
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["graphs"]["decode_full"]["eagle"] == 64 and manifest["backends"]["onnx"]["quantize"] == "native"
+    for prompt in ("What is the capital of France?", "Write a haiku about autumn leaves."):
+        default = run_json(bundle, prompt, capsys)
+        plain = run_json(bundle, prompt, capsys, "--mode", "ar")
+        assert default["stats"]["policy"] == "head" and default["stats"]["decode_rows"] == 2
+        assert default["tokens"] == plain["tokens"]
+        assert default["stats"]["floor_rounds"] > 0

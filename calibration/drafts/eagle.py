@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from adaptive_export.calibration.draft_builds import BuildOption, BuildStep, SourceBuild
@@ -36,7 +37,8 @@ REQUESTS, ANSWER_TOKENS, DOCSTRINGS = 48, 96, 240  # the training text (calibrat
 EPOCHS, MAX_SECONDS = 4, 900.0  # 2-core CPU: the whole 0.5B recipe stays within about 30 minutes
 HELP = (
     "train an EAGLE head that guesses the token after next in every decode pass, scoring the N token ids "
-    "the model writes most (e.g. 4096; 0 = none): the floor guess of two-row decoding and `--draft eagle`"
+    "the model writes most (e.g. 4096; 0 = none), or take a bundle's eagle_head.safetensors (FILE): "
+    "the guess of every two-row pass, and `run --draft eagle`"
 )
 
 
@@ -214,27 +216,62 @@ def _acceptance(measured: dict[str, Any]) -> float | None:
 
 
 class EagleBuild(BuildStep):
-    """`build --eagle-head N`: train the head over N token ids; it guesses in every decode pass."""
+    """`build --eagle-head N|FILE`: train the head over N token ids (or load one); it guesses in every decode pass."""
 
-    option = BuildOption("--eagle-head", "0", "N", HELP)
+    option = BuildOption("--eagle-head", "0", "N|FILE", HELP)
 
     @staticmethod
     def check(value: str) -> None:
-        if not value.isdigit() or not MIN_VOCAB <= int(value) <= MAX_VOCAB:
+        if value.isdigit() and not MIN_VOCAB <= int(value) <= MAX_VOCAB:
             raise UsageError(
                 f"--eagle-head {value} is not a vocabulary size in {MIN_VOCAB}..{MAX_VOCAB}",
                 "pass the token ids the head scores, e.g. --eagle-head 4096",
             )
+        if not value.isdigit() and not Path(value).is_file():
+            raise UsageError(
+                f"EAGLE head file {value!r} does not exist",
+                f"pass a vocabulary size to train one (e.g. --eagle-head 4096), or the {TABLE.file} of a bundle",
+            )
 
     @staticmethod
     def build(value: str, loaded: Any, prompts: Sequence[str], seed: int) -> SourceBuild:
-        from adaptive_export.loading.artifacts import draft_table_bytes
-
-        fit = fit_eagle(loaded, int(value), seed)
+        fit = fit_eagle(loaded, int(value), seed) if value.isdigit() else load_eagle(value, loaded)
         width = int(fit.table.shape[0]) // 5
-        section = {"draft_len": 1, "acceptance": fit.report["acceptance_own_text"]}
-        files = {TABLE.file: draft_table_bytes(TABLE, fit.table)}
+        section = {"draft_len": 1, "acceptance": fit.report.get("acceptance_own_text")}
+        files = {TABLE.file: eagle_bytes(fit)}
         return SourceBuild(NAME, EagleBuild.option.flag, {FIELD: width}, fit.table, section, fit.report, files, fit.ids)
+
+
+def eagle_bytes(fit: EagleFit) -> bytes:
+    """The head as its bundle file: the packed table (`check` reads it back), its vocabulary's ids
+    (int32) and its measured acceptance, so `--eagle-head FILE` rebuilds without training."""
+    import torch
+    from safetensors.torch import save
+
+    tensors = {TABLE.key: fit.table.detach().contiguous(), "ids": fit.ids.to(torch.int32).contiguous()}
+    return save(tensors, metadata={"acceptance_own_text": repr(fit.report.get("acceptance_own_text"))})
+
+
+def load_eagle(path: str, loaded: Any) -> EagleFit:
+    """`--eagle-head FILE`: a head eagle_bytes wrote, checked against the model."""
+    from safetensors import SafetensorError, safe_open
+
+    from adaptive_export.loading.artifacts import load_draft_table
+
+    fix = "train an EAGLE head for this model with --eagle-head N"
+    table = load_draft_table(TABLE, path, loaded.spec.hidden_size)
+    try:
+        with safe_open(path, framework="pt") as reader:
+            ids, metadata = reader.get_tensor("ids").long(), reader.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise UsageError(f"EAGLE head file {path!r} holds no token ids ({exc})", fix) from exc
+    vocab = loaded.spec.vocab_size
+    good = ids.dim() == 1 and 0 < ids.numel() < vocab and int(ids.min()) >= 0 and int(ids.max()) < vocab
+    if not good or not bool((ids[1:] > ids[:-1]).all()) or table.shape[0] % 5:
+        raise UsageError(f"EAGLE head file {path!r} is no head of this model (ids or table shape)", fix)
+    accepted = metadata.get("acceptance_own_text", "None")
+    report = {"loaded_from": Path(path).name, "acceptance_own_text": None if accepted == "None" else float(accepted)}
+    return EagleFit(table, ids, report)
 
 
 def check_options(options: Any, quantize: str) -> None:
