@@ -53,6 +53,7 @@ from adaptive_export.calibration.draft_training import (
     trimmed_ids,
     vocabulary_order,
 )
+from adaptive_export.calibration.drafts.eagle import first_sight
 from adaptive_export.calibration.verify_cost import measure_verify_costs
 from adaptive_export.graphs.layers import Head
 from benchmarks.common import bench_parser, cpu_model, median_of, parse_and_pin, print_table
@@ -78,7 +79,7 @@ def teacher_pairs(loaded: Any, docs: Any, seen: set[int]) -> Pairs:
     features, ids, logp, own = [], [], [], []
     with torch.no_grad():
         for doc in tqdm(docs, desc="teacher pass", unit="doc"):
-            fresh = [t for t in range(len(doc.ids) - 2) if _first_sight(doc.ids[: t + 2], seen)]
+            fresh = [t for t in range(len(doc.ids) - 2) if first_sight(doc.ids[: t + 2], seen)]
             if not fresh:
                 continue
             tokens = torch.tensor([doc.ids])
@@ -90,14 +91,6 @@ def teacher_pairs(loaded: Any, docs: Any, seen: set[int]) -> Pairs:
             logp.append(top.values)
             own.append(torch.tensor([doc.answer_start <= t + 1 for t in fresh]))
     return Pairs(torch.cat(features), torch.cat(ids), torch.cat(logp), torch.cat(own))
-
-
-def _first_sight(prefix: tuple[int, ...], seen: set[int]) -> bool:
-    key = hash(prefix)
-    if key in seen:
-        return False
-    seen.add(key)
-    return True
 
 
 class NextNextBlock(nn.Module):

@@ -62,3 +62,17 @@ class BuildPlan:
         for piece in GRAPH_PIECES.values():
             out = piece.add_graphs(self, out)
         return out
+
+
+def with_full_decode_field(plan: BuildPlan, graphs: list[GraphSpec], key: str) -> list[GraphSpec]:
+    """The graphs, the full decode graph's draft field `key` set to the plan's value (unset:
+    unchanged): for a source whose engine is that graph itself (prompt tokens, the EAGLE head)."""
+    value = plan.draft_fields.get(key, 0)
+    if not value:
+        return graphs
+    return [graph.with_draft_field(key, value) if graph.name == f"decode_{FULL_CONFIG}" else graph for graph in graphs]
+
+
+def decode_field_role(graph: GraphSpec, key: str, role: str) -> str | None:
+    """`role` for a decode graph at the bundle's precision whose draft field `key` is set."""
+    return role if graph.kind == "decode" and graph.draft_field(key) and graph.precision is None else None

@@ -74,7 +74,7 @@ def teacher_pairs(loaded: Any, docs: Sequence[Any], seen: set[int], progress: bo
     try:
         with torch.no_grad():
             for doc in tqdm(docs, desc="eagle teacher pass", unit="doc", disable=not progress):
-                fresh = [t for t in range(len(doc.ids) - 2) if _first_sight(doc.ids[: t + 2], seen)]
+                fresh = [t for t in range(len(doc.ids) - 2) if first_sight(doc.ids[: t + 2], seen)]
                 if not fresh:
                     continue
                 captured.clear()
@@ -93,7 +93,8 @@ def teacher_pairs(loaded: Any, docs: Sequence[Any], seen: set[int], progress: bo
     return Pairs(torch.cat(features), torch.cat(ids), torch.cat(logp), torch.cat(own))
 
 
-def _first_sight(prefix: tuple[int, ...], seen: set[int]) -> bool:
+def first_sight(prefix: tuple[int, ...], seen: set[int]) -> bool:
+    """Whether this prefix is new (and now seen): a prefix two documents share is trained on once."""
     key = hash(prefix)
     if key in seen:
         return False

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from adaptive_export.graphs.architectures import architecture
 from adaptive_export.graphs.layers import Head, embed_tokens
-from adaptive_export.graphs.plan import FULL_CONFIG
+from adaptive_export.graphs.plan import decode_field_role, with_full_decode_field
 
 if TYPE_CHECKING:  # the plan applies this piece
     from adaptive_export.graphs.plan import BuildPlan
@@ -102,17 +102,12 @@ class Guesses(nn.Module):
 
 def add_graphs(plan: BuildPlan, graphs: list[GraphSpec]) -> list[GraphSpec]:
     """The full decode graph, now guessing with the plan's head (width unset: unchanged)."""
-    width = plan.draft_fields.get(FIELD, 0)
-    if not width:
-        return graphs
-    return [
-        graph.with_draft_field(FIELD, width) if graph.name == f"decode_{FULL_CONFIG}" else graph for graph in graphs
-    ]
+    return with_full_decode_field(plan, graphs, FIELD)
 
 
 def engine_role(graph: GraphSpec) -> str | None:
     """A decode graph at the bundle's precision that guesses with the head is the EAGLE engine."""
-    return ROLE if graph.kind == "decode" and graph.draft_field(FIELD) and graph.precision is None else None
+    return decode_field_role(graph, FIELD, ROLE)
 
 
 def guess_head(parts: ModelParts, graph: GraphSpec) -> nn.Module | None:

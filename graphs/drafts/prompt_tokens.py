@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from adaptive_export.graphs.plan import FULL_CONFIG
+from adaptive_export.graphs.plan import decode_field_role, with_full_decode_field
 
 if TYPE_CHECKING:  # the plan applies this piece
     import torch
@@ -22,17 +22,12 @@ FIELD = ROLE = TABLE = "prompt_tokens"
 
 def add_graphs(plan: BuildPlan, graphs: list[GraphSpec]) -> list[GraphSpec]:
     """The full decode graph, now embedding the plan's prompt tokens (none: unchanged)."""
-    count = plan.draft_fields.get(FIELD, 0)
-    if not count:
-        return graphs
-    return [
-        graph.with_draft_field(FIELD, count) if graph.name == f"decode_{FULL_CONFIG}" else graph for graph in graphs
-    ]
+    return with_full_decode_field(plan, graphs, FIELD)
 
 
 def engine_role(graph: GraphSpec) -> str | None:
     """A decode graph at the bundle's precision that embeds prompt tokens is the prompt-token engine."""
-    return ROLE if graph.kind == "decode" and graph.draft_field(FIELD) and graph.precision is None else None
+    return decode_field_role(graph, FIELD, ROLE)
 
 
 def appended_ids(graph: GraphSpec) -> int:
