@@ -192,3 +192,28 @@ def test_a_gguf_exact_bundle_runs_the_head_and_keeps_plain_tokens(
         assert default["stats"]["policy"] == "head" and default["stats"]["decode_rows"] == 2
         assert default["tokens"] == plain["tokens"]
         assert default["stats"]["floor_rounds"] > 0
+
+
+def test_a_head_file_is_checked_against_the_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--eagle-head FILE` builds without training; ids outside the vocabulary are one error line,
+    and a recorded acceptance that is no rate (NaN) is kept as unknown, not written into the manifest."""
+    from safetensors.torch import save
+
+    from adaptive_export.graphs.drafts.eagle import EagleBlock, pack
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", layers=2)
+    table = pack(EagleBlock(64, 32, 1e-6))
+    good, foreign = tmp_path / "good.safetensors", tmp_path / "foreign.safetensors"
+    good.write_bytes(
+        save({"eagle": table, "ids": torch.arange(0, 64, 2, dtype=torch.int32)}, {"acceptance_own_text": "nan"})
+    )
+    foreign.write_bytes(save({"eagle": table, "ids": torch.tensor([3, 10**6], dtype=torch.int32)}))
+    capsys.readouterr()
+    assert main(["build", str(model), "-o", str(tmp_path / "bad"), "--eagle-head", str(foreign)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # the loading's progress bar, then one error line
+    errors = [line for line in err if line.startswith("error: ")]
+    assert errors == err[-1:] and "is no head of this model" in err[-1] and not (tmp_path / "bad").exists()
+    assert main(["build", str(model), "-o", str(tmp_path / "b"), "--eagle-head", str(good), "--max-len", "64"]) == 0
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert manifest["graphs"]["decode_full"]["eagle"] == 32 and manifest["speculation"]["eagle"]["acceptance"] is None

@@ -270,9 +270,17 @@ def load_eagle(path: str, loaded: Any) -> EagleFit:
     good = ids.dim() == 1 and 0 < ids.numel() < vocab and int(ids.min()) >= 0 and int(ids.max()) < vocab
     if not good or not bool((ids[1:] > ids[:-1]).all()) or table.shape[0] % 5:
         raise UsageError(f"EAGLE head file {path!r} is no head of this model (ids or table shape)", fix)
-    accepted = metadata.get("acceptance_own_text", "None")
-    report = {"loaded_from": Path(path).name, "acceptance_own_text": None if accepted == "None" else float(accepted)}
+    report = {"loaded_from": Path(path).name, "acceptance_own_text": _rate(metadata.get("acceptance_own_text"))}
     return EagleFit(table, ids, report)
+
+
+def _rate(text: str | None) -> float | None:
+    """A file's recorded acceptance: a number in [0, 1], else unknown (a hostile file's is only text)."""
+    try:
+        value = float(text) if text is not None and len(text) < 32 else None
+    except ValueError:
+        return None
+    return value if value is not None and 0.0 <= value <= 1.0 else None
 
 
 def check_options(options: Any, quantize: str) -> None:
