@@ -21,7 +21,13 @@ PROMPTS = ("def add(a, b):", "Write a haiku about autumn leaves.", "The capital 
 
 @pytest.fixture(scope="module")
 def eagle_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny(tmp_path_factory, *EAGLE_FLAGS)
+    """The tiny model with a head trained on a smaller text than the real recipe's (the suite's time)."""
+    from adaptive_export.calibration.drafts import eagle
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(eagle, "REQUESTS", 16)
+        patch.setattr(eagle, "DOCSTRINGS", 60)
+        return build_tiny(tmp_path_factory, *EAGLE_FLAGS)
 
 
 def run_json(bundle: Path, prompt: str, capsys: pytest.CaptureFixture[str], *flags: str) -> dict:
