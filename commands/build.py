@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from adaptive_export.calibration.draft_builds import SourceBuild
+from adaptive_export.calibration.drafts.precision import precision_asked
 from adaptive_export.calibration.router_pipeline import THRESHOLD, RouterOptions
 from adaptive_export.calibration.speculation import SpeculationOptions
 from adaptive_export.commands import EXIT_OK
@@ -138,7 +139,7 @@ def check_build_options(options: BuildOptions) -> CheckedBuild:
     if options.calib and (options.routers or options.speculate or draft_builds or options.draft_vocab):
         read_prompts(options.calib)  # a bad calibration file fails before minutes of loading
     check_source_options(options, quantize)
-    draft_precision = None if options.draft_precision in ("none", "") else options.draft_precision
+    draft_precision = options.draft_precision if precision_asked(options) else None
     return CheckedBuild(output, quantize, native_source, draft_precision, draft_builds)
 
 

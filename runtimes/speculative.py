@@ -85,15 +85,11 @@ class FloorGuess(PromptLookup):
     (a bundle with an EAGLE head: runtimes/drafting/eagle.py), else `pending` again (a repeat is as
     good a guess as any); verified by the decode engine over [pending, guess] (runtimes/drafting/prompt_lookup.py)."""
 
-    guess, guess_at = 0, -1
-
-    def observe_guess(self, start: int, guess: int | None) -> None:
-        self.guess, self.guess_at = (guess, start) if guess is not None else (0, -1)
-
     def propose(
         self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
     ) -> Proposal:
-        return Proposal(lookup_ngram(context, 1) or [self.guess if start == self.guess_at else pending])
+        guess = self.guess_for(start)
+        return Proposal(lookup_ngram(context, 1) or [pending if guess is None else guess])
 
 
 def default_source(bundle: Bundle, config: ConfigEntry) -> str:

@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from adaptive_export.calibration.draft_builds import BuildOption, BuildStep, SourceBuild
 from adaptive_export.calibration.draft_sources import Candidate, MeasuredElsewhere, latency_candidate
+from adaptive_export.calibration.drafts.precision import precision_asked
 from adaptive_export.runtimes.drafting.eagle import FIELD, Eagle
 from adaptive_export.runtimes.errors import UsageError
 
 if TYPE_CHECKING:
-    from torch import Tensor, nn
+    from torch import Tensor
 
 NAME = Eagle.name
 TABLE = Eagle.table
@@ -102,32 +103,6 @@ def first_sight(prefix: tuple[int, ...], seen: set[int]) -> bool:
     return True
 
 
-def head_draft(loaded: Any, width: int, ids: Tensor) -> nn.Module:
-    """block -> the model's final norm -> the LM head's rows of `ids`: what the decode graph's head
-    computes, over [h | e] features (calibration/draft_training.py trains its `.block`)."""
-    import torch
-    from torch import nn
-
-    from adaptive_export.graphs.drafts.eagle import EagleBlock, rms
-    from adaptive_export.graphs.layers import Head
-
-    head = Head(loaded.hf_model, loaded.spec)
-    hidden, eps = loaded.spec.hidden_size, loaded.spec.rms_norm_eps
-
-    class HeadDraft(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.block = EagleBlock(hidden, width, eps)
-            self.register_buffer("norm_weight", head.arch.norm_weight(head.norm).detach().float().clone())
-            self.register_buffer("rows", head.lm_head.weight.detach().float().index_select(0, ids).clone())
-
-        def forward(self, pair: torch.Tensor) -> torch.Tensor:
-            x = self.block(pair[..., :hidden], pair[..., hidden:])
-            return nn.functional.linear(rms(x, eps) * self.norm_weight, self.rows)
-
-    return HeadDraft()
-
-
 @dataclass(frozen=True)
 class EagleFit:
     table: Tensor  # graphs/drafts/eagle.py pack(block)
@@ -144,16 +119,18 @@ def fit_eagle(loaded: Any, vocab: int, seed: int, progress: bool = True) -> Eagl
     from adaptive_export.calibration.draft_data import training_text
     from adaptive_export.calibration.draft_training import (
         TrainSettings,
+        TrimmedDraft,
         predictions,
         row_of,
         train_block,
         trimmed_ids,
         vocabulary_order,
     )
-    from adaptive_export.graphs.drafts.eagle import pack
+    from adaptive_export.graphs.drafts.eagle import EagleBlock, PairBlock, pack
+    from adaptive_export.graphs.layers import Head
 
     wall, cpu = time.perf_counter(), time.process_time()
-    model = loaded.hf_model.eval().requires_grad_(False)
+    loaded.hf_model.eval().requires_grad_(False)
     text = training_text(
         loaded, requests=REQUESTS, answer_tokens=ANSWER_TOKENS, docstrings=DOCSTRINGS, seed=seed, progress=progress
     )
@@ -162,13 +139,14 @@ def fit_eagle(loaded: Any, vocab: int, seed: int, progress: bool = True) -> Eagl
     ids = trimmed_ids(vocabulary_order(loaded, text, train), min(vocab, loaded.spec.vocab_size - 1))  # type: ignore[arg-type]
     width = min(2 * loaded.spec.hidden_size, 16384)
     torch.manual_seed(seed)
-    draft = head_draft(loaded, width, ids)
+    hidden = loaded.spec.hidden_size
+    block = PairBlock(EagleBlock(hidden, width, loaded.spec.rms_norm_eps), hidden)
+    draft = TrimmedDraft(block, Head(loaded.hf_model, loaded.spec), ids)  # block -> final norm -> trimmed rows
     settings = TrainSettings(epochs=EPOCHS, max_seconds=MAX_SECONDS, seed=seed, progress=progress)
     top_index = row_of(ids, loaded.spec.vocab_size)[train.top_ids]
-    trained = train_block(draft, train.features, top_index, train.top_logp, settings, "eagle head")  # type: ignore[arg-type]
-    guessed, _ = predictions(draft, held.features, ids)  # type: ignore[arg-type]
+    trained = train_block(draft, train.features, top_index, train.top_logp, settings, "eagle head")
+    guessed, _ = predictions(draft, held.features, ids)
     hit = guessed == held.top_ids[:, 0]
-    model.requires_grad_(False)
     report = {
         "text": text.summary(),
         "positions": {"train": int(train.own.numel()), "held_out": int(held.own.numel())},
@@ -180,7 +158,7 @@ def fit_eagle(loaded: Any, vocab: int, seed: int, progress: bool = True) -> Eagl
         "minutes": round((time.perf_counter() - wall) / 60, 2),
         "cpu_minutes": round((time.process_time() - cpu) / 60, 2),
     }
-    return EagleFit(pack(draft.block), ids, report)
+    return EagleFit(pack(block.block), ids, report)
 
 
 class EagleMeasure(MeasuredElsewhere):
@@ -291,7 +269,7 @@ def check_options(options: Any, quantize: str) -> None:
         raise UsageError(
             "--eagle-head runs in ONNX Runtime engines only", "build with --backend onnx, or drop --eagle-head"
         )
-    if options.draft_vocab or (options.draft_head or "none") != "none" or options.draft_precision not in ("none", ""):
+    if options.draft_vocab or (options.draft_head or "none") != "none" or precision_asked(options):
         raise UsageError(
             "--eagle-head trims the bundle's one draft vocabulary itself",
             "drop --draft-vocab, --draft-head and --draft-precision, or drop --eagle-head",

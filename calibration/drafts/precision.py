@@ -73,11 +73,16 @@ def check_draft_vocab_option(size: int, precision_asked: bool) -> None:
         )
 
 
+def precision_asked(options: Any) -> bool:
+    """Whether the build asks for a precision draft (`--draft-precision`, `none` or empty: not)."""
+    return (options.draft_precision or "none") != "none"
+
+
 def check_options(options: Any, quantize: str) -> None:
     """The build options that shape the precision draft (commands/options.py BuildOptions),
     checked before minutes of loading; `quantize` is the bundle's resolved precision."""
     check_draft_precision(options, quantize)
-    check_draft_vocab_option(options.draft_vocab, (options.draft_precision or "none") != "none")
+    check_draft_vocab_option(options.draft_vocab, precision_asked(options))
 
 
 MEASURE = PrecisionMeasure

@@ -49,6 +49,18 @@ class EagleBlock(nn.Module):
         return hidden + self.down(nn.functional.silu(self.gate(n)) * self.up(n))
 
 
+class PairBlock(nn.Module):
+    """The block over [h | e] features in one tensor: the one input a training draft hands its block
+    (calibration/draft_training.py TrimmedDraft)."""
+
+    def __init__(self, block: EagleBlock, hidden: int) -> None:
+        super().__init__()
+        self.block, self.hidden = block, hidden
+
+    def forward(self, pair: Tensor) -> Tensor:
+        return self.block(pair[..., : self.hidden], pair[..., self.hidden :])
+
+
 def pack(block: EagleBlock) -> Tensor:
     """The block's weights as one [5 * width, hidden] table: gate and up as [2 * width, hidden] each
     (their [width, 2 * hidden] rows split in halves), then down transposed."""

@@ -79,9 +79,18 @@ class DraftSource(DraftContract, ABC):
         """Drafts for a round that may emit at most `budget` more tokens."""
         return min(self.k, budget - 1 if self.bonus else budget)
 
-    def observe_guess(self, start: int, guess: int | None) -> None:  # noqa: B027 - most sources draft without it
+    # the last verify pass's in-graph guess and the arena length of the round it drafts for
+    guess: int | None = None
+    guess_at: int = -1
+
+    def observe_guess(self, start: int, guess: int | None) -> None:
         """After each round: the verify pass's in-graph guess (`StepOutputs.guesses`) at the token
         after the last one the round emitted, for the round at arena length `start` (None: no guess)."""
+        self.guess, self.guess_at = guess, start
+
+    def guess_for(self, start: int) -> int | None:
+        """The in-graph guess for the round at arena length `start`, if the last pass made one for it."""
+        return self.guess if start == self.guess_at else None
 
     @abstractmethod
     def propose(

@@ -29,15 +29,12 @@ class Eagle(EagleContract, DraftSource):
 
     def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int) -> None:
         super().__init__(backend, config, model, min(k, 1))  # one guess per pass: k > 1 would chain the head
-        self.guess, self.guess_at = 0, -1  # the guess, and the arena length of the round it drafts for
-
-    def observe_guess(self, start: int, guess: int | None) -> None:
-        self.guess, self.guess_at = (guess, start) if guess is not None else (0, -1)
 
     def propose(
         self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
     ) -> Proposal:
-        return Proposal([self.guess]) if k >= 1 and start == self.guess_at else PLAIN
+        guess = self.guess_for(start)
+        return Proposal([guess]) if k >= 1 and guess is not None else PLAIN
 
     def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
         return decode_engine_verify(self.backend, self.config, pending, proposal.tokens, start, arena)
