@@ -162,8 +162,8 @@ class EagleContract(DraftContract):
     @classmethod
     def check_graph_field(cls, graph: str, kind: str, key: str, value: Any) -> None:
         need(
-            is_int(value) and 0 <= value <= MAX_EAGLE_WIDTH and (kind == "decode" or not value),
-            f"graph {graph!r} has a bad {EAGLE_FIELD} (a decode graph's head width, 0..{MAX_EAGLE_WIDTH})",
+            is_int(value) and 0 <= value <= MAX_EAGLE_WIDTH and (kind in ("decode", "prefill") or not value),
+            f"graph {graph!r} has a bad {EAGLE_FIELD} (a decode or prefill graph's head width, 0..{MAX_EAGLE_WIDTH})",
         )
 
     @classmethod

@@ -47,7 +47,10 @@ def test_the_head_ships_in_the_decode_graph_and_its_guesses_pass_check(
     manifest = json.loads((eagle_bundle / "manifest.json").read_text())
     decode = manifest["graphs"]["decode_full"]
     assert decode["eagle"] == 2 * 64 and "guesses" in decode["outputs"]  # the tiny model's hidden size is 64
-    assert manifest["graphs"]["prefill"]["eagle"] == 0 and "guesses" not in manifest["graphs"]["prefill"]["outputs"]
+    # prefill carries the head too, so the fused prefill and decode graphs stay one engine file (one session)
+    assert manifest["graphs"]["prefill"]["eagle"] == 2 * 64 and "guesses" in manifest["graphs"]["prefill"]["outputs"]
+    onnx_graphs = manifest["backends"]["onnx"]["graphs"]
+    assert onnx_graphs["prefill"]["file"] == onnx_graphs["decode_full"]["file"]
     assert manifest["configs"][0]["engines"]["eagle"] == "decode_full"
     assert manifest["draft_vocab"]["size"] == 64 and "eagle_head.safetensors" in manifest["files"]
     assert 0.0 <= manifest["speculation"]["eagle"]["acceptance"] <= 1.0
@@ -141,7 +144,7 @@ def test_bad_eagle_options_are_one_line(
 
 
 def _eagle_on_prefill(manifest: dict) -> None:
-    manifest["graphs"]["prefill"]["eagle"] = 128
+    manifest["graphs"]["prefill"]["eagle"] = 10**6  # wider than any head
 
 
 def _eagle_role_elsewhere(manifest: dict) -> None:

@@ -113,8 +113,12 @@ class Guesses(nn.Module):
 
 
 def add_graphs(plan: BuildPlan, graphs: list[GraphSpec]) -> list[GraphSpec]:
-    """The full decode graph, now guessing with the plan's head (width unset: unchanged)."""
-    return with_full_decode_field(plan, graphs, FIELD)
+    """The full decode graph, now guessing with the plan's head (width unset: unchanged), and the
+    prefill graph too: in the fused flavour prefill and decode are then still one engine file, so
+    one ONNX Runtime session (two would each hold their own prepacked copy of the weights)."""
+    width = plan.draft_fields.get(FIELD, 0)
+    graphs = with_full_decode_field(plan, graphs, FIELD)
+    return [graph.with_draft_field(FIELD, width) if graph.kind == "prefill" else graph for graph in graphs]
 
 
 def engine_role(graph: GraphSpec) -> str | None:
