@@ -49,14 +49,16 @@ def test_loading_the_packaged_gguf_parses_it_once(monkeypatch: pytest.MonkeyPatc
     from adaptive_export.loading.packaged import PACKAGED
 
     assert read_gguf_header(PACKAGED["smollm2"].gguf_path()).has_quantized_tensors()
+    from adaptive_export.loading import gguf_fast_reader
+
     parses: list[str] = []
-    real_reader = gguf.GGUFReader
+    real_reader = gguf_fast_reader.ArrayFastReader
 
     def counted(path: Any, mode: Any = "r") -> Any:
         parses.append(str(path))
         return real_reader(path, mode)
 
-    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    monkeypatch.setattr(gguf_fast_reader, "ArrayFastReader", counted)
     loaded = load_model("smollm2")
     assert loaded.spec.num_layers == 30 and loaded.tokenizer.encode("Paris")
     assert parses == [str(PACKAGED["smollm2"].gguf_path())]
@@ -71,3 +73,47 @@ def test_native_quantization_of_a_float_gguf_is_refused_from_its_header(tmp_path
     assert resolve_quantize("auto", model, ("onnx",), "ort") == ("none", None)
     with pytest.raises(UsageError, match="needs a quantized .gguf model"):
         resolve_quantize("native", model, ("onnx",), "ort")
+
+
+def same_fields(ours: Any, theirs: Any) -> None:
+    """Every field's offset, parts (values and dtypes), data indices and types, and every tensor."""
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.data, mine.types) == (field.offset, field.data, field.types), name
+        assert len(mine.parts) == len(field.parts), name
+        for a, b in zip(mine.parts, field.parts, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert [(t.name, t.data_offset, t.data.tobytes()) for t in ours.tensors] == [
+        (t.name, t.data_offset, t.data.tobytes()) for t in theirs.tensors
+    ]
+
+
+def test_the_fast_reader_gives_ggufs_own_fields(tmp_path: Path) -> None:
+    """Arrays of strings (with multi-byte ones), of each scalar width, empty and nested ones."""
+    from adaptive_export.loading.gguf_fast_reader import ArrayFastReader
+
+    path = tmp_path / "arrays.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_token_list(["a", "", "žluť", "<|im_end|>"] * 50)
+    writer.add_token_scores([float(i) / 3 for i in range(200)])
+    writer.add_token_types([i % 6 for i in range(200)])
+    writer.add_array("test.empty", [])
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_array("test.bools", [True, False, True])
+    writer.add_key_value("test.int64", [2**40, -1], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT64)
+    writer.add_tensor("output_norm.weight", np.arange(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    same_fields(ArrayFastReader(str(path)), gguf.GGUFReader(str(path)))
+
+
+@needs_smollm2
+def test_the_fast_reader_gives_ggufs_own_fields_on_a_real_vocabulary() -> None:
+    from adaptive_export.loading.gguf_fast_reader import ArrayFastReader
+    from adaptive_export.loading.packaged import PACKAGED
+
+    path = str(PACKAGED["smollm2"].gguf_path())
+    same_fields(ArrayFastReader(path), gguf.GGUFReader(path))
