@@ -6,6 +6,7 @@ import contextlib
 import io
 import logging
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import onnx
@@ -78,7 +79,7 @@ def trace_graph(parts: ModelParts, graph: GraphSpec, packed: PackedWeights | Non
         dynamic_shapes = ({1: tokens}, tuple({0: past_len} for _ in past))
     entry = manifest_graph(graph)  # the I/O names the manifest lists and the runtime binds
     quiet = io.StringIO()
-    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(quiet):
+    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(quiet), without_slow_rewrites():
         warnings.simplefilter("ignore")
         logging.getLogger("torch").setLevel(logging.ERROR)
         program = torch.onnx.export(
@@ -94,3 +95,27 @@ def trace_graph(parts: ModelParts, graph: GraphSpec, packed: PackedWeights | Non
             custom_translation_table=translations,
         )
     return program
+
+
+# onnxscript's default rewrite rules that torch.onnx.export's optimizer tries on every node, left
+# out: SlicesSplit (two Slices of one input -> Split) matches a two-output pattern, which took 12.7
+# to 17.4 s per pass over SmolLM2's portable decode graph (Zen 3), half its export, and fired on
+# none of the graphs this project exports (tests/test_onnx_export_rules.py compares the graphs).
+SKIPPED_REWRITES = ("SlicesSplit",)
+
+
+@contextlib.contextmanager
+def without_slow_rewrites() -> Iterator[None]:
+    """Within the block, the optimizer's default rule set lacks SKIPPED_REWRITES (the module-level
+    tuple that onnxscript.optimizer.optimize_ir reads at each call)."""
+    from onnxscript import rewriter
+
+    rules = getattr(rewriter, "_DEFAULT_REWRITE_RULES", None)
+    if rules is None:  # a later onnxscript: its own rule set, untouched
+        yield
+        return
+    rewriter._DEFAULT_REWRITE_RULES = tuple(r for r in rules if getattr(r, "name", None) not in SKIPPED_REWRITES)
+    try:
+        yield
+    finally:
+        rewriter._DEFAULT_REWRITE_RULES = rules
