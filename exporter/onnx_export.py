@@ -21,6 +21,11 @@ OPSET = 18
 # 0 and 1, which torch.export would specialise on.
 _EXAMPLE_T, _EXAMPLE_P = 3, 5
 MAX_DIM = 1 << 16
+# onnxscript's default rewrite rules that torch.onnx.export's optimizer tries on every node, left
+# out: SlicesSplit (two Slices of one input -> Split) matches a two-output pattern, which took 12.7
+# to 17.4 s per pass over SmolLM2's portable decode graph (Zen 3), half its export, and fired on
+# none of the graphs this project exports (tests/test_onnx_export_rules.py compares the graphs).
+SKIPPED_REWRITES = ("SlicesSplit",)
 
 
 def _example_inputs(parts: ModelParts, graph: GraphSpec) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -95,13 +100,6 @@ def trace_graph(parts: ModelParts, graph: GraphSpec, packed: PackedWeights | Non
             custom_translation_table=translations,
         )
     return program
-
-
-# onnxscript's default rewrite rules that torch.onnx.export's optimizer tries on every node, left
-# out: SlicesSplit (two Slices of one input -> Split) matches a two-output pattern, which took 12.7
-# to 17.4 s per pass over SmolLM2's portable decode graph (Zen 3), half its export, and fired on
-# none of the graphs this project exports (tests/test_onnx_export_rules.py compares the graphs).
-SKIPPED_REWRITES = ("SlicesSplit",)
 
 
 @contextlib.contextmanager
