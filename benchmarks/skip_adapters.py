@@ -4,8 +4,8 @@
                                        [--spec-prompts 40] [--train-tokens 48] [--order 3,5,7,4]
                                        [--docstrings 0]
 
-The measurement that decides whether `build --routers train --lora R` (issue #25) is worth its
-graphs, before any graph holds an adapter. Static proxy of the router's choice: skip the k layers
+The measurement behind `build --routers train --lora R` (calibration/skip_adapters.py, whose
+training and agreement this uses), one skip set at a time. Static proxy of the router's choice: skip the k layers
 that cost least alone (each layer's teacher-forced agreement when it alone is skipped, on the
 training prompts; `--order` gives the order instead), then measure on held-out prompts the
 teacher-forced top-1 agreement with the full model's own greedy continuation, without and with
@@ -30,23 +30,21 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 from tqdm import tqdm
 
 from adaptive_export.calibration.draft_data import stdlib_documents
 from adaptive_export.calibration.greedy import greedy_sequences
 from adaptive_export.calibration.measure import calibration_prompts
 from adaptive_export.calibration.router_pipeline import DEFAULT_MIN_AGREEMENT
-from adaptive_export.calibration.routers import GatedModel, continuation_agreement, skipping_logits
+from adaptive_export.calibration.routers import GatedModel, continuation_agreement
 from adaptive_export.calibration.routers import TrainingSequence as Seq
-from adaptive_export.graphs.adaptive import ExitAdapter
+from adaptive_export.calibration.skip_adapters import adapted_agreement, as_module_dict, train_skip_adapters
 from benchmarks.common import DEFAULT_PROMPTS, ROOT, bench_parser, cpu_model, load_prompts, parse_and_pin, print_table
 
 HELD_OUT_TOKENS = 24
 DOCSTRING_TOKENS = 96
 DOCSTRING_PROMPT = 16
-LEARNING_RATE = 2e-3
 
 
 @dataclass(frozen=True)
@@ -70,49 +68,9 @@ class SkipRow:
     train_seconds: float
 
 
-def adapted_logits(model: GatedModel, seq: Seq, kept: set[int], adapters: nn.ModuleDict) -> Tensor:
-    """Logits of the continuation rows' predictions (positions prompt_len-1 .. end-1) when decoding
-    skips the layers outside `kept` and adds each kept layer's adapter: calibration/routers.py's
-    `skipping_logits` (the same without adapters), with gradients to the adapters."""
-    x, frame, empty = model._start(seq.ids)
-    decoding = (torch.arange(len(seq.ids)) >= seq.prompt_len)[:, None]
-    for index, layer in enumerate(model.layers):
-        out, _, _ = layer(x, empty, empty, *frame[index])
-        x = torch.where(decoding, adapters[str(index)](out), out) if index in kept else torch.where(decoding, x, out)
-    return model.head(x)[seq.prompt_len - 1 : -1]
-
-
-def adapted_agreement(model: GatedModel, seqs: Sequence[Seq], kept: set[int], adapters: nn.ModuleDict) -> float:
-    """`continuation_agreement` with the adapters in place."""
-    hits = total = 0
-    with torch.no_grad():
-        for seq in seqs:
-            predicted = adapted_logits(model, seq, kept, adapters).argmax(-1)
-            hits += int((predicted == torch.tensor(seq.ids[seq.prompt_len :])).sum())
-            total += len(seq.ids) - seq.prompt_len
-    return hits / max(total, 1)
-
-
 def train_adapters(model: GatedModel, seqs: Sequence[Seq], kept: set[int], rank: int, epochs: int) -> nn.ModuleDict:
-    """One adapter per kept layer, trained toward the full model's log-probabilities."""
-    spec = model.spec
-    every = set(range(spec.num_layers))
-    torch.manual_seed(0)
-    adapters = nn.ModuleDict({str(i): ExitAdapter(spec.hidden_size, rank, spec.rms_norm_eps) for i in sorted(kept)})
-    optimizer = torch.optim.Adam(adapters.parameters(), lr=LEARNING_RATE)
-    order = torch.Generator().manual_seed(0)
-    for _ in tqdm(range(epochs), desc=f"adapters, {spec.num_layers - len(kept)} skipped", unit="epoch"):
-        for index in torch.randperm(len(seqs), generator=order).tolist():
-            seq = seqs[index]  # the teacher is recomputed, not stored: Gemma 3's 262k-token rows would take GBs
-            teacher = torch.log_softmax(
-                skipping_logits(model, seq.ids, seq.prompt_len, every)[seq.prompt_len - 1 : -1], -1
-            )
-            student = torch.log_softmax(adapted_logits(model, seq, kept, adapters), -1)
-            loss = nn.functional.kl_div(student, teacher, log_target=True, reduction="batchmean")
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    return adapters.eval()
+    """Adapters trained for this one skip set (build trains one shared set over the routers' sets)."""
+    return as_module_dict(train_skip_adapters(model, seqs, [frozenset(kept)], rank, epochs).adapters)
 
 
 def cheapest_layers_first(model: GatedModel, seqs: Sequence[Seq]) -> list[int]:

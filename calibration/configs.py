@@ -44,7 +44,7 @@ def choose_configs(
     observed = [k for k in histogram if k != full]
     candidates = set(observed) | {a | b for a, b in combinations(observed, 2)}
     candidates |= {kept | {layer} for kept in observed for layer in full - kept}
-    candidates.discard(full)
+    candidates -= {full, frozenset()}  # full is always compiled; a graph needs a layer
     passes = acceptable or (lambda kept: True)
     chosen: list[KeptSet] = []
     current = 0

@@ -20,8 +20,20 @@ from adaptive_export.calibration.routers import (
     kept_by_routers,
     train_routers,
 )
-from adaptive_export.graphs.plan import SkipConfig
-from adaptive_export.loading.artifacts import ROUTERS_FILE, load_routers, routers_bytes
+from adaptive_export.calibration.skip_adapters import (
+    AdapterTraining,
+    adapted_agreement,
+    as_module_dict,
+    train_skip_adapters,
+)
+from adaptive_export.graphs.plan import FULL_CONFIG, SkipConfig
+from adaptive_export.loading.artifacts import (
+    ROUTERS_FILE,
+    SKIP_ADAPTERS_FILE,
+    adapters_bytes,
+    load_routers,
+    routers_bytes,
+)
 from adaptive_export.runtimes.errors import UsageError
 
 CONTINUATION_TOKENS = 24
@@ -29,6 +41,9 @@ CONTINUATION_TOKENS = 24
 # model's greedy tokens (teacher-forced, calibration continuations); the choice then takes
 # the best passing candidate instead (calibration/configs.py).
 DEFAULT_MIN_AGREEMENT = 0.8
+# With skip adapters, every HELD_OUT_EVERY-th calibration sequence is held out of their training
+# and measures the floor (adapters fit their own training text far better: docs/routers.md).
+HELD_OUT_EVERY = 4
 log = logging.getLogger(__name__)
 
 
@@ -42,11 +57,25 @@ class RouterOptions:
     router_lambda: float | None = None  # None: DEFAULT_LAMBDA
     router_lr: float | None = None  # None: LEARNING_RATE
     min_config_agreement: float | None = None  # None: DEFAULT_MIN_AGREEMENT
+    lora: int = 0  # rank of the shared skip adapters (0: none)
     seed: int = 0
 
 
-def plan_routers(options: RouterOptions, loaded: Any) -> tuple[Any, list[SkipConfig], dict[str, Any], dict[str, bytes]]:
-    """(routers, the skip configurations worth an engine, calibration.json's entry, the routers file)."""
+@dataclass(frozen=True)
+class RouterPlan:
+    """What router calibration decided: the routers, the configurations worth an engine, the
+    skip adapters those configurations read (empty: none), calibration.json's entry, the files."""
+
+    routers: Any
+    configs: list[SkipConfig]
+    skip_adapters: dict[int, Any]
+    report: dict[str, Any]
+    files: dict[str, bytes]
+
+
+def plan_routers(options: RouterOptions, loaded: Any) -> RouterPlan:
+    """Routers, then the skip configurations that keep the quality floor (with the skip adapters
+    where they help), then what was measured."""
     spec = loaded.spec
     prompts = calibration_prompts(options.calib)
     lam = DEFAULT_LAMBDA if options.router_lambda is None else options.router_lambda
@@ -61,8 +90,8 @@ def plan_routers(options: RouterOptions, loaded: Any) -> tuple[Any, list[SkipCon
     histogram: Counter[frozenset[int]] = Counter()
     for seq in sequences:
         histogram[kept_by_routers(loaded, routers, seq.ids[: seq.prompt_len])] += 1
-    floor = options.min_config_agreement
-    quality = QualityFloor(loaded, sequences, DEFAULT_MIN_AGREEMENT if floor is None else floor)
+    floor = DEFAULT_MIN_AGREEMENT if options.min_config_agreement is None else options.min_config_agreement
+    quality = quality_floor(options, loaded, sequences, histogram, floor)
     chosen = choose_configs(histogram, spec.num_layers, options.max_configs, acceptable=quality.passes)
     floor_report = quality.report()
     if dropped := floor_report["dropped"]:
@@ -72,25 +101,38 @@ def plan_routers(options: RouterOptions, loaded: Any) -> tuple[Any, list[SkipCon
             quality.floor,
             ", ".join(f"{row['agreement']:.2f}" for row in dropped),
         )
-    shares = served_share(histogram, chosen, spec.num_layers)
-    configs = [SkipConfig(f"s{n}", tuple(sorted(kept))) for n, kept in enumerate(chosen, 1)]
-    ids = {frozenset(c.kept): c.id for c in configs} | {frozenset(range(spec.num_layers)): "full"}
-    report["configs"] = {
-        "histogram": [
-            {"kept": sorted(k), "skipped": spec.num_layers - len(k), "count": n} for k, n in histogram.most_common()
-        ],
+    configs = [SkipConfig(f"s{n}", tuple(sorted(kept)), quality.adapts(kept)) for n, kept in enumerate(chosen, 1)]
+    report["configs"] = configs_report(histogram, chosen, configs, spec.num_layers, len(sequences))
+    report["configs"].update(max_configs=options.max_configs, quality=floor_report)
+    adapters = quality.used_adapters(configs)
+    files = {ROUTERS_FILE: routers_bytes(routers)}
+    if adapters:
+        files[SKIP_ADAPTERS_FILE] = adapters_bytes(adapters)
+    return RouterPlan(routers, configs, adapters, report, files)
+
+
+def configs_report(
+    histogram: Counter[frozenset[int]], chosen: list[frozenset[int]], configs: list[SkipConfig], layers: int, n: int
+) -> dict[str, Any]:
+    """calibration.json's configs entry: the routers' kept sets, the chosen ones, the layers saved."""
+    shares = served_share(histogram, chosen, layers)
+    by_kept = {frozenset(c.kept): c for c in configs}
+    full = SkipConfig(FULL_CONFIG, tuple(range(layers)))
+    return {
+        "histogram": [{"kept": sorted(k), "skipped": layers - len(k), "count": c} for k, c in histogram.most_common()],
         "chosen": [
-            {"id": ids[k], "kept": sorted(k), "skipped": spec.num_layers - len(k), "share": round(v, 4)}
+            {
+                "id": by_kept.get(k, full).id,
+                "kept": sorted(k),
+                "skipped": layers - len(k),
+                "share": round(v, 4),
+                "adapters": by_kept.get(k, full).adapters,
+            }
             for k, v in shares.items()
         ],
-        "expected_layers_saved_per_prompt": round(
-            layers_saved(histogram, chosen, spec.num_layers) / max(len(sequences), 1), 3
-        ),
-        "max_configs": options.max_configs,
-        "quality": floor_report,
+        "expected_layers_saved_per_prompt": round(layers_saved(histogram, chosen, layers) / max(n, 1), 3),
         "rule": "superset: cheapest compiled configuration containing every kept layer; full always compiled",
     }
-    return routers, configs, report, {ROUTERS_FILE: routers_bytes(routers)}
 
 
 def routers_and_training(
@@ -117,31 +159,94 @@ def routers_and_training(
     return result.routers, training
 
 
+def quality_floor(
+    options: RouterOptions,
+    loaded: Any,
+    sequences: list[TrainingSequence],
+    histogram: Counter[frozenset[int]],
+    floor: float,
+) -> QualityFloor:
+    """The floor every configuration must keep. With `--lora R`, one shared set of skip adapters
+    trains on three of every four calibration sequences, over the kept sets the routers chose, and
+    the floor is measured on the fourth (held out), with and without the adapters."""
+    if not options.lora:
+        return QualityFloor(loaded, sequences, floor)
+    held_out = sequences[HELD_OUT_EVERY - 1 :: HELD_OUT_EVERY]
+    training = [seq for index, seq in enumerate(sequences) if index % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
+    full = frozenset(range(loaded.spec.num_layers))
+    kept_sets = sorted((k for k in histogram.elements() if k and k != full), key=sorted)  # sets with adapters
+    if not kept_sets:
+        log.info("the routers keep every layer of every calibration prompt: no skip adapters to train")
+        return QualityFloor(loaded, held_out, floor)
+    quality = QualityFloor(loaded, held_out, floor)
+    quality.training = train_skip_adapters(quality.model, training, kept_sets, options.lora, seed=options.seed)
+    return quality
+
+
 class QualityFloor:
     """Teacher-forced top-1 agreement of decoding with a kept set, measured once per set;
-    a set passes if it keeps `floor` of the full model's greedy tokens."""
+    a set passes if it keeps `floor` of the full model's greedy tokens. With trained skip
+    adapters (`training`), each set is measured with and without them and takes the better."""
 
     def __init__(self, loaded: Any, sequences: list[TrainingSequence], floor: float) -> None:
         self.model = GatedModel(loaded).eval()
         self.sequences = sequences
         self.floor = floor
         self.measured: dict[frozenset[int], float] = {}
+        self.adapted: dict[frozenset[int], float] = {}
+        self.training: AdapterTraining | None = None
 
     def passes(self, kept: frozenset[int]) -> bool:
         if kept not in self.measured:
             self.measured[kept] = round(continuation_agreement(self.model, self.sequences, kept), 4)
+            if self.training is not None:
+                adapters = as_module_dict(self.training.adapters)
+                self.adapted[kept] = round(adapted_agreement(self.model, self.sequences, kept, adapters), 4)
             log.info(
-                "skipping layers %s keeps %.3f of the greedy tokens (floor %.2f)",
+                "skipping layers %s keeps %.3f of the greedy tokens%s (floor %.2f)",
                 sorted(set(range(len(self.model.layers))) - kept),
                 self.measured[kept],
+                f", {self.adapted[kept]:.3f} with skip adapters" if kept in self.adapted else "",
                 self.floor,
             )
-        return self.measured[kept] >= self.floor
+        return self.agreement(kept) >= self.floor
+
+    def agreement(self, kept: frozenset[int]) -> float:
+        return max(self.measured[kept], self.adapted.get(kept, 0.0))
+
+    def adapts(self, kept: frozenset[int]) -> bool:
+        """Whether decoding with `kept` keeps more with the adapters than without them."""
+        return self.adapted.get(kept, 0.0) > self.measured[kept]
+
+    def used_adapters(self, configs: list[SkipConfig]) -> dict[int, Any]:
+        """The adapters of the layers an adapting configuration keeps (what the bundle stores)."""
+        if self.training is None:
+            return {}
+        layers = {layer for config in configs if config.adapters for layer in config.kept}
+        return {layer: self.training.adapters[layer] for layer in sorted(layers)}
 
     def report(self) -> dict[str, Any]:
-        rows = [{"kept": sorted(kept), "agreement": agreement} for kept, agreement in self.measured.items()]
-        return {
+        rows = [
+            {"kept": sorted(kept), "agreement": self.agreement(kept), "without_adapters": agreement}
+            | ({"with_adapters": self.adapted[kept]} if kept in self.adapted else {})
+            for kept, agreement in self.measured.items()
+        ]
+        report: dict[str, Any] = {
             "min_agreement": self.floor,
+            "measured_on": f"{len(self.sequences)} calibration sequences"
+            + (", held out from the skip adapters' training" if self.training is not None else ""),
             "measured": rows,
             "dropped": [row for row in rows if row["agreement"] < self.floor],
         }
+        if self.training is not None:
+            t = self.training
+            report["skip_adapters"] = {
+                "rank": t.rank,
+                "epochs": t.epochs,
+                "steps": t.steps,
+                "decode_rows": t.decode_rows,
+                "kept_sets": t.kept_sets,
+                "seconds": round(t.seconds, 1),
+                "seed": t.seed,
+            }
+        return report

@@ -136,6 +136,11 @@ def check_build_options(options: BuildOptions) -> CheckedBuild:
         from adaptive_export.exporter.quantize import validate_options
 
         validate_options(options.quant_block, options.quant_accuracy)  # before minutes of loading and export
+    if options.lora and not options.routers:
+        raise UsageError(
+            f"--lora {options.lora} adapts skip configurations, and this build has no routers",
+            "add --routers train (or a routers file), or drop --lora",
+        )
     if options.calib and (options.routers or options.speculate or draft_builds or options.draft_vocab):
         read_prompts(options.calib)  # a bad calibration file fails before minutes of loading
     check_source_options(options, quantize)
@@ -149,9 +154,13 @@ def calibrate_routers(options: BuildOptions, loaded: Any, parts: ModelParts, sta
 
     # RouterOptions' fields are build options of the same names
     router_options = RouterOptions(**{f.name: getattr(options, f.name) for f in fields(RouterOptions)})
-    parts.routers, configs, state.calibration["routers"], router_files = plan_routers(router_options, loaded)
-    state.extra_files = {**state.extra_files, **router_files}
-    state.plan = BuildPlan(num_layers=loaded.spec.num_layers, configs=configs, routers=True, drafts=state.plan.drafts)
+    planned = plan_routers(router_options, loaded)
+    parts.routers, parts.skip_adapters = planned.routers, planned.skip_adapters
+    state.calibration["routers"] = planned.report
+    state.extra_files = {**state.extra_files, **planned.files}
+    state.plan = BuildPlan(
+        num_layers=loaded.spec.num_layers, configs=planned.configs, routers=True, drafts=state.plan.drafts
+    )
     state.calibration["configs"] = state.calibration["routers"].pop("configs")
 
 

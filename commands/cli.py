@@ -227,12 +227,23 @@ def _add_build_router_arguments(build: argparse.ArgumentParser) -> None:
         "layers at 0.63)",
     )
     build.add_argument(
+        "--quality-floor",
         "--min-config-agreement",
+        dest="min_config_agreement",
         type=_finite_float,
         default=None,
         help="compile a skip configuration only if decoding with it keeps this share of the full model's greedy "
         "tokens on the calibration prompts (teacher-forced; default: 0.8, i.e. at most one token in five "
         "differs; 0 keeps every chosen configuration)",
+    )
+    _add_int(
+        build,
+        "--lora",
+        (0, 256),
+        0,
+        "with --routers: train one shared set of rank-R skip adapters (FiRST's LoRA compensation: a low-rank "
+        "residual block after each kept layer of a skip configuration's decode), so configurations that skip "
+        "more layers pass the quality floor; measured on held-out calibration prompts; 0 (default): none",
     )
     build.add_argument(
         "--router-lr",

@@ -43,6 +43,7 @@ class BuildOptions(Options):
     router_lambda: float | None = None
     min_config_agreement: float | None = None
     router_lr: float | None = None
+    lora: int = 0
     speculate: str | None = None
     exit_adapter: str = "none"
     draft_head: str = "none"

@@ -66,12 +66,13 @@ def cmd_run(options: RunOptions) -> int:
         sys.stdout.write("\n")
         s = result.stats
         logging.getLogger("adaptive-export").info(
-            "%d tokens, prefill %.1f ms, TPOT %.2f ms, config %s (%d layers skipped), mode %s",
+            "%d tokens, prefill %.1f ms, TPOT %.2f ms, config %s (%d layers skipped%s), mode %s",
             s.new_tokens,
             s.prefill_ms,
             s.tpot_ms,
             s.config,
             s.skipped_layers,
+            ", adapted" if s.skip_adapters else "",
             s.mode,
         )
     return EXIT_OK

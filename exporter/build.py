@@ -168,6 +168,8 @@ def _name_weights(store: WeightStore, parts: ModelParts, packed: Any, graphs: li
             store.name_parameters([("draft_head.weight", rows.numpy())])
     for layer, adapter in parts.exit_adapters.items():
         store.name_parameters((f"exit_adapter.{layer}.{n}", p.detach().numpy()) for n, p in adapter.named_parameters())
+    for layer, adapter in parts.skip_adapters.items():
+        store.name_parameters((f"skip_adapter.{layer}.{n}", p.detach().numpy()) for n, p in adapter.named_parameters())
 
 
 def _apply_precision(

@@ -329,18 +329,19 @@ def teacher_forced_logits(
 
 
 def reference_greedy(
-    parts: Any, prompt_ids: list[int], new_tokens: int, eos_ids: set[int], kept: list[int]
+    parts: Any, prompt_ids: list[int], new_tokens: int, eos_ids: set[int], kept: list[int], adapted: bool = False
 ) -> tuple[list[int], list[np.ndarray]]:
     """Greedy tokens and per-step logits in PyTorch: HF transformers itself for the full
     model; for a skip configuration, prefill over every layer and decode over the kept
-    layers with the static PyTorch graphs (validated against HF in the tests)."""
+    layers (adapted by the bundle's skip adapters where `adapted`) with the static PyTorch
+    graphs (validated against HF in the tests)."""
     import torch
 
     every = tuple(range(parts.spec.num_layers))
     with torch.no_grad(), library_call_warnings_hidden():  # HF's deprecation notices are not check's output
         if tuple(kept) == every:
             return hf_greedy(parts, prompt_ids, new_tokens, eos_ids)
-        return span_greedy(parts, prompt_ids, new_tokens, eos_ids, kept)
+        return span_greedy(parts, prompt_ids, new_tokens, eos_ids, kept, adapted)
 
 
 def hf_greedy(
@@ -363,10 +364,10 @@ def hf_greedy(
 
 
 def span_greedy(
-    parts: Any, prompt_ids: list[int], new_tokens: int, eos_ids: set[int], kept: list[int]
+    parts: Any, prompt_ids: list[int], new_tokens: int, eos_ids: set[int], kept: list[int], adapted: bool = False
 ) -> tuple[list[int], list[np.ndarray]]:
     """A skip configuration's greedy decode: prefill over every layer, then decode over the
-    kept layers with the static PyTorch graphs."""
+    kept layers (each adapted where `adapted`) with the static PyTorch graphs."""
     import torch
 
     from adaptive_export.graphs.span_graph import GraphSpec, SpanGraph
@@ -376,7 +377,7 @@ def span_greedy(
     steps: list[np.ndarray] = []
     n = len(every)
     prefill = SpanGraph(parts, GraphSpec("prefill", "prefill", every, logits="last")).eval()
-    decode = SpanGraph(parts, GraphSpec("decode", "decode", tuple(kept))).eval()
+    decode = SpanGraph(parts, GraphSpec("decode", "decode", tuple(kept), skip_adapters=adapted)).eval()
     empty = [torch.zeros(0, parts.spec.num_kv_heads, parts.spec.head_dim)] * (2 * n)
     out = prefill(torch.tensor([prompt_ids]), *empty)
     keys, values = list(out[1 : 1 + n]), list(out[1 + n :])
@@ -402,6 +403,7 @@ class ReferenceKey:
     prompt_ids: tuple[int, ...]
     new_tokens: int
     eos_ids: frozenset[int]
+    adapted: bool = False
 
 
 class ReferenceDecodes:
@@ -413,12 +415,14 @@ class ReferenceDecodes:
         self.decodes: dict[ReferenceKey, tuple[tuple[int, ...], tuple[np.ndarray, ...]]] = {}
 
     def greedy(
-        self, prompt_ids: list[int], new_tokens: int, eos_ids: set[int], kept: list[int]
+        self, prompt_ids: list[int], new_tokens: int, eos_ids: set[int], kept: list[int], adapted: bool = False
     ) -> tuple[list[int], list[np.ndarray]]:
         """reference_greedy's tokens and per-step logits, decoded on the first request only."""
-        key = ReferenceKey(tuple(kept), tuple(prompt_ids), new_tokens, frozenset(eos_ids))
+        key = ReferenceKey(tuple(kept), tuple(prompt_ids), new_tokens, frozenset(eos_ids), adapted)
         if key not in self.decodes:
-            tokens, steps = reference_greedy(self.parts, list(prompt_ids), new_tokens, set(eos_ids), list(kept))
+            tokens, steps = reference_greedy(
+                self.parts, list(prompt_ids), new_tokens, set(eos_ids), list(kept), adapted
+            )
             self.decodes[key] = (tuple(tokens), tuple(steps))
         stored_tokens, stored_steps = self.decodes[key]
         return list(stored_tokens), list(stored_steps)
@@ -438,7 +442,8 @@ def greedy_check(
     started = time.perf_counter()
     mode = "ar" if draft is None else "spec"
     result = generator.generate(prompt, max_new_tokens=new_tokens, config=config.id, mode=mode, draft=draft)
-    expected, steps = references.greedy(result.prompt_ids, new_tokens, generator.codec.eos_ids, config.kept)
+    adapted = generator.bundle.manifest.graph(config.decode).skip_adapters
+    expected, steps = references.greedy(result.prompt_ids, new_tokens, generator.codec.eos_ids, config.kept, adapted)
     at, margin, passed = greedy_verdict(result.tokens, expected, [top2_margin(s) for s in steps])
     detail = f"{len(result.tokens)} tokens identical"
     if at is not None:

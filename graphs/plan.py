@@ -18,10 +18,12 @@ Plan = TypeVar("Plan")
 
 @dataclass(frozen=True)
 class SkipConfig:
-    """A sorted tuple of kept layer ids, fixed for a whole sequence."""
+    """A sorted tuple of kept layer ids, fixed for a whole sequence; `adapters`: its decode adapts
+    every kept layer's output with the bundle's skip adapters (FiRST's LoRA compensation)."""
 
     id: str
     kept: tuple[int, ...]
+    adapters: bool = False
 
 
 @dataclass
@@ -58,7 +60,10 @@ class BuildPlan:
 
         every = tuple(range(self.num_layers))
         out = [GraphSpec("prefill", "prefill", every, logits="last", router_scores=self.routers)]
-        out += [GraphSpec(f"decode_{config.id}", "decode", config.kept, config=config.id) for config in self.configs]
+        out += [
+            GraphSpec(f"decode_{config.id}", "decode", config.kept, config=config.id, skip_adapters=config.adapters)
+            for config in self.configs
+        ]
         for piece in GRAPH_PIECES.values():
             out = piece.add_graphs(self, out)
         return out

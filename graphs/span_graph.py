@@ -60,6 +60,9 @@ class GraphSpec:
     # (draft_vocab.bin), so logits are [.., draft_vocab] and the runtime maps row j to id ids[j].
     # 0: the full vocabulary.
     draft_vocab: int = 0
+    # A skip configuration's decode graph adapts every kept layer's output with the bundle's
+    # shared skip adapters (FiRST's LoRA compensation, calibration/skip_adapters.py).
+    skip_adapters: bool = False
 
     def draft_field(self, key: str) -> int:
         return dict(self.draft_fields).get(key, 0)
@@ -77,6 +80,7 @@ class ModelParts:
     spec: ModelSpec
     routers: Routers | None = None
     exit_adapters: dict[int, ExitAdapter] = field(default_factory=dict)
+    skip_adapters: dict[int, ExitAdapter] = field(default_factory=dict)  # per layer, shared by the configurations
     # trained tables a draft source's graphs embed or run, by source name (graphs/drafts/<name>.py)
     draft_tables: dict[str, torch.Tensor] = field(default_factory=dict)
     draft_vocab: torch.Tensor | None = None  # VocabTrim: the sorted token ids a draft head scores (int64)
@@ -127,6 +131,16 @@ def trainable_additions(parts: ModelParts, graph: GraphSpec) -> tuple[Routers | 
     return routers, adapter
 
 
+def layer_adapters(parts: ModelParts, graph: GraphSpec) -> nn.ModuleDict | None:
+    """The skip adapters of a graph's layers, keyed by layer id, or None (a clear error if missing)."""
+    if not graph.skip_adapters:
+        return None
+    missing = sorted(set(graph.layers) - set(parts.skip_adapters))
+    if missing:
+        raise ValueError(f"graph {graph.name!r} adapts its layers, but no skip adapter was trained for {missing}")
+    return nn.ModuleDict({str(layer): parts.skip_adapters[layer] for layer in graph.layers})
+
+
 class SpanFlow(nn.Module):
     """What every graph computes over its layers, in either flavour: the layers on the residual
     stream (each router scoring its layer's input), then the head on the chosen rows (through
@@ -140,6 +154,7 @@ class SpanFlow(nn.Module):
     head: Head
     routers: Routers | None
     adapter: ExitAdapter | None
+    layer_adapters: nn.ModuleDict | None
     draft_head: Tensor | None
     guess: nn.Module | None
 
@@ -147,6 +162,7 @@ class SpanFlow(nn.Module):
         """The GraphSpec's own additions: routers, exit adapter, a VocabTrim draft head, a guessing head."""
         self.graph = graph
         self.routers, self.adapter = trainable_additions(parts, graph)
+        self.layer_adapters = layer_adapters(parts, graph)
         self.register_buffer("draft_head", draft_head(parts, graph), persistent=False)
         self.guess = guess_head(parts, graph)
 
@@ -160,7 +176,7 @@ class SpanFlow(nn.Module):
 
     def run_layers(self, x: Tensor, kv: Sequence[Any]) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
         """(hidden state after the span, each layer's K, V, each router's score) from input x and
-        each layer's KV inputs."""
+        each layer's KV inputs; with skip adapters, each layer's output is adapted."""
         keys, values, scores = [], [], []
         delta: Tensor | None = None
         residual = x
@@ -169,10 +185,11 @@ class SpanFlow(nn.Module):
             if self.routers is not None:
                 scores.append(self.routers.score(layer.layer_id, self.tokens(residual)))
             delta, residual, key, value = layer.attend_and_mlp(h, residual, inputs)
+            if self.layer_adapters is not None:
+                residual, delta = self.layer_adapters[str(layer.layer_id)](residual + delta), None
             keys.append(key)
             values.append(value)
-        assert delta is not None  # a graph has layers (checked when built)
-        return residual + delta, keys, values, scores
+        return residual if delta is None else residual + delta, keys, values, scores
 
     def outputs(
         self, hidden: Tensor, rows: Tensor, keys: list[Tensor], values: list[Tensor], scores: list[Tensor]

@@ -18,6 +18,7 @@ from adaptive_export.runtimes.errors import UsageError
 
 ROUTERS_FILE = "routers.safetensors"
 ADAPTERS_FILE = "exit_adapters.safetensors"
+SKIP_ADAPTERS_FILE = "skip_adapters.safetensors"
 
 
 def routers_bytes(routers: Routers) -> bytes:
@@ -88,6 +89,24 @@ def load_adapters(
         own = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"{layer}.")}
         adapters[layer] = adapter_from_tensors(own, hidden_size, eps, f"exit adapter file {str(path)!r}", layer)
     return adapters
+
+
+def load_skip_adapters(path: str | Path, hidden_size: int, eps: float, num_layers: int) -> dict[int, ExitAdapter]:
+    """A bundle's skip adapters (`build --lora R`): low-rank blocks keyed '<layer>.norm_weight',
+    '<layer>.down.weight', '<layer>.up.weight' for layers 0..num_layers-1, checked against the model."""
+    fix = "rebuild the bundle with --routers train --lora R"
+    tensors = _read_tensors(path, "skip adapter file", fix, fix)
+    what = f"skip adapter file {str(path)!r}"
+    by_layer: dict[int, dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        layer, _, name = key.partition(".")
+        if not layer.isdigit() or not 0 <= int(layer) < num_layers:
+            raise UsageError(f"{what} holds {key[:80]!r}, not a tensor of layers 0..{num_layers - 1}", fix)
+        by_layer.setdefault(int(layer), {})[name] = tensor
+    adapters = {layer: adapter_from_tensors(own, hidden_size, eps, what, layer) for layer, own in by_layer.items()}
+    if any(not isinstance(a, ExitAdapter) for a in adapters.values()):
+        raise UsageError(f"{what} holds a gated block; skip adapters are low-rank", fix)
+    return adapters  # type: ignore[return-value]
 
 
 def adapter_from_tensors(
@@ -231,6 +250,10 @@ def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
     parts = ModelParts(loaded.hf_model, loaded.spec)
     if ROUTERS_FILE in bundle.manifest.files:  # only listed (checksummed) files are opened
         parts.routers = load_routers(bundle.path(ROUTERS_FILE), loaded.spec.num_layers, loaded.spec.hidden_size)
+    if SKIP_ADAPTERS_FILE in bundle.manifest.files:
+        parts.skip_adapters = load_skip_adapters(
+            bundle.path(SKIP_ADAPTERS_FILE), loaded.spec.hidden_size, loaded.spec.rms_norm_eps, loaded.spec.num_layers
+        )
     if ADAPTERS_FILE in bundle.manifest.files:
         parts.exit_adapters = load_adapters(
             bundle.path(ADAPTERS_FILE), loaded.spec.hidden_size, loaded.spec.rms_norm_eps, loaded.spec.num_layers

@@ -23,6 +23,7 @@ class ConfigSummary(TypedDict):
     skipped: int  # layers the configuration skips
     engines: dict[str, str]
     calibration_share: float | None
+    skip_adapters: bool  # its decode adapts the kept layers (FiRST's LoRA compensation)
 
 
 class BundleSummary(TypedDict):
@@ -100,6 +101,7 @@ def describe(directory: str) -> BundleSummary:
                 "skipped": m.model.num_layers - len(c.kept),
                 "engines": dict(c.engines),
                 "calibration_share": shares.get(c.id),
+                "skip_adapters": m.graph(c.decode).skip_adapters,
             }
             for c in m.configs
         ],
@@ -143,7 +145,10 @@ def render(info: BundleSummary) -> str:
             "" if c["calibration_share"] is None else f", served {c['calibration_share']:.0%} of calibration prompts"
         )
         engines = ", ".join(f"{role} {name}" for role, name in c["engines"].items())
-        lines.append(f"  {c['id']:10} keeps {len(c['kept'])} layers, skips {c['skipped']}{share}; engines: {engines}")
+        adapted = ", skip adapters" if c["skip_adapters"] else ""
+        lines.append(
+            f"  {c['id']:10} keeps {len(c['kept'])} layers, skips {c['skipped']}{adapted}{share}; engines: {engines}"
+        )
         if c["skipped"]:  # the shorter list says which layers the engine runs
             skipped = sorted(set(range(c["skipped"] + len(c["kept"]))) - set(c["kept"]))  # every layer, less kept
             lines.append(

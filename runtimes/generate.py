@@ -50,6 +50,7 @@ class GenerationStats:
     kept_layers: list[int]
     skipped_layers: int
     prompt_tokens: int
+    skip_adapters: bool = False  # the configuration's decode adapts its kept layers (FiRST's LoRA)
     new_tokens: int = 0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
@@ -395,6 +396,7 @@ class Generator:
             kept_layers=list(chosen.kept),
             skipped_layers=self.bundle.num_layers - len(chosen.kept),
             prompt_tokens=len(prompt_ids),
+            skip_adapters=self.bundle.manifest.graph(chosen.decode).skip_adapters,
             decode_rows=request.policy.rows,
             policy=request.policy.name,
         )

@@ -52,6 +52,7 @@ class GraphEntry:
     draft_vocab: int = 0  # VocabTrim: the token ids a precision draft's head scores (0: all)
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
+    skip_adapters: bool = False  # a skip configuration's decode adapts its kept layers (FiRST's LoRA)
 
     def input_names(self) -> list[str]:
         first = "input_ids" if self.source == "ids" else "exit_hidden"
@@ -82,6 +83,7 @@ class GraphEntry:
             self.precision,
             self.draft_fields,
             self.draft_vocab,
+            self.skip_adapters,
         )
 
     @property
@@ -122,6 +124,7 @@ class GraphEntry:
             "precision": self.precision,
             **self.draft_fields_json(),
             "draft_vocab": self.draft_vocab,
+            "skip_adapters": self.skip_adapters,
             "inputs": list(self.inputs),
             "outputs": list(self.outputs),
         }
@@ -140,7 +143,7 @@ def _graph_fields(name: Any, graph: Any, num_layers: int) -> GraphEntry:
     source, logits = graph.get("source", "ids"), graph.get("logits", "all")
     need(source in ("ids", "hidden"), f"graph {name!r} has an unknown source")
     need(logits in ("all", "last"), f"graph {name!r} has an unknown logits mode")
-    for flag in ("router_scores", "exit_hidden", "exit_adapter"):
+    for flag in ("router_scores", "exit_hidden", "exit_adapter", "skip_adapters"):
         need(isinstance(graph.get(flag, False), bool), f"graph {name!r} field {flag!r} must be true or false")
     need(len(set(layers)) == len(layers), f"graph {name!r} lists a layer twice")
     kind = graph["kind"]
@@ -167,13 +170,17 @@ def _graph_fields(name: Any, graph: Any, num_layers: int) -> GraphEntry:
         "(a precision or early-exit draft may score 1..vocab_size-1 token ids, other graphs 0)",
     )
     need(graph.get("flavour", "portable") in ("portable", "ort"), f"graph {name!r} has an unknown flavour")
-    routers, exit_hidden, adapter = (
-        graph.get(flag, False) for flag in ("router_scores", "exit_hidden", "exit_adapter")
+    routers, exit_hidden, adapter, skip_adapters = (
+        graph.get(flag, False) for flag in ("router_scores", "exit_hidden", "exit_adapter", "skip_adapters")
+    )
+    need(
+        not skip_adapters or (kind == "decode" and graph.get("config") not in (None, "full")),
+        f"graph {name!r} adapts skipped layers, which only a skip configuration's decode graph may",
     )
     return GraphEntry(
         name, kind, tuple(layers), source, logits, routers, exit_hidden, adapter, graph.get("config"),
         graph.get("exit_layer"), graph.get("flavour", "portable"), precision, draft_fields, draft_vocab,
-        tuple(graph["inputs"]), tuple(graph["outputs"]),
+        tuple(graph["inputs"]), tuple(graph["outputs"]), skip_adapters,
     )  # fmt: skip
 
 

@@ -86,8 +86,8 @@ def _fake_reference(margin: float, diverge_at: int = 2):
     """reference_greedy stand-in: the runtime's own tokens, except one at `diverge_at`, where
     the reference's top-1/top-2 logit margin is `margin`."""
 
-    def reference(parts, prompt_ids, new_tokens, eos_ids, kept, real=None):
-        tokens, steps = real(parts, prompt_ids, new_tokens, eos_ids, kept)
+    def reference(parts, prompt_ids, new_tokens, eos_ids, kept, adapted=False, real=None):
+        tokens, steps = real(parts, prompt_ids, new_tokens, eos_ids, kept, adapted)
         tokens, steps = list(tokens), list(steps)
         at = min(diverge_at, len(tokens) - 1)
         tokens[at] = (tokens[at] + 1) % 50
@@ -135,9 +135,9 @@ def test_check_decodes_each_reference_once(
     real = check.reference_greedy
     decoded: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
 
-    def counted(parts, prompt_ids, new_tokens, eos_ids, kept):
+    def counted(parts, prompt_ids, new_tokens, eos_ids, kept, adapted=False):
         decoded.append((tuple(kept), tuple(prompt_ids)))
-        return real(parts, prompt_ids, new_tokens, eos_ids, kept)
+        return real(parts, prompt_ids, new_tokens, eos_ids, kept, adapted)
 
     monkeypatch.setattr(check, "reference_greedy", counted)
     report = tmp_path / "r.json"

@@ -181,7 +181,8 @@ def test_configurations_below_the_quality_floor_get_no_engine(
             max_configs=3,
             min_config_agreement=floor,
         )
-        _, configs, report, _ = plan_routers(options, loaded)
+        planned = plan_routers(options, loaded)
+        configs, report = planned.configs, planned.report
         results[floor] = (configs, report["configs"]["quality"])
     kept_all, quality_all = results[0.0]
     assert (

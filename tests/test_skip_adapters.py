@@ -1,0 +1,141 @@
+"""FiRST's LoRA compensation (`build --routers train --lora R`) on a tiny model: the shared skip
+adapters train, the configurations they help are compiled with them, every engine matches
+PyTorch with the adapters in place, `run --json` and `inspect` say so, and a changed adapter
+fails `check`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaptive_export.calibration.routers import GatedModel, TrainingSequence, continuation_agreement
+from adaptive_export.calibration.skip_adapters import adapted_agreement, as_module_dict, train_skip_adapters
+from adaptive_export.commands.cli import main
+from adaptive_export.graphs.span_graph import GraphSpec, SpanGraph
+from adaptive_export.loading.artifacts import SKIP_ADAPTERS_FILE, load_parts
+from adaptive_export.runtimes import Generator, load_bundle
+from tests.conftest import ROUTER_CALIB, make_tiny_model
+from tests.test_hardening import resign
+
+PROMPTS = ROUTER_CALIB * 2  # 12: three of every four train the adapters, the fourth measures the floor
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    model = make_tiny_model(root / "model", "gqa_untied", layers=6)
+    calib = root / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    argv = ["build", str(model), "-o", str(root / "b"), "--max-len", "96", "--routers", "train"]
+    argv += ["--calib", str(calib), "--router-lambda", "2.0", "--router-lr", "0.02", "--quality-floor", "0"]
+    assert main([*argv, "--lora", "4"]) == 0
+    return model, root / "b"
+
+
+def adapted_configs(bundle: Path) -> list[dict]:
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    return [c for c in manifest["configs"] if manifest["graphs"][c["engines"]["decode"]].get("skip_adapters")]
+
+
+def test_adapters_raise_the_agreement_they_trained_for(tmp_path: Path) -> None:
+    """Trained on a skip set, the adapters keep more of the full model's greedy tokens on their
+    training text than the same skip set without them (the identity they start from)."""
+    from adaptive_export.calibration.greedy import greedy_sequences
+    from adaptive_export.loading.model import load_model
+
+    loaded = load_model(str(make_tiny_model(tmp_path / "m", "gqa_untied", layers=6)))
+    sequences = [TrainingSequence(*s) for s in greedy_sequences(loaded, PROMPTS[:6], 16, progress=False)]
+    model = GatedModel(loaded).eval().requires_grad_(False)
+    kept = frozenset({0, 2, 5})
+    training = train_skip_adapters(model, sequences, [kept], rank=4, epochs=4, progress=False)
+    before = continuation_agreement(model, sequences, kept)
+    after = adapted_agreement(model, sequences, kept, as_module_dict(training.adapters))
+    assert after > before
+    assert training.steps == 4 * len(sequences) and training.kept_sets == 1
+
+
+def test_a_helped_configuration_is_compiled_with_its_adapters(lora_setup: tuple[Path, Path]) -> None:
+    _, bundle = lora_setup
+    assert adapted_configs(bundle), "no configuration kept more with the adapters"
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert SKIP_ADAPTERS_FILE in manifest["files"] and not manifest["graphs"]["decode_full"]["skip_adapters"]
+    quality = json.loads((bundle / "calibration.json").read_text())["configs"]["quality"]
+    assert quality["skip_adapters"]["rank"] == 4 and quality["skip_adapters"]["steps"] > 0
+    for config in adapted_configs(bundle):
+        row = next(r for r in quality["measured"] if r["kept"] == config["kept"])
+        assert row["with_adapters"] > row["without_adapters"] and row["agreement"] == row["with_adapters"]
+
+
+def test_the_adapted_engine_runs_the_adapters(lora_setup: tuple[Path, Path]) -> None:
+    """The engine matches the PyTorch graph with the adapters (check's parity), and that graph
+    differs from the same configuration without them: the adapters are in the engine."""
+    model, bundle = lora_setup
+    _, parts = load_parts(load_bundle(bundle), str(model))
+    kept = tuple(adapted_configs(bundle)[0]["kept"])
+    n, spec = len(kept), parts.spec
+    past = [torch.randn(5, spec.num_kv_heads, spec.head_dim)] * (2 * n)
+    ids = torch.tensor([[7]])
+    with torch.no_grad():
+        adapted = SpanGraph(parts, GraphSpec("d", "decode", kept, skip_adapters=True)).eval()(ids, *past)[0]
+        plain = SpanGraph(parts, GraphSpec("d", "decode", kept)).eval()(ids, *past)[0]
+    assert not torch.allclose(adapted, plain, atol=1e-3)
+    report = bundle.parent / "check.json"
+    assert main(["check", str(bundle), "--model", str(model), "--report", str(report), "--new-tokens", "8"]) == 0
+    rows = json.loads(report.read_text())["results"]
+    adapted_engine = adapted_configs(bundle)[0]["engines"]["decode"]
+    assert any(r["engine"] == adapted_engine and r["check"] == "parity" and r["passed"] for r in rows)
+
+
+def test_run_and_inspect_report_the_adapters(lora_setup: tuple[Path, Path], capsys: pytest.CaptureFixture) -> None:
+    _, bundle = lora_setup
+    adapted_ids = {c["id"] for c in adapted_configs(bundle)}
+    generator = Generator(bundle)
+    seen = {}
+    for prompt in ROUTER_CALIB:
+        stats = generator.generate(prompt, mode="ar", max_new_tokens=2).stats
+        seen[stats.config] = stats.skip_adapters
+    assert seen and all(adapted == (config in adapted_ids) for config, adapted in seen.items())
+    assert main(["inspect", str(bundle)]) == 0
+    assert "skip adapters" in capsys.readouterr().out
+
+
+def test_a_changed_adapter_fails_check(lora_setup: tuple[Path, Path], tmp_path: Path) -> None:
+    """The adapters are the bundle's own (no model defines them): a re-signed bundle whose
+    adapter file no longer holds what its engines compute fails check's parity."""
+    from safetensors.torch import load_file, save_file
+
+    model, bundle = lora_setup
+    tampered = tmp_path / "tampered"
+    shutil.copytree(bundle, tampered)
+    tensors = load_file(str(tampered / SKIP_ADAPTERS_FILE))
+    key = next(k for k in sorted(tensors) if k.endswith("up.weight"))
+    tensors[key] = tensors[key] + 0.5
+    save_file(tensors, str(tampered / SKIP_ADAPTERS_FILE))
+    resign(tampered)
+    report = tmp_path / "r.json"
+    assert main(["check", str(tampered), "--model", str(model), "--report", str(report), "--new-tokens", "4"]) == 1
+    failed = {r["engine"] for r in json.loads(report.read_text())["results"] if not r["passed"]}
+    assert {c["engines"]["decode"] for c in adapted_configs(bundle)} & failed
+
+
+def test_lora_needs_routers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    model = make_tiny_model(tmp_path / "m", "gqa_untied", layers=2)
+    assert main(["build", str(model), "-o", str(tmp_path / "b"), "--lora", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --lora 4 adapts skip configurations") and "Fix: add --routers" in err[-1]
+    assert not (tmp_path / "b").exists()
+
+
+def test_the_manifest_refuses_adapters_on_the_full_model(lora_setup: tuple[Path, Path], tmp_path: Path) -> None:
+    _, bundle = lora_setup
+    bad = tmp_path / "bad"
+    shutil.copytree(bundle, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["graphs"]["decode_full"]["skip_adapters"] = True
+    resign(bad, manifest)
+    with pytest.raises(Exception, match="adapts skipped layers"):
+        load_bundle(bad)
