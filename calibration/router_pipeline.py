@@ -17,7 +17,7 @@ from adaptive_export.calibration.routers import (
     GatedModel,
     TrainingSequence,
     continuation_agreement,
-    kept_by_routers,
+    router_scores,
     train_routers,
 )
 from adaptive_export.calibration.skip_adapters import (
@@ -44,6 +44,9 @@ DEFAULT_MIN_AGREEMENT = 0.8
 # With skip adapters, every HELD_OUT_EVERY-th calibration sequence is held out of their training
 # and measures the floor (adapters fit their own training text far better: docs/routers.md).
 HELD_OUT_EVERY = 4
+# The router thresholds `--router-threshold auto` compares (keep layer i iff p_i >= threshold):
+# a higher one skips more layers per prompt, as far as the quality floor allows.
+THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 log = logging.getLogger(__name__)
 
 
@@ -58,6 +61,7 @@ class RouterOptions:
     router_lr: float | None = None  # None: LEARNING_RATE
     min_config_agreement: float | None = None  # None: DEFAULT_MIN_AGREEMENT
     lora: int = 0  # rank of the shared skip adapters (0: none)
+    router_threshold: str | None = None  # a number, "auto" (calibrated), or None: THRESHOLD, "auto" with lora
     seed: int = 0
 
 
@@ -67,6 +71,7 @@ class RouterPlan:
     skip adapters those configurations read (empty: none), calibration.json's entry, the files."""
 
     routers: Any
+    threshold: float  # the runtime keeps layer i iff p_i >= threshold (manifest router_threshold)
     configs: list[SkipConfig]
     skip_adapters: dict[int, Any]
     report: dict[str, Any]
@@ -85,14 +90,15 @@ def plan_routers(options: RouterOptions, loaded: Any) -> RouterPlan:
         TrainingSequence(ids, prompt_len)
         for ids, prompt_len in greedy_sequences(loaded, prompts, CONTINUATION_TOKENS, "calibration continuations")
     ]
-    report: dict[str, Any] = {"prompts": len(prompts), "threshold": THRESHOLD}
+    report: dict[str, Any] = {"prompts": len(prompts)}
     routers, report["training"] = routers_and_training(options, loaded, sequences, lam)
-    histogram: Counter[frozenset[int]] = Counter()
-    for seq in sequences:
-        histogram[kept_by_routers(loaded, routers, seq.ids[: seq.prompt_len])] += 1
+    scores = [router_scores(loaded, routers, seq.ids[: seq.prompt_len]) for seq in sequences]
     floor = DEFAULT_MIN_AGREEMENT if options.min_config_agreement is None else options.min_config_agreement
-    quality = quality_floor(options, loaded, sequences, histogram, floor)
-    chosen = choose_configs(histogram, spec.num_layers, options.max_configs, acceptable=quality.passes)
+    sets_to_adapt = sum((kept_histogram(scores, t) for t in thresholds_to_try(options)), Counter())
+    quality = quality_floor(options, loaded, sequences, sets_to_adapt, floor)
+    threshold, histogram, chosen, sweep = sweep_thresholds(options, scores, spec.num_layers, quality)
+    report["threshold_sweep"] = sweep
+    report["threshold"] = threshold
     floor_report = quality.report()
     if dropped := floor_report["dropped"]:
         log.warning(
@@ -108,7 +114,41 @@ def plan_routers(options: RouterOptions, loaded: Any) -> RouterPlan:
     files = {ROUTERS_FILE: routers_bytes(routers)}
     if adapters:
         files[SKIP_ADAPTERS_FILE] = adapters_bytes(adapters)
-    return RouterPlan(routers, configs, adapters, report, files)
+    return RouterPlan(routers, threshold, configs, adapters, report, files)
+
+
+def thresholds_to_try(options: RouterOptions) -> tuple[float, ...]:
+    """The router thresholds calibration compares: the one given, or THRESHOLDS ("auto", and the
+    default with --lora: adapters pay only where the routers are allowed to skip more)."""
+    given = options.router_threshold
+    if given is None:
+        return THRESHOLDS if options.lora else (THRESHOLD,)
+    if given == "auto":
+        return THRESHOLDS
+    return (float(given),)
+
+
+def kept_histogram(scores: list[list[float]], threshold: float) -> Counter[frozenset[int]]:
+    """How many calibration prompts keep each layer set at this threshold (p_i >= threshold)."""
+    return Counter(frozenset(i for i, p in enumerate(row) if p >= threshold) for row in scores)
+
+
+def sweep_thresholds(
+    options: RouterOptions, scores: list[list[float]], num_layers: int, quality: QualityFloor
+) -> tuple[float, Counter[frozenset[int]], list[frozenset[int]], list[dict[str, Any]]]:
+    """The threshold whose configurations (each passing the floor) save the most layers per
+    prompt, the lowest on a tie: (threshold, its kept-set histogram, its chosen sets, the sweep)."""
+    best: tuple[float, Counter[frozenset[int]], list[frozenset[int]]] | None = None
+    best_saved, sweep = -1, []
+    for threshold in thresholds_to_try(options):
+        histogram = kept_histogram(scores, threshold)
+        chosen = choose_configs(histogram, num_layers, options.max_configs, acceptable=quality.passes)
+        saved = layers_saved(histogram, chosen, num_layers)
+        sweep.append({"threshold": threshold, "layers_saved_per_prompt": round(saved / max(len(scores), 1), 3)})
+        if saved > best_saved:
+            best, best_saved = (threshold, histogram, chosen), saved
+    assert best is not None  # at least one threshold is tried
+    return (*best, sweep)
 
 
 def configs_report(
@@ -167,8 +207,9 @@ def quality_floor(
     floor: float,
 ) -> QualityFloor:
     """The floor every configuration must keep. With `--lora R`, one shared set of skip adapters
-    trains on three of every four calibration sequences, over the kept sets the routers chose, and
-    the floor is measured on the fourth (held out), with and without the adapters."""
+    trains on three of every four calibration sequences, over the kept sets the routers choose at
+    the thresholds tried (`histogram`), and the floor is measured on the fourth (held out), with
+    and without the adapters."""
     if not options.lora:
         return QualityFloor(loaded, sequences, floor)
     held_out = sequences[HELD_OUT_EVERY - 1 :: HELD_OUT_EVERY]

@@ -110,6 +110,7 @@ class Calibrated:
     speculation: dict[str, Any] | None = None
     calibration: dict[str, Any] = field(default_factory=dict)
     extra_files: dict[str, bytes] = field(default_factory=dict)
+    router_threshold: float = THRESHOLD  # the routers' cut, calibrated with --router-threshold auto
     built: list[SourceBuild] = field(default_factory=list)  # the draft sources made by their own option
 
 
@@ -136,10 +137,11 @@ def check_build_options(options: BuildOptions) -> CheckedBuild:
         from adaptive_export.exporter.quantize import validate_options
 
         validate_options(options.quant_block, options.quant_accuracy)  # before minutes of loading and export
-    if options.lora and not options.routers:
+    if (options.lora or options.router_threshold) and not options.routers:
+        asked = f"--lora {options.lora}" if options.lora else f"--router-threshold {options.router_threshold}"
         raise UsageError(
-            f"--lora {options.lora} adapts skip configurations, and this build has no routers",
-            "add --routers train (or a routers file), or drop --lora",
+            f"{asked} calibrates skip configurations, and this build has no routers",
+            f"add --routers train (or a routers file), or drop {asked.split()[0]}",
         )
     if options.calib and (options.routers or options.speculate or draft_builds or options.draft_vocab):
         read_prompts(options.calib)  # a bad calibration file fails before minutes of loading
@@ -156,6 +158,7 @@ def calibrate_routers(options: BuildOptions, loaded: Any, parts: ModelParts, sta
     router_options = RouterOptions(**{f.name: getattr(options, f.name) for f in fields(RouterOptions)})
     planned = plan_routers(router_options, loaded)
     parts.routers, parts.skip_adapters = planned.routers, planned.skip_adapters
+    state.router_threshold = planned.threshold
     state.calibration["routers"] = planned.report
     state.extra_files = {**state.extra_files, **planned.files}
     state.plan = BuildPlan(
@@ -254,7 +257,7 @@ def export_options(options: BuildOptions, checked: CheckedBuild, state: Calibrat
         speculation=state.speculation,
         calibration=state.calibration or None,
         extra_files=state.extra_files,
-        router_threshold=THRESHOLD if options.routers else 0.5,
+        router_threshold=state.router_threshold,
         output=checked.output,
         backends=options.backends,
         max_len=options.max_len,

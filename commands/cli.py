@@ -85,6 +85,16 @@ def _add_int(
     parser.add_argument(flag, type=_bounded_int(*bounds), default=default, help=help, **more)
 
 
+def _router_threshold(text: str) -> str:
+    """'auto' or a number strictly between 0 and 1, kept as text (the calibration parses it)."""
+    if text == "auto":
+        return text
+    value = _finite_float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not between 0 and 1 (or 'auto')")
+    return text
+
+
 def _finite_float(text: str) -> float:
     try:
         value = float(text)
@@ -235,6 +245,15 @@ def _add_build_router_arguments(build: argparse.ArgumentParser) -> None:
         help="compile a skip configuration only if decoding with it keeps this share of the full model's greedy "
         "tokens on the calibration prompts (teacher-forced; default: 0.8, i.e. at most one token in five "
         "differs; 0 keeps every chosen configuration)",
+    )
+    build.add_argument(
+        "--router-threshold",
+        type=_router_threshold,
+        default=None,
+        help="the runtime keeps layer i when its router scores p_i >= this (0 < T < 1; default 0.5); 'auto' "
+        "compiles the configurations of each of 0.5, 0.6, 0.7, 0.8, 0.9 and keeps the threshold whose "
+        "configurations, each above the quality floor, skip the most layers per calibration prompt "
+        "(the default with --lora)",
     )
     _add_int(
         build,

@@ -44,6 +44,7 @@ class BuildOptions(Options):
     min_config_agreement: float | None = None
     router_lr: float | None = None
     lora: int = 0
+    router_threshold: str | None = None
     speculate: str | None = None
     exit_adapter: str = "none"
     draft_head: str = "none"

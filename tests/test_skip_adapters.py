@@ -63,7 +63,10 @@ def test_a_helped_configuration_is_compiled_with_its_adapters(lora_setup: tuple[
     assert adapted_configs(bundle), "no configuration kept more with the adapters"
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert SKIP_ADAPTERS_FILE in manifest["files"] and not manifest["graphs"]["decode_full"]["skip_adapters"]
-    quality = json.loads((bundle / "calibration.json").read_text())["configs"]["quality"]
+    calibration = json.loads((bundle / "calibration.json").read_text())
+    assert manifest["router_threshold"] == calibration["routers"]["threshold"]  # --lora calibrates it
+    assert [row["threshold"] for row in calibration["routers"]["threshold_sweep"]] == [0.5, 0.6, 0.7, 0.8, 0.9]
+    quality = calibration["configs"]["quality"]
     assert quality["skip_adapters"]["rank"] == 4 and quality["skip_adapters"]["steps"] > 0
     for config in adapted_configs(bundle):
         row = next(r for r in quality["measured"] if r["kept"] == config["kept"])
@@ -126,7 +129,7 @@ def test_lora_needs_routers(tmp_path: Path, capsys: pytest.CaptureFixture) -> No
     model = make_tiny_model(tmp_path / "m", "gqa_untied", layers=2)
     assert main(["build", str(model), "-o", str(tmp_path / "b"), "--lora", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: --lora 4 adapts skip configurations") and "Fix: add --routers" in err[-1]
+    assert err[-1].startswith("error: --lora 4 calibrates skip configurations") and "Fix: add --routers" in err[-1]
     assert not (tmp_path / "b").exists()
 
 
@@ -139,3 +142,26 @@ def test_the_manifest_refuses_adapters_on_the_full_model(lora_setup: tuple[Path,
     resign(bad, manifest)
     with pytest.raises(Exception, match="adapts skipped layers"):
         load_bundle(bad)
+
+
+def test_the_threshold_sweep_skips_the_most_the_floor_allows() -> None:
+    """`--router-threshold auto`: a higher cut skips more layers per prompt; the sweep keeps the
+    threshold whose passing configurations save the most, the lowest on a tie."""
+    from adaptive_export.calibration.router_pipeline import RouterOptions, sweep_thresholds
+
+    layers = 4
+    # per prompt the router scores of 4 layers; layer 3 is scored low by every prompt, layer 2 by half
+    scores = [[0.95, 0.95, 0.65, 0.55]] * 2 + [[0.95, 0.95, 0.95, 0.55]] * 2
+
+    class AtMostOneSkipped:  # the quality floor: a set passes if it skips at most one layer
+        def passes(self, kept: frozenset[int]) -> bool:
+            return len(kept) >= layers - 1
+
+    options = RouterOptions(routers="train", router_threshold="auto", max_configs=2)
+    threshold, histogram, chosen, sweep = sweep_thresholds(options, scores, layers, AtMostOneSkipped())
+    saved = {row["threshold"]: row["layers_saved_per_prompt"] for row in sweep}
+    assert saved == {0.5: 0.0, 0.6: 1.0, 0.7: 1.0, 0.8: 1.0, 0.9: 1.0}
+    assert threshold == 0.6 and chosen == [frozenset({0, 1, 2})]
+    assert histogram == {frozenset({0, 1, 2}): 4}
+    fixed = RouterOptions(routers="train", router_threshold="0.5", max_configs=2)
+    assert sweep_thresholds(fixed, scores, layers, AtMostOneSkipped())[0] == 0.5
