@@ -174,8 +174,8 @@ def _graph_fields(name: Any, graph: Any, num_layers: int) -> GraphEntry:
         graph.get(flag, False) for flag in ("router_scores", "exit_hidden", "exit_adapter", "skip_adapters")
     )
     need(
-        not skip_adapters or (kind == "decode" and graph.get("config") not in (None, "full")),
-        f"graph {name!r} adapts skipped layers, which only a skip configuration's decode graph may",
+        not skip_adapters or (kind != "prefill" and graph.get("config") not in (None, "full")),
+        f"graph {name!r} adapts skipped layers, which only a skip configuration's decode, draft or verify graph may",
     )
     return GraphEntry(
         name, kind, tuple(layers), source, logits, routers, exit_hidden, adapter, graph.get("config"),

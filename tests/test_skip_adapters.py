@@ -93,6 +93,38 @@ def test_the_adapted_engine_runs_the_adapters(lora_setup: tuple[Path, Path]) -> 
     assert any(r["engine"] == adapted_engine and r["check"] == "parity" and r["passed"] for r in rows)
 
 
+def test_an_adapted_configuration_drafts_and_verifies_with_its_adapters(tmp_path: Path) -> None:
+    """Early exit in an adapted configuration: its draft and verify graphs adapt their layers too,
+    so draft (kept layers below E) then verify (the rest, from the draft's hidden state) computes
+    exactly the configuration's adapted decode, and the exactness of speculation holds."""
+    from adaptive_export.graphs.adaptive import ExitAdapter
+    from adaptive_export.graphs.drafts.early_exit import ExitPlan, exit_graphs
+    from adaptive_export.graphs.plan import SkipConfig
+    from adaptive_export.graphs.span_graph import ModelParts
+    from adaptive_export.loading.model import load_model
+
+    loaded = load_model(str(make_tiny_model(tmp_path / "m", "gqa_untied", layers=6)))
+    spec = loaded.spec
+    torch.manual_seed(0)
+    adapters = {i: ExitAdapter(spec.hidden_size, 4, spec.rms_norm_eps) for i in range(spec.num_layers)}
+    for adapter in adapters.values():
+        torch.nn.init.normal_(adapter.up.weight, std=0.5)  # trained adapters are not the identity
+    parts = ModelParts(loaded.hf_model, spec, skip_adapters=adapters)
+    config = SkipConfig("s1", (0, 2, 3, 5), adapters=True)
+    draft, verify = exit_graphs(config, ExitPlan(exit_layer=3, draft_len=2))
+    assert draft.skip_adapters and verify.skip_adapters
+    empty = torch.zeros(0, spec.num_kv_heads, spec.head_dim)
+    ids = torch.tensor([[5, 9, 11]])
+    with torch.no_grad():
+        decode = SpanGraph(parts, GraphSpec("d", "decode", config.kept, skip_adapters=True)).eval()
+        expected = decode(ids, *[empty] * 8)[0]
+        hidden = SpanGraph(parts, draft).eval()(ids, *[empty] * 4)[1]
+        got = SpanGraph(parts, verify).eval()(hidden, *[empty] * 4)[0]
+        unadapted = SpanGraph(parts, GraphSpec("d", "decode", config.kept)).eval()(ids, *[empty] * 8)[0]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(unadapted, expected, atol=1e-3)
+
+
 def test_run_and_inspect_report_the_adapters(lora_setup: tuple[Path, Path], capsys: pytest.CaptureFixture) -> None:
     _, bundle = lora_setup
     adapted_ids = {c["id"] for c in adapted_configs(bundle)}

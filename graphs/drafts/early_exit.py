@@ -26,7 +26,8 @@ class ExitPlan:
 
 
 def exit_graphs(config: SkipConfig, plan: ExitPlan) -> list[GraphSpec]:
-    """draft(S,E): kept layers below E then the exit head; verify(S,E): the rest from h_E."""
+    """draft(S,E): kept layers below E then the exit head; verify(S,E): the rest from h_E. Both
+    adapt their layers where the configuration's decode does, so draft + verify is that decode."""
     below = tuple(i for i in config.kept if i < plan.exit_layer)
     above = tuple(i for i in config.kept if i >= plan.exit_layer)
     if not below or not above:
@@ -41,6 +42,7 @@ def exit_graphs(config: SkipConfig, plan: ExitPlan) -> list[GraphSpec]:
             config=config.id,
             exit_layer=plan.exit_layer,
             draft_vocab=plan.draft_vocab,
+            skip_adapters=config.adapters,
         ),
         GraphSpec(
             f"verify_{config.id}_e{plan.exit_layer}",
@@ -49,6 +51,7 @@ def exit_graphs(config: SkipConfig, plan: ExitPlan) -> list[GraphSpec]:
             source="hidden",
             config=config.id,
             exit_layer=plan.exit_layer,
+            skip_adapters=config.adapters,
         ),
     ]
 
