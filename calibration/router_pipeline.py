@@ -7,6 +7,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from tqdm import tqdm
+
 from adaptive_export.calibration.configs import choose_configs, layers_saved, served_share
 from adaptive_export.calibration.greedy import greedy_sequences
 from adaptive_export.calibration.measure import calibration_prompts
@@ -47,6 +49,10 @@ HELD_OUT_EVERY = 4
 # The router thresholds `--router-threshold auto` compares (keep layer i iff p_i >= threshold):
 # a higher one skips more layers per prompt, as far as the quality floor allows.
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
+# The most kept sets one build measures against the floor (each a teacher-forced pass over its
+# sequences: ~25 s on Gemma 3); a higher threshold's histogram offers hundreds of candidates.
+# Past the budget an unmeasured set does not pass.
+MAX_MEASUREMENTS = 24
 log = logging.getLogger(__name__)
 
 
@@ -140,7 +146,8 @@ def sweep_thresholds(
     prompt, the lowest on a tie: (threshold, its kept-set histogram, its chosen sets, the sweep)."""
     best: tuple[float, Counter[frozenset[int]], list[frozenset[int]]] | None = None
     best_saved, sweep = -1, []
-    for threshold in thresholds_to_try(options):
+    thresholds = thresholds_to_try(options)
+    for threshold in tqdm(thresholds, desc="router thresholds", unit="threshold", disable=len(thresholds) == 1):
         histogram = kept_histogram(scores, threshold)
         chosen = choose_configs(histogram, num_layers, options.max_configs, acceptable=quality.passes)
         saved = layers_saved(histogram, chosen, num_layers)
@@ -227,7 +234,8 @@ def quality_floor(
 class QualityFloor:
     """Teacher-forced top-1 agreement of decoding with a kept set, measured once per set;
     a set passes if it keeps `floor` of the full model's greedy tokens. With trained skip
-    adapters (`training`), each set is measured with and without them and takes the better."""
+    adapters (`training`), each set is measured with and without them and takes the better.
+    At most MAX_MEASUREMENTS sets are measured; later candidates do not pass."""
 
     def __init__(self, loaded: Any, sequences: list[TrainingSequence], floor: float) -> None:
         self.model = GatedModel(loaded).eval()
@@ -236,8 +244,12 @@ class QualityFloor:
         self.measured: dict[frozenset[int], float] = {}
         self.adapted: dict[frozenset[int], float] = {}
         self.training: AdapterTraining | None = None
+        self.unmeasured = 0  # candidates refused unmeasured, past MAX_MEASUREMENTS
 
     def passes(self, kept: frozenset[int]) -> bool:
+        if kept not in self.measured and len(self.measured) >= MAX_MEASUREMENTS:
+            self.unmeasured += 1
+            return False
         if kept not in self.measured:
             self.measured[kept] = round(continuation_agreement(self.model, self.sequences, kept), 4)
             if self.training is not None:
@@ -278,6 +290,7 @@ class QualityFloor:
             + (", held out from the skip adapters' training" if self.training is not None else ""),
             "measured": rows,
             "dropped": [row for row in rows if row["agreement"] < self.floor],
+            "refused_unmeasured": self.unmeasured,
         }
         if self.training is not None:
             t = self.training

@@ -197,3 +197,20 @@ def test_the_threshold_sweep_skips_the_most_the_floor_allows() -> None:
     assert histogram == {frozenset({0, 1, 2}): 4}
     fixed = RouterOptions(routers="train", router_threshold="0.5", max_configs=2)
     assert sweep_thresholds(fixed, scores, layers, AtMostOneSkipped())[0] == 0.5
+
+
+def test_the_floor_measures_at_most_its_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A high threshold offers hundreds of candidate sets; past MAX_MEASUREMENTS a set is refused
+    without its minutes of measuring, and the report counts it."""
+    from adaptive_export.calibration import router_pipeline
+    from adaptive_export.loading.model import load_model
+
+    monkeypatch.setattr(router_pipeline, "MAX_MEASUREMENTS", 2)
+    loaded = load_model(str(make_tiny_model(tmp_path / "m", "gqa_untied", layers=4)))
+    sequences = [TrainingSequence([3, 5, 7, 9, 11, 13], 3)]
+    quality = router_pipeline.QualityFloor(loaded, sequences, floor=0.0)
+    assert quality.passes(frozenset({0, 1, 2})) and quality.passes(frozenset({0, 1}))
+    assert not quality.passes(frozenset({0}))  # floor 0 passes any measured set: this one went unmeasured
+    assert quality.passes(frozenset({0, 1}))  # measured sets still answer
+    report = quality.report()
+    assert len(report["measured"]) == 2 and report["refused_unmeasured"] == 1
