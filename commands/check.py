@@ -15,17 +15,19 @@ from adaptive_export.runtimes.errors import UsageError
 MAX_TOLERANCE = 100.0  # `check --tolerance`: a larger factor would no longer gate anything
 
 
-def ensure_check_fits(model: str | None) -> None:
-    """check's fp32 reference must fit in memory: refused before it loads, not killed while it does."""
-    from adaptive_export.loading.memory_plan import check_need, ensure_fits
+def ensure_check_fits(model: str | None, bundle: str) -> None:
+    """check's fp32 reference and the bundle's engines must fit in memory: refused before the
+    reference loads, not killed while it does."""
+    from adaptive_export.loading.memory_plan import check_need, engine_file_bytes, ensure_fits
     from adaptive_export.loading.model import model_fields
     from adaptive_export.loading.model_checks import SIZING_KEYS
+    from adaptive_export.runtimes.bundle import load_bundle
 
     if model is None:
         return  # check itself says the reference is required
     fields = model_fields(model)
     if all(fields.get(key) is not None for key in SIZING_KEYS):
-        ensure_fits(check_need(fields))
+        ensure_fits(check_need(fields, engine_file_bytes(load_bundle(bundle).manifest)))
 
 
 def cmd_check(options: CheckOptions) -> int:
@@ -40,7 +42,7 @@ def cmd_check(options: CheckOptions) -> int:
             "pass a factor such as 1 or 2",
         )
     available_provider(options.provider)  # before the reference model loads (minutes for a large one)
-    ensure_check_fits(options.model)
+    ensure_check_fits(options.model, options.bundle)
     prompts = read_prompts(options.prompts) if options.prompts else None
     for option, value in (("--report", options.report), ("--junit", options.junit)):  # fail before minutes of checking
         if value:
