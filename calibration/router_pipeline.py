@@ -100,7 +100,7 @@ def plan_routers(options: RouterOptions, loaded: Any) -> RouterPlan:
     routers, report["training"] = routers_and_training(options, loaded, sequences, lam)
     scores = [router_scores(loaded, routers, seq.ids[: seq.prompt_len]) for seq in sequences]
     floor = DEFAULT_MIN_AGREEMENT if options.min_config_agreement is None else options.min_config_agreement
-    sets_to_adapt = sum((kept_histogram(scores, t) for t in thresholds_to_try(options)), Counter())
+    sets_to_adapt = kept_histogram(scores, min(thresholds_to_try(options)))
     quality = quality_floor(options, loaded, sequences, sets_to_adapt, floor)
     threshold, histogram, chosen, sweep = sweep_thresholds(options, scores, spec.num_layers, quality)
     report["threshold_sweep"] = sweep
@@ -215,8 +215,9 @@ def quality_floor(
 ) -> QualityFloor:
     """The floor every configuration must keep. With `--lora R`, one shared set of skip adapters
     trains on three of every four calibration sequences, over the kept sets the routers choose at
-    the thresholds tried (`histogram`), and the floor is measured on the fourth (held out), with
-    and without the adapters."""
+    the lowest threshold tried (`histogram`), and the floor is measured on the fourth (held out),
+    with and without the adapters. (Trained over every threshold's sets, Gemma 3's adapters saw 106
+    sets, most skipping 3-6 layers, and lost 3 points on the one-layer sets that pass the floor.)"""
     if not options.lora:
         return QualityFloor(loaded, sequences, floor)
     held_out = sequences[HELD_OUT_EVERY - 1 :: HELD_OUT_EVERY]
