@@ -132,7 +132,10 @@ def externalize(model: onnx.ModelProto, store: WeightStore, location: str, lazy:
         if init.name != stored.name:
             renames[init.name] = stored.name
         _point_at(init, stored, location)
-        init.name = stored.name
+    # one rename of every initializer and node input, from the original names: renaming in the
+    # loop above and again here renamed a tensor twice where one graph's names are another's
+    # shifted (Gemma 3's skip configuration: 'add_109' -> 'add_95' -> 'add_81'), so an engine
+    # named a tensor after another's bytes
     rename_initializers(model, renames)
 
 
