@@ -240,6 +240,7 @@ def _add_build_router_arguments(build: argparse.ArgumentParser) -> None:
         "--quality-floor",
         "--min-config-agreement",
         dest="min_config_agreement",
+        metavar="F",
         type=_finite_float,
         default=None,
         help="compile a skip configuration only if decoding with it keeps this share of the full model's greedy "
@@ -248,6 +249,7 @@ def _add_build_router_arguments(build: argparse.ArgumentParser) -> None:
     )
     build.add_argument(
         "--router-threshold",
+        metavar="T|auto",
         type=_router_threshold,
         default=None,
         help="the runtime keeps layer i when its router scores p_i >= this (0 < T < 1; default 0.5); 'auto' "
@@ -263,6 +265,7 @@ def _add_build_router_arguments(build: argparse.ArgumentParser) -> None:
         "with --routers: train one shared set of rank-R skip adapters (FiRST's LoRA compensation: a low-rank "
         "residual block after each kept layer of a skip configuration's decode), so configurations that skip "
         "more layers pass the quality floor; measured on held-out calibration prompts; 0 (default): none",
+        metavar="R",
     )
     build.add_argument(
         "--router-lr",
