@@ -109,6 +109,20 @@ def load_skip_adapters(path: str | Path, hidden_size: int, eps: float, num_layer
     return adapters  # type: ignore[return-value]
 
 
+def _check_skip_adapters_cover(bundle: Bundle, parts: ModelParts) -> None:
+    """Every graph that adapts its layers has their adapters in the bundle's listed file (the
+    reference cannot be built otherwise)."""
+    for graph in bundle.manifest.graphs:
+        entry = bundle.graph(graph)
+        missing = sorted(set(entry.layers) - set(parts.skip_adapters)) if entry.skip_adapters else []
+        if missing:
+            raise UsageError(
+                f"graph {graph!r} adapts layers {missing[:8]}, and the bundle's {SKIP_ADAPTERS_FILE} holds "
+                "no adapter for them",
+                "rebuild the bundle with --routers ... --lora R",
+            )
+
+
 def adapter_from_tensors(
     own: dict[str, Any], hidden_size: int, eps: float, what: str, layer: int
 ) -> ExitAdapter | GatedExitAdapter:
@@ -254,6 +268,7 @@ def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
         parts.skip_adapters = load_skip_adapters(
             bundle.path(SKIP_ADAPTERS_FILE), loaded.spec.hidden_size, loaded.spec.rms_norm_eps, loaded.spec.num_layers
         )
+    _check_skip_adapters_cover(bundle, parts)
     if ADAPTERS_FILE in bundle.manifest.files:
         parts.exit_adapters = load_adapters(
             bundle.path(ADAPTERS_FILE), loaded.spec.hidden_size, loaded.spec.rms_norm_eps, loaded.spec.num_layers

@@ -157,6 +157,21 @@ def test_a_changed_adapter_fails_check(lora_setup: tuple[Path, Path], tmp_path: 
     assert {c["engines"]["decode"] for c in adapted_configs(bundle)} & failed
 
 
+def test_an_adapted_graph_without_its_adapters_is_one_line(
+    lora_setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A re-signed bundle that no longer lists its adapter file: check says so (exit 2), not a traceback."""
+    model, bundle = lora_setup
+    bad = tmp_path / "bad"
+    shutil.copytree(bundle, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    del manifest["files"][SKIP_ADAPTERS_FILE]
+    resign(bad, manifest)
+    assert main(["check", str(bad), "--model", str(model), "--new-tokens", "2"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: graph 'decode_s") and "holds no adapter" in last and "unexpected" not in last
+
+
 def test_lora_needs_routers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     model = make_tiny_model(tmp_path / "m", "gqa_untied", layers=2)
     assert main(["build", str(model), "-o", str(tmp_path / "b"), "--lora", "4"]) == 2
