@@ -53,12 +53,11 @@ class PromptRow:
     tpot_full: float
 
 
-def agreement_of(parts: Any, loaded: Any, seq: Any, kept: tuple[int, ...], adapted: bool) -> float:
+def agreement_of(parts: Any, model: Any, seq: Any, kept: tuple[int, ...], adapted: bool) -> float:
     """Teacher-forced top-1 agreement of decoding with `kept` (and the bundle's adapters)."""
-    from adaptive_export.calibration.routers import GatedModel, continuation_agreement
+    from adaptive_export.calibration.routers import continuation_agreement
     from adaptive_export.calibration.skip_adapters import adapted_agreement, as_module_dict
 
-    model = GatedModel(loaded).eval()
     if adapted:
         adapters = as_module_dict({layer: parts.skip_adapters[layer] for layer in kept})
         return adapted_agreement(model, [seq], set(kept), adapters)
@@ -66,12 +65,14 @@ def agreement_of(parts: Any, loaded: Any, seq: Any, kept: tuple[int, ...], adapt
 
 
 def measure_bundle(path: Path, loaded: Any, sequences: list[Any], prompts: list[str], args: Any) -> list[PromptRow]:
+    from adaptive_export.calibration.routers import GatedModel
     from adaptive_export.loading.artifacts import load_parts
     from adaptive_export.runtimes import Generator
 
     generator = Generator(path, threads=args.threads)
     generator.codec.eos_ids = set()  # every run decodes exactly --tokens
     _, parts = load_parts(generator.bundle, args.model)
+    model = GatedModel(loaded).eval()  # the fp32 stack every prompt's agreement runs on
     per_layer, head = layer_and_head_bytes(path)
     step_bytes = sum(per_layer.values()) + head
     rows = []
@@ -91,7 +92,7 @@ def measure_bundle(path: Path, loaded: Any, sequences: list[Any], prompts: list[
                 chosen.skipped_layers,
                 sum(b for layer, b in per_layer.items() if layer not in kept) / step_bytes,
                 chosen.skip_adapters,
-                agreement_of(parts, loaded, seq, kept, chosen.skip_adapters),
+                agreement_of(parts, model, seq, kept, chosen.skip_adapters),
                 statistics.median(runs["auto"]),
                 statistics.median(runs["full"]),
             )

@@ -224,11 +224,11 @@ def quality_floor(
     training = [seq for index, seq in enumerate(sequences) if index % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
     full = frozenset(range(loaded.spec.num_layers))
     kept_sets = sorted((k for k in histogram.elements() if k and k != full), key=sorted)  # sets with adapters
-    if not kept_sets:
-        log.info("the routers keep every layer of every calibration prompt: no skip adapters to train")
-        return QualityFloor(loaded, held_out, floor)
     quality = QualityFloor(loaded, held_out, floor)
-    quality.training = train_skip_adapters(quality.model, training, kept_sets, options.lora, seed=options.seed)
+    if kept_sets:
+        quality.training = train_skip_adapters(quality.model, training, kept_sets, options.lora, seed=options.seed)
+    else:
+        log.info("the routers keep every layer of every calibration prompt: no skip adapters to train")
     return quality
 
 
