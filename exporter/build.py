@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from adaptive_export.exporter.backends import COMPILERS, needs_portable_onnx
 from adaptive_export.exporter.graph_entry import manifest_graph
-from adaptive_export.exporter.lean_export import LazyWeights, export_lean_graph, fake_names, placeholder_array
+from adaptive_export.exporter.lean_export import LazyWeights, cached_lean_graph, fake_names, placeholder_array
 from adaptive_export.exporter.onnx_export import OPSET, export_graph
 from adaptive_export.exporter.tokenizer_export import chat_format, save_tokenizer, special_tokens
 from adaptive_export.exporter.weights import WeightStore, canonicalize_names, externalize, externalize_tensor
@@ -122,7 +122,11 @@ def export_onnx(
         for graph in tqdm(graphs, desc="export ONNX", unit="graph", disable=not progress):
             key = manifest_graph(graph).engine_key()
             if key not in written:
-                model = export_lean_graph(parts, graph, packed, names) if lazy else export_graph(parts, graph, packed)
+                model = (
+                    cached_lean_graph(parts, graph, packed, names, max_len)
+                    if lazy
+                    else export_graph(parts, graph, packed)
+                )
                 canonicalize_names(model, store)
                 model = _apply_precision(model, graph, quantize, quant_options, native, emit if lazy else None)
                 externalize(model, store, WEIGHTS_FILE, read)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from adaptive_export.exporter.graph_cache import cacheable, graph_cache, trace_key
 from adaptive_export.exporter.onnx_export import trace_graph
 from adaptive_export.exporter.weights import rename_initializers
 from adaptive_export.graphs.fused_graph import PackedWeights
@@ -55,6 +56,22 @@ def fake_names(parts: ModelParts, packed: PackedWeights | None) -> dict[int, str
     for name, tensor in packed.named() if packed is not None else ():
         names.setdefault(id(tensor), name)
     return names
+
+
+def cached_lean_graph(
+    parts: ModelParts, graph: GraphSpec, packed: PackedWeights | None, names: dict[int, str], max_len: int
+) -> onnx.ModelProto:
+    """`export_lean_graph`, read from the graph cache where this machine traced the same graph
+    before (exporter/graph_cache.py), written to it otherwise."""
+    cache = graph_cache() if cacheable(graph) else None
+    if cache is None:
+        return export_lean_graph(parts, graph, packed, names)
+    key = trace_key(parts, graph, max_len)
+    model = cache.get(key)
+    if model is None:
+        model = export_lean_graph(parts, graph, packed, names)
+        cache.put(key, model)
+    return model
 
 
 def export_lean_graph(

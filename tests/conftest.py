@@ -17,6 +17,9 @@ from hypothesis import settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No test reads a traced graph another test wrote (some monkeypatch the graph code);
+# tests/test_graph_cache.py turns the cache on in a folder of its own.
+os.environ["ADAPTIVE_EXPORT_GRAPH_CACHE"] = "off"
 
 # Property tests draw the same examples on every run (a failure reproduces, CI does not flake)
 # and keep no example database between runs.
