@@ -6,6 +6,7 @@ own typed options from the command's BuildOptions.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -27,7 +28,7 @@ from adaptive_export.graphs.plan import BuildPlan
 from adaptive_export.graphs.span_graph import ModelParts
 from adaptive_export.loading.gguf_header import read_gguf_header
 from adaptive_export.loading.lean_model import load_lean_model
-from adaptive_export.loading.memory_plan import build_need, ensure_fits
+from adaptive_export.loading.memory_plan import BuildPath, build_need, ensure_fits
 from adaptive_export.loading.model import check_model_files, load_model, model_fields
 from adaptive_export.loading.model_checks import SIZING_KEYS
 from adaptive_export.loading.packaged import PACKAGED
@@ -275,28 +276,48 @@ def export_options(options: BuildOptions, checked: CheckedBuild, state: Calibrat
 
 
 def builds_lean(options: BuildOptions, checked: CheckedBuild) -> bool:
-    """Whether the build only exports (nothing trains or measures on the torch model), from a .gguf,
-    to ONNX Runtime engines whose weights it can stream: then the model's weights are never loaded
-    whole (exporter/lean_export.py). Re-quantization (int8/int4) and CoreML/TensorRT read them all."""
-    calibrates = options.routers or options.speculate or options.draft_vocab or checked.draft_builds
-    exports_only = not calibrates and checked.draft_precision is None and (options.draft_head or "none") == "none"
+    """Whether the build only exports (nothing trains or measures on the torch model) and its
+    export streams: then the model's weights are never loaded whole (exporter/lean_export.py)."""
+    calibrates = options.routers or options.speculate
+    return not calibrates and exports_streamed(options, checked)
+
+
+def exports_streamed(options: BuildOptions, checked: CheckedBuild) -> bool:
+    """Whether the export can stream the weights from a .gguf into ONNX Runtime engines, whatever
+    calibration trained first: routers and skip/exit adapters are small real tensors the lean
+    trace embeds. Re-quantization (int8/int4), precision drafts, draft vocabularies and draft heads
+    read the float weights, and CoreML/TensorRT read them all."""
+    reads_floats = (
+        checked.draft_precision is not None
+        or bool(options.draft_vocab)
+        or bool(checked.draft_builds)
+        or (options.draft_head or "none") != "none"
+    )
     _, gguf_file = check_model_files(options.model)
     streams = options.backends == ("onnx",) and checked.quantize in LEAN_QUANTIZE
-    return exports_only and gguf_file is not None and streams
+    return not reads_floats and streams and gguf_file is not None
 
 
-def ensure_build_fits(options: BuildOptions, streams: bool) -> None:
+def ensure_build_fits(options: BuildOptions, path: BuildPath) -> None:
     """The build's peak memory from the model's dimensions, refused before any work if it cannot fit."""
     fields = model_fields(options.model)
     if all(fields.get(key) is not None for key in SIZING_KEYS):  # a partial config: transformers' defaults
-        ensure_fits(build_need(fields, streams))
+        ensure_fits(build_need(fields, path))
+
+
+def build_path(options: BuildOptions, checked: CheckedBuild) -> BuildPath:
+    """ "stream" (export only, streamed), "calibrate" (the fp32 model for calibration, then a
+    streamed export) or "full" (the fp32 model throughout): loading/memory_plan.py's paths."""
+    if builds_lean(options, checked):
+        return "stream"
+    return "calibrate" if exports_streamed(options, checked) else "full"
 
 
 def run_build(options: BuildOptions) -> Manifest:
     checked = check_build_options(options)
-    streams = builds_lean(options, checked)
-    ensure_build_fits(options, streams)
-    loaded = load_lean_model(options.model) if streams else load_model(options.model)
+    path = build_path(options, checked)
+    ensure_build_fits(options, path)
+    loaded = load_lean_model(options.model) if path == "stream" else load_model(options.model)
     chat_format(
         loaded.tokenizer
     )  # the model's own template, rendered bounded: a hostile one fails here, not after export
@@ -313,6 +334,12 @@ def run_build(options: BuildOptions) -> Manifest:
         calibrate_draft_head(options, loaded, parts, state)
     elif options.speculate:
         calibrate_speculation(options, loaded, parts, state)
+    if path == "calibrate":  # what calibration trained is kept; the fp32 model goes before the export
+        trained = {"routers": parts.routers, "exit_adapters": parts.exit_adapters, "skip_adapters": parts.skip_adapters}
+        del loaded, parts
+        gc.collect()
+        loaded = load_lean_model(options.model)
+        parts = ModelParts(loaded.hf_model, loaded.spec, **trained)
     return build_bundle(loaded, state.plan, export_options(options, checked, state), parts)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from adaptive_export.loading.model_checks import fp32_weight_bytes
 from adaptive_export.runtimes import limits
@@ -31,6 +31,9 @@ STREAM_BASE = 800 * MiB
 STREAM_PER_TABLE_ELEMENT = 9  # bytes per element of the largest table (vocab x hidden)
 FULL_BASE = 400 * MiB
 FULL_PER_FP32_BYTE = 4.8  # the fp32 model, its packed copy, the traced proto and its quantization
+# calibration (routers, skip/exit adapters) on the fp32 model, then the streaming export
+CALIBRATE_PER_FP32_BYTE = 2.0
+BuildPath = Literal["stream", "calibrate", "full"]
 # check: the fp32 reference model, plus one prepacked copy of its weights per ONNX engine file
 # (ONNX Runtime prepacks per session; the decoders' sessions hold them while the reference runs).
 # Fit to the measured peaks of Gemma 3's four-engine accuracy-1 bundle (6.4 GB, 2.96 GB of engine
@@ -49,16 +52,21 @@ class MemoryNeed:
     fix: str
 
 
-def build_need(fields: Mapping[str, Any], streams: bool) -> MemoryNeed:
-    """A build's peak from the model's dimensions (HF config names) and its path."""
-    if streams:
-        table = fields["vocab_size"] * fields["hidden_size"]
-        peak = STREAM_BASE + STREAM_PER_TABLE_ELEMENT * table
-        return MemoryNeed("the build", peak, "close other programs or build on a machine with more memory")
-    peak = FULL_BASE + int(FULL_PER_FP32_BYTE * fp32_weight_bytes(fields, _head_dim(fields)))
+def build_need(fields: Mapping[str, Any], path: BuildPath) -> MemoryNeed:
+    """A build's peak from the model's dimensions (HF config names) and its path
+    (commands/build.py's `build_path`)."""
+    table = fields["vocab_size"] * fields["hidden_size"]
+    streamed = STREAM_BASE + STREAM_PER_TABLE_ELEMENT * table
+    if path == "stream":
+        return MemoryNeed("the build", streamed, "close other programs or build on a machine with more memory")
+    fp32 = fp32_weight_bytes(fields, _head_dim(fields))
+    if path == "calibrate":  # calibration holds the fp32 model; the export after it streams
+        peak = max(FULL_BASE + int(CALIBRATE_PER_FP32_BYTE * fp32), streamed)
+        return MemoryNeed("the build", peak, "calibrate on a machine with more memory, or build without calibration")
+    peak = FULL_BASE + int(FULL_PER_FP32_BYTE * fp32)
     fix = (
-        "build from the .gguf with only the default export options (no calibration, --quantize auto|native|none, "
-        "--backend onnx): that build streams the weights; or use a machine with more memory"
+        "build from the .gguf to ONNX Runtime engines at --quantize auto|native|none, without precision drafts, "
+        "draft vocabularies or draft heads: that build streams the weights; or use a machine with more memory"
     )
     return MemoryNeed("the build", peak, fix)
 
