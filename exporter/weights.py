@@ -90,6 +90,11 @@ class WeightStore:
 
 
 def rename_initializers(model: onnx.ModelProto, renames: dict[str, str]) -> None:
+    """Rename initializers (and their uses) from their original names, in one pass. A store name
+    is the name its bytes had in the first graph that stored them (a traced name such as
+    'add_570' where no parameter owns them), which another graph may use for a computed value:
+    that value is renamed out of the way first (an engine defining a name twice does not load)."""
+    _move_values_aside(model, set(renames.values()) - set(renames))
     for init in model.graph.initializer:
         init.name = renames.get(init.name, init.name)
     for node in model.graph.node:
@@ -97,6 +102,33 @@ def rename_initializers(model: onnx.ModelProto, renames: dict[str, str]) -> None
             if name in renames:
                 node.input[index] = renames[name]
     _dedupe_initializers(model)
+
+
+def _move_values_aside(model: onnx.ModelProto, names: set[str]) -> None:
+    """Give each node output in `names` a fresh name, in every node that reads it."""
+    graph = model.graph
+    taken = {n for n in names if any(n in node.output for node in graph.node)}
+    if not taken:
+        return
+    outputs = taken & {o.name for o in graph.output}
+    if outputs:
+        raise ValueError(f"graph output(s) {sorted(outputs)} collide with stored tensors' names")
+    used = {i.name for i in graph.initializer} | {i.name for i in graph.input}
+    used |= {name for node in graph.node for name in (*node.input, *node.output)}
+    fresh: dict[str, str] = {}
+    for name in sorted(taken):
+        candidate, index = f"{name}_value", 1
+        while candidate in used:
+            candidate, index = f"{name}_value{index}", index + 1
+        fresh[name] = candidate
+        used.add(candidate)
+    for node in graph.node:
+        for names_of_node in (node.input, node.output):
+            for index, name in enumerate(names_of_node):
+                if name in fresh:
+                    names_of_node[index] = fresh[name]
+    for info in graph.value_info:
+        info.name = fresh.get(info.name, info.name)
 
 
 def canonicalize_names(model: onnx.ModelProto, store: WeightStore) -> None:

@@ -46,3 +46,31 @@ def test_shifted_names_keep_every_node_on_its_own_bytes(tmp_path: Path) -> None:
         assert len(names) == len(set(names))
     got = wired_bytes(second, tmp_path / "weights.bin")
     assert [float(got[f"y_{name}"][0]) for name in ("add_95", "add_109", "add_123")] == [1.0, 2.0, 3.0]
+
+
+def test_a_stored_name_that_another_graph_computes_is_moved_out_of_the_way(tmp_path: Path) -> None:
+    """Gemma 3's adapted skip configuration: a constant stored as 'add_570' by the first engine,
+    while the second engine's 'add_570' is a node output. Defining the name twice made ONNX Runtime
+    refuse the engine ("Duplicate definition of name"); the computed value is renamed instead."""
+    import onnxruntime as ort
+
+    constant = np.full(512, 2.0, np.float32)
+    first = graph_of({"add_570": constant})
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [512])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [512])
+    nodes = [
+        helper.make_node("Add", ["x", "x"], ["add_570"]),  # a computed value with the stored name
+        helper.make_node("Mul", ["add_570", "scale"], ["y"]),  # scale has add_570's bytes
+    ]
+    second = helper.make_model(
+        helper.make_graph(nodes, "g", [x], [y], [numpy_helper.from_array(constant, "scale")]),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
+    with WeightStore(tmp_path / "weights.bin") as store:
+        externalize(first, store, "weights.bin")
+        externalize(second, store, "weights.bin")
+    assert [init.name for init in second.graph.initializer] == ["add_570"]
+    onnx.save(second, str(tmp_path / "second.onnx"))
+    session = ort.InferenceSession(str(tmp_path / "second.onnx"), providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {"x": np.ones(512, np.float32)})
+    assert np.array_equal(out, np.full(512, 4.0, np.float32))  # (1 + 1) * 2: each name on its own value
