@@ -23,12 +23,12 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import onnx
 from google.protobuf.message import DecodeError
 
 from adaptive_export.graphs.span_graph import GraphSpec, ModelParts
+from adaptive_export.loading.lean_model import is_fake
 
 CACHE_BYTES = 512 << 20  # the oldest entries go beyond this
 _TRACED_PACKAGES = ("graphs", "exporter", "loading")  # the code a trace runs (ours)
@@ -96,15 +96,9 @@ def trace_key(parts: ModelParts, graph: GraphSpec, max_len: int | None) -> str:
     named = [*parts.hf_model.named_parameters(remove_duplicate=False), *parts.hf_model.named_buffers()]
     for name, tensor in named:
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}\0".encode())
-        if not _fake(tensor):
+        if not is_fake(tensor):
             digest.update(tensor.detach().to(torch.float64).contiguous().numpy().tobytes())
     return digest.hexdigest()
-
-
-def _fake(tensor: Any) -> bool:
-    from adaptive_export.loading.lean_model import is_fake
-
-    return is_fake(tensor)
 
 
 @functools.cache
