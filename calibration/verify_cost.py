@@ -65,11 +65,15 @@ class VerifyCosts:
 def measure_verify_costs(
     bundle_dir: Path, max_k: int = MAX_VERIFY_DRAFTS, repeats: int = REPEATS, threads: int = 0
 ) -> VerifyCosts:
-    """Time the full configuration's decode engine at T = 1 .. max_k + 1 over a realistic prefix.
+    """Time the full configuration's decode engine at T = 1 .. max_k + 1 over a realistic prefix,
+    in a Generator with the runtime's defaults."""
+    return time_decode_passes(Generator(load_bundle(bundle_dir, verify="size"), threads=threads), max_k, repeats)
 
-    The widths are interleaved within each repetition, so a neighbour's load on a shared machine
-    shifts every width alike instead of whichever width happened to run then."""
-    generator = Generator(load_bundle(bundle_dir, verify="size"), threads=threads)  # the runtime's defaults
+
+def time_decode_passes(generator: Generator, max_k: int = MAX_VERIFY_DRAFTS, repeats: int = REPEATS) -> VerifyCosts:
+    """The generator's full-configuration decode engine timed at T = 1 .. max_k + 1 (its arena is
+    overwritten). The widths are interleaved within each repetition, so a neighbour's load on a
+    shared machine shifts every width alike instead of whichever width happened to run then."""
     backend, arena, bundle = generator.backend, generator.arena, generator.bundle
     engine = bundle.config("full").decode
     prefix = max(1, min(PREFIX_TOKENS, bundle.max_len - 2 * (max_k + 1)))

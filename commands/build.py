@@ -236,10 +236,19 @@ def calibrate_draft_head(options: BuildOptions, loaded: Any, parts: ModelParts, 
 def after_export_hook(
     options: BuildOptions, draft_precision: str | None, calibration: dict[str, Any]
 ) -> Callable[[Path, dict[str, Any]], None] | None:
-    """With `--speculate auto`, the final choice times the staged engines (exporter's after_export);
-    a trained draft head's choice is its own held-out measurement."""
-    if options.speculate != "auto" or (options.draft_head or "none") != "none":
-        return None
+    """What times the staged engines before the bundle is final (exporter's after_export): with
+    `--speculate auto` the speculation choice (a trained draft head's is its own held-out
+    measurement), else, unless `--prompt-rows rule`, the rows each kind of prompt decodes on."""
+    if options.speculate == "auto" and (options.draft_head or "none") == "none":
+        return speculation_hook(options, draft_precision, calibration)
+    if not options.speculate and options.prompt_rows == "measure":
+        return prompt_rows_hook
+    return None
+
+
+def speculation_hook(
+    options: BuildOptions, draft_precision: str | None, calibration: dict[str, Any]
+) -> Callable[[Path, dict[str, Any]], None]:
     from adaptive_export.calibration.measure import calibration_prompts
     from adaptive_export.calibration.speculation import finalize_with_latencies
 
@@ -250,6 +259,16 @@ def after_export_hook(
         finalize_with_latencies(root, manifest, calibration, prompts)
 
     return after_export
+
+
+def prompt_rows_hook(root: Path, manifest: dict[str, Any]) -> None:
+    """The manifest's `prompt_rows`, measured on the staged engines (calibration/prompt_rows.py)."""
+    from adaptive_export.calibration.prompt_rows import calibrate_prompt_rows
+
+    choice = calibrate_prompt_rows(root)
+    manifest["prompt_rows"] = choice.to_json()
+    shown = ", ".join(f"{k.kind} {choice.rows[k.kind]} ({k.cost_per_token:.2f} steps/token)" for k in choice.kinds)
+    print(f"decode rows per prompt kind: {shown}")
 
 
 def export_options(options: BuildOptions, checked: CheckedBuild, state: Calibrated) -> ExportOptions:

@@ -370,6 +370,16 @@ def _add_build_precision_arguments(build: argparse.ArgumentParser) -> None:
         help="MatMulNBits accuracy_level: 4 = int8 activations (fastest on CPU, default; slightly lossy), "
         "1 = fp32 activations (with --quantize native: the engines compute exactly the GGUF's model), 0 = unset",
     )
+    build.add_argument(
+        "--prompt-rows",
+        choices=["measure", "rule"],
+        default="measure",
+        help="measure (default): decode the prompts of samples/policy_prompts.jsonl on the built engines and record, "
+        "per kind of prompt (edit: it holds code to copy; chat), whether two-row passes with exact prompt-lookup "
+        "speculation beat one-row steps on this CPU (the default run reads it; about 10-40 s); rule: skip that "
+        "and let the runtime's fixed rule decide (two rows for edit prompts only). Builds with --speculate choose "
+        "their own decoding",
+    )
 
 
 def _add_run_command(sub: Any) -> None:

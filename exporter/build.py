@@ -33,6 +33,7 @@ from adaptive_export.runtimes.manifest import (
     EngineEntry,
     Manifest,
     ModelDims,
+    PromptRows,
     Speculation,
     TensorEntry,
     TokenizerEntry,
@@ -246,8 +247,11 @@ def build_bundle(
         if options.after_export is not None:
             write_manifest(root, manifest)
             provisional = manifest.to_json()
-            options.after_export(root, provisional)  # calibration may update the speculation section
-            manifest = replace(manifest, speculation=Speculation.from_json(provisional["speculation"]))
+            options.after_export(root, provisional)  # calibration may update speculation and prompt_rows
+            speculation = Speculation.from_json(provisional["speculation"])
+            manifest = replace(
+                manifest, speculation=speculation, prompt_rows=PromptRows.from_json(provisional.get("prompt_rows"))
+            )
         for backend in options.backends:
             compile_backend = COMPILERS[backend].compile
             if compile_backend is not None:

@@ -42,6 +42,7 @@ class BundleSummary(TypedDict):
     routers: bool
     router_threshold: float
     speculation: dict[str, object] | None  # Speculation.to_json()
+    prompt_rows: dict[str, int]  # rows per prompt kind as build measured them (empty: the runtime's rule)
     chat_template: bool
 
 
@@ -108,6 +109,7 @@ def describe(directory: str) -> BundleSummary:
         "routers": m.graph("prefill").router_scores,
         "router_threshold": m.router_threshold,
         "speculation": m.speculation.to_json() if m.speculation else None,
+        "prompt_rows": dict(m.prompt_rows.rows) if m.prompt_rows else {},
         "chat_template": m.tokenizer.chat is not None,
     }
 
@@ -156,6 +158,8 @@ def render(info: BundleSummary) -> str:
             )
     spec = info["speculation"]
     lines.append(f"speculation {json.dumps(spec) if spec else 'none'}")
+    rows = ", ".join(f"{kind} {n}" for kind, n in info["prompt_rows"].items())
+    lines.append(f"decode rows per prompt kind: {rows or 'the runtime rule (edit 2, chat 1)'}")
     lines.append("graphs:")
     for name, g in info["graphs"].items():
         extras = [

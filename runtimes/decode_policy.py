@@ -10,6 +10,11 @@ fenced code block of at least `MIN_CODE_CHARS`, else one row, or two where the b
 graph guesses the next token itself (an EAGLE head: every floor round then drafts its guess).
 `--mode ar` decodes with the same rows, so the default run's tokens equal `--mode ar`'s for every
 prompt.
+
+Whether two rows pay for a kind of prompt depends on the CPU (what a T=2 pass costs against T=1:
+1.05 on Zen 4 with AVX-512 VNNI, 1.16-1.27 on Zen 3) and on the model, so `build` measures it on the
+built engines (calibration/prompt_rows.py) and records the rows per kind in the manifest's
+`prompt_rows`; the rule above is what a bundle without that measurement gets.
 """
 
 from __future__ import annotations
@@ -17,18 +22,24 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from adaptive_export.runtimes.manifest_prompt_rows import PromptRows
+
 MIN_CODE_CHARS = 80  # a fenced block this long is what an edit answer reproduces (~20+ tokens)
 FENCED = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
 @dataclass(frozen=True)
 class DecodePolicy:
-    """Rows of every decode pass of one request, and why: "lookup" (an edit prompt: two rows,
-    prompt-lookup speculation under auto), "plain" (one row) or "fixed" (the caller's or the
-    bundle's rows, which the prompt does not change)."""
+    """Rows of every decode pass of one request, and why: "lookup" (two rows, prompt-lookup
+    speculation under auto), "head" (two rows drafting the decode graph's own guess), "plain" (one
+    row) or "fixed" (the caller's or the bundle's rows, which the prompt does not change); `kind`:
+    the prompt's kind ("edit", "chat"; "" where the prompt was not read) and `calibrated`: whether
+    the bundle's measured rows for that kind decided."""
 
     rows: int
     name: str
+    kind: str = ""
+    calibrated: bool = False
 
 
 def code_chars(prompt: str) -> int:
@@ -36,11 +47,21 @@ def code_chars(prompt: str) -> int:
     return max((len(block.strip()) for block in FENCED.findall(prompt)), default=0)
 
 
-def prompt_policy(prompt: str, guessing: bool = False) -> DecodePolicy:
-    """The policy a prompt gets when neither the caller nor the bundle fixes the rows. `guessing`:
-    the bundle's decode graph guesses the next token itself (an EAGLE head, runtimes/drafting/eagle.py),
-    so every floor round of two rows drafts: two rows for every prompt ("head" where no code block
-    would be copied)."""
-    if code_chars(prompt) >= MIN_CODE_CHARS:
-        return DecodePolicy(2, "lookup")
-    return DecodePolicy(2, "head") if guessing else DecodePolicy(1, "plain")
+def prompt_kind(prompt: str) -> str:
+    """ "edit" where the prompt holds code an answer would copy (a fenced block of MIN_CODE_CHARS), else "chat"."""
+    return "edit" if code_chars(prompt) >= MIN_CODE_CHARS else "chat"
+
+
+def prompt_policy(prompt: str, guessing: bool = False, measured: PromptRows | None = None) -> DecodePolicy:
+    """The policy a prompt gets when neither the caller nor the bundle fixes the rows: the rows
+    `build` measured for the prompt's kind where it did, else the fixed rule. `guessing`: the
+    bundle's decode graph guesses the next token itself (an EAGLE head, runtimes/drafting/eagle.py),
+    so every floor round of two rows drafts its guess ("head" where no code block would be copied)."""
+    kind = prompt_kind(prompt)
+    rows = measured.of(kind) if measured is not None else None
+    calibrated = rows is not None
+    if rows is None:
+        rows = 2 if kind == "edit" or guessing else 1
+    if rows == 1:
+        return DecodePolicy(1, "plain", kind, calibrated)
+    return DecodePolicy(2, "head" if guessing and kind == "chat" else "lookup", kind, calibrated)

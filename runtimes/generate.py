@@ -57,7 +57,9 @@ class GenerationStats:
     tpot_ms: float = 0.0
     stop_reason: str = "length"  # "length", "eos", "stop" (a stop string) or "cancelled" (should_stop)
     decode_rows: int = 1  # rows of every decode pass (runtimes/decode_policy.py)
-    policy: str = "fixed"  # why: "lookup" (an edit prompt), "plain", or "fixed" (the caller's or bundle's rows)
+    policy: str = "fixed"  # why: "lookup", "head", "plain", or "fixed" (the caller's or bundle's rows)
+    prompt_kind: str = ""  # "edit" or "chat" where the prompt chose the rows
+    policy_calibrated: bool = False  # the rows are what build measured for that kind (manifest prompt_rows)
     speculation: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -302,14 +304,16 @@ class Generator:
 
     def _policy(self, prompt: str | Sequence[int], prompt_ids: list[int], mode: Mode) -> DecodePolicy:
         """The rows of every decode pass: the caller's or the bundle's where fixed; else, for the
-        decoders whose tokens stay ar's (ar and auto alike, so their tokens agree), two rows with
-        prompt lookup on an edit prompt (runtimes/decode_policy.py). spec and pipelined keep one row."""
+        decoders whose tokens stay ar's (ar and auto alike, so their tokens agree), the rows the
+        bundle's build measured for the prompt's kind, else two rows with prompt lookup on an edit
+        prompt (runtimes/decode_policy.py). spec and pipelined keep one row."""
         if self.fixed_rows is not None:
             return DecodePolicy(self.fixed_rows, "fixed")
         if not decoder_for(mode, 1).prompt_rows or not self.backend.rows_alike:
             return DecodePolicy(1, "fixed")
         text = prompt if isinstance(prompt, str) else self.codec.decode(prompt_ids)
-        return prompt_policy(text, self.bundle.graph(self.bundle.config("full").decode).guesses)
+        guessing = self.bundle.graph(self.bundle.config("full").decode).guesses
+        return prompt_policy(text, guessing, self.bundle.manifest.prompt_rows)
 
     def _prompt_ids(self, prompt: str | Sequence[int], raw: bool) -> list[int]:
         if isinstance(prompt, str):
@@ -399,6 +403,8 @@ class Generator:
             skip_adapters=self.bundle.manifest.graph(chosen.decode).skip_adapters,
             decode_rows=request.policy.rows,
             policy=request.policy.name,
+            prompt_kind=request.policy.kind,
+            policy_calibrated=request.policy.calibrated,
         )
         return SequenceState(arena=arena, config=chosen, prompt_ids=list(prompt_ids), tokens=[], pending=first), stats
 

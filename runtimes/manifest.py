@@ -29,13 +29,14 @@ from adaptive_export.runtimes.manifest_fields import (
     path_problem,
 )
 from adaptive_export.runtimes.manifest_graphs import GRAPH_KINDS, PRECISIONS, ConfigEntry, GraphEntry
+from adaptive_export.runtimes.manifest_prompt_rows import PromptRows
 from adaptive_export.runtimes.manifest_speculation import SourceSpeculation, Speculation
 
 SCHEMA_VERSION = 1
 FORMAT = "adaptive-export-bundle"
 DTYPES = ("float32", "float16", "int8", "int4")
 
-__all__ = [  # the types live in manifest_graphs, manifest_speculation and manifest_backends; import them from here
+__all__ = [  # the types live in the manifest_* modules; import them from here
     "SCHEMA_VERSION",
     "FORMAT",
     "PRECISIONS",
@@ -49,6 +50,7 @@ __all__ = [  # the types live in manifest_graphs, manifest_speculation and manif
     "ConfigEntry",
     "SourceSpeculation",
     "Speculation",
+    "PromptRows",
     "TensorEntry",
     "EngineEntry",
     "BackendEntry",
@@ -220,6 +222,7 @@ class Manifest:
     calibration: str | None = None  # calibration.json, when calibration ran
     draft_vocab: DraftVocab | None = None
     files: Mapping[str, FileEntry] = field(default_factory=dict)
+    prompt_rows: PromptRows | None = None  # the rows each prompt kind decodes on, as build measured
 
     def graph(self, name: str) -> GraphEntry:
         return self.graphs[name]
@@ -266,7 +269,7 @@ class Manifest:
         )
         manifest = cls(
             model, obj["max_len"], obj["dtype"], obj["router_threshold"], tokenizer, configs, speculation, graphs,
-            backends, obj.get("calibration"), draft_vocab, files,
+            backends, obj.get("calibration"), draft_vocab, files, PromptRows.from_json(obj.get("prompt_rows")),
         )  # fmt: skip
         for path in manifest.referenced_files():
             need_path(path, ascii(path))
@@ -274,6 +277,7 @@ class Manifest:
         return manifest
 
     def to_json(self) -> dict[str, object]:
+        optional = {"prompt_rows": self.prompt_rows.to_json()} if self.prompt_rows is not None else {}
         return {
             "schema_version": SCHEMA_VERSION,
             "format": FORMAT,
@@ -289,6 +293,7 @@ class Manifest:
             "calibration": self.calibration,
             "draft_vocab": self.draft_vocab.to_json() if self.draft_vocab else None,
             "files": {path: entry.to_json() for path, entry in self.files.items()},
+            **optional,
         }
 
 

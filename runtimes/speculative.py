@@ -34,7 +34,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from adaptive_export.runtimes.acceptance import Verdict, judge
 from adaptive_export.runtimes.backends import Backend
@@ -183,9 +183,12 @@ class RoundCounts:
     verify_s: float = 0.0
     floor_rounds: int = 0
     floor_accepted: int = 0  # floor guesses that were the model's token
+    passes: dict[int, int] = field(default_factory=dict)  # verify passes by rows T (build prices them)
 
     def add(self, done: Round) -> None:
         self.rounds += 1
+        rows = 1 + len(done.proposal.tokens) + done.proposal.extra_inputs
+        self.passes[rows] = self.passes.get(rows, 0) + 1
         if done.floor:
             self.floor_rounds += 1
             self.floor_accepted += done.verdict.accepted
@@ -215,6 +218,7 @@ class SpeculationReport:
     timed_draft_ms_per_token: float | None  # ... and of a drafting round per emitted token
     floor_rounds: int  # rounds verified as [pending, guess] where a one-row pass would have been (min_decode_rows 2)
     floor_accepted: int
+    passes_by_rows: dict[str, int]  # verify passes by rows T
 
 
 class SpeculativeRunner:
@@ -330,4 +334,5 @@ class SpeculativeRunner:
             timed_draft_ms_per_token=gate.timed_draft_ms_per_token() if gate is not None else None,
             floor_rounds=counts.floor_rounds,
             floor_accepted=counts.floor_accepted,
+            passes_by_rows={str(rows): n for rows, n in sorted(counts.passes.items())},
         )
