@@ -22,7 +22,9 @@ from tqdm import tqdm
 
 from adaptive_export.calibration.verify_cost import VerifyCosts, time_decode_passes
 from adaptive_export.loading.prompts import read_prompts
+from adaptive_export.runtimes.bundle import load_bundle
 from adaptive_export.runtimes.decode_policy import prompt_kind
+from adaptive_export.runtimes.generate import GenerationResult, Generator
 from adaptive_export.runtimes.manifest_prompt_rows import PROMPT_KINDS
 
 POLICY_PROMPTS = Path(__file__).resolve().parents[1] / "samples" / "policy_prompts.jsonl"
@@ -72,7 +74,7 @@ def pass_cost(costs: VerifyCosts, rows: int) -> float:
     return costs.pass_ms[widest] / costs.pass_ms[1] + (rows - widest) * step
 
 
-def kind_cost(kind: str, results: list[Any], costs: VerifyCosts) -> KindCost:
+def kind_cost(kind: str, results: list[GenerationResult], costs: VerifyCosts) -> KindCost:
     """Price one kind's two-row runs: every verify pass at its measured cost, over the tokens the
     passes emitted (the first token comes from prefill on either path)."""
     passes: dict[int, int] = {}
@@ -85,6 +87,18 @@ def kind_cost(kind: str, results: list[Any], costs: VerifyCosts) -> KindCost:
     return KindCost(kind, len(results), tokens, dict(sorted(passes.items())), cost)
 
 
+def decode_fitting(generator: Generator, texts: list[str], new_tokens: int, bar: tqdm) -> list[GenerationResult]:
+    """Each prompt decoded by the generator, up to new_tokens; a prompt the arena cannot hold with
+    MIN_NEW_TOKENS of answer (a small --max-len) is left out."""
+    results = []
+    for text in texts:
+        room = generator.bundle.max_len - len(generator.codec.encode(text))
+        if room >= MIN_NEW_TOKENS:
+            results.append(generator.generate(text, max_new_tokens=min(new_tokens, room)))
+        bar.update()
+    return results
+
+
 def calibrate_prompt_rows(
     bundle_dir: Path,
     prompts: list[str] | None = None,
@@ -93,28 +107,15 @@ def calibrate_prompt_rows(
     progress: bool = True,
 ) -> PromptRowsChoice:
     """Decode each prompt on two rows as the default run would, and choose each kind's rows."""
-    from adaptive_export.runtimes.bundle import load_bundle
-    from adaptive_export.runtimes.generate import Generator
-
     texts = prompts if prompts is not None else read_prompts(str(POLICY_PROMPTS))
     generator = Generator(load_bundle(bundle_dir, verify="size"), decode_rows=2, threads=threads)
     costs = time_decode_passes(generator, WIDEST_TIMED - 1)
     kinds, rows = [], {}
-    bar = tqdm(total=len(texts), desc="measure prompt rows", unit="prompt", disable=not progress)
-    for kind in PROMPT_KINDS:
-        mine = [text for text in texts if prompt_kind(text) == kind]
-        if not mine:
-            continue
-        results = []
-        for text in mine:
-            room = generator.bundle.max_len - len(generator.codec.encode(text))
-            if room >= MIN_NEW_TOKENS:  # a prompt the arena cannot hold with a useful answer is left out
-                results.append(generator.generate(text, max_new_tokens=min(new_tokens, room)))
-            bar.update()
-        if not results:
-            continue
-        measured = kind_cost(kind, results, costs)
-        kinds.append(measured)
-        rows[kind] = 2 if measured.tokens and measured.cost_per_token <= TWO_ROWS_PAY else 1
-    bar.close()
+    with tqdm(total=len(texts), desc="measure prompt rows", unit="prompt", disable=not progress) as bar:
+        for kind in PROMPT_KINDS:
+            results = decode_fitting(generator, [t for t in texts if prompt_kind(t) == kind], new_tokens, bar)
+            if results:
+                measured = kind_cost(kind, results, costs)
+                kinds.append(measured)
+                rows[kind] = 2 if measured.tokens and measured.cost_per_token <= TWO_ROWS_PAY else 1
     return PromptRowsChoice(rows, costs, kinds)
