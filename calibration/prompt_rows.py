@@ -24,6 +24,7 @@ from adaptive_export.calibration.verify_cost import VerifyCosts, time_decode_pas
 from adaptive_export.loading.prompts import read_prompts
 from adaptive_export.runtimes.bundle import load_bundle
 from adaptive_export.runtimes.decode_policy import prompt_kind
+from adaptive_export.runtimes.drafting.prompt_lookup import GROWING_MOST
 from adaptive_export.runtimes.generate import GenerationResult, Generator
 from adaptive_export.runtimes.manifest_prompt_rows import PROMPT_KINDS
 
@@ -31,7 +32,6 @@ POLICY_PROMPTS = Path(__file__).resolve().parents[1] / "samples" / "policy_promp
 TWO_ROWS_PAY = 0.95  # two rows must save 5% per token: a one-shot run's noise band (issue #37)
 NEW_TOKENS = 64  # per prompt: an edit answer's preamble and the start of the code it copies
 MIN_NEW_TOKENS = 16  # a prompt measured with fewer (a small --max-len) would say little
-WIDEST_TIMED = 4  # passes timed up to T = 4: growing lookup's widest (3 drafts and the pending token)
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class PromptRowsChoice:
 
     def to_json(self) -> dict[str, Any]:
         measured = {
-            "pass_cost": {str(t): round(ms / self.costs.pass_ms[1], 3) for t, ms in sorted(self.costs.pass_ms.items())},
+            "pass_cost": {str(t): self.costs.cost(t - 1) for t in sorted(self.costs.pass_ms)},
             "cost_per_token": {k.kind: k.cost_per_token for k in self.kinds},
             "prompts": {k.kind: k.prompts for k in self.kinds},
             "tokens": {k.kind: k.tokens for k in self.kinds},
@@ -66,25 +66,31 @@ class PromptRowsChoice:
 
 
 def pass_cost(costs: VerifyCosts, rows: int) -> float:
-    """A pass of `rows` rows in T=1 passes; wider than timed: extended by the last measured step."""
+    """A pass of `rows` rows in T=1 passes; wider than timed (no default decoder makes one):
+    extended by the last measured step."""
     widest = max(costs.pass_ms)
     if rows <= widest:
-        return costs.pass_ms[rows] / costs.pass_ms[1]
-    step = (costs.pass_ms[widest] - costs.pass_ms[widest - 1]) / costs.pass_ms[1]
-    return costs.pass_ms[widest] / costs.pass_ms[1] + (rows - widest) * step
+        return costs.cost(rows - 1)
+    return costs.cost(widest - 1) + (rows - widest) * (costs.cost(widest - 1) - costs.cost(widest - 2))
+
+
+def passes_by_rows(results: list[GenerationResult]) -> dict[int, int]:
+    """The verify passes of these runs, counted by rows (`stats.speculation.passes_by_rows`)."""
+    passes: dict[int, int] = {}
+    for result in results:
+        for rows, count in result.stats.speculation.get("passes_by_rows", {}).items():
+            passes[int(rows)] = passes.get(int(rows), 0) + count
+    return dict(sorted(passes.items()))
 
 
 def kind_cost(kind: str, results: list[GenerationResult], costs: VerifyCosts) -> KindCost:
     """Price one kind's two-row runs: every verify pass at its measured cost, over the tokens the
     passes emitted (the first token comes from prefill on either path)."""
-    passes: dict[int, int] = {}
-    for result in results:
-        for rows, count in result.stats.speculation.get("passes_by_rows", {}).items():
-            passes[int(rows)] = passes.get(int(rows), 0) + count
+    passes = passes_by_rows(results)
     tokens = sum(max(0, result.stats.new_tokens - 1) for result in results)
     priced = sum(count * pass_cost(costs, rows) for rows, count in passes.items())
     cost = round(priced / tokens, 3) if tokens else 1.0
-    return KindCost(kind, len(results), tokens, dict(sorted(passes.items())), cost)
+    return KindCost(kind, len(results), tokens, passes, cost)
 
 
 def decode_fitting(generator: Generator, texts: list[str], new_tokens: int, bar: tqdm) -> list[GenerationResult]:
@@ -92,9 +98,10 @@ def decode_fitting(generator: Generator, texts: list[str], new_tokens: int, bar:
     MIN_NEW_TOKENS of answer (a small --max-len) is left out."""
     results = []
     for text in texts:
-        room = generator.bundle.max_len - len(generator.codec.encode(text))
+        ids = generator.codec.encode(text)
+        room = generator.bundle.max_len - len(ids)
         if room >= MIN_NEW_TOKENS:
-            results.append(generator.generate(text, max_new_tokens=min(new_tokens, room)))
+            results.append(generator.generate(ids, max_new_tokens=min(new_tokens, room)))
         bar.update()
     return results
 
@@ -106,16 +113,17 @@ def calibrate_prompt_rows(
     threads: int = 0,
     progress: bool = True,
 ) -> PromptRowsChoice:
-    """Decode each prompt on two rows as the default run would, and choose each kind's rows."""
+    """Time the decode engine's passes up to growing lookup's widest (its drafts + 1), decode each
+    prompt on two rows as the default run would, and choose each kind's rows."""
     texts = prompts if prompts is not None else read_prompts(str(POLICY_PROMPTS))
     generator = Generator(load_bundle(bundle_dir, verify="size"), decode_rows=2, threads=threads)
-    costs = time_decode_passes(generator, WIDEST_TIMED - 1)
-    kinds, rows = [], {}
+    costs = time_decode_passes(generator, GROWING_MOST)
+    by_kind: dict[str, list[GenerationResult]] = {}
     with tqdm(total=len(texts), desc="measure prompt rows", unit="prompt", disable=not progress) as bar:
         for kind in PROMPT_KINDS:
             results = decode_fitting(generator, [t for t in texts if prompt_kind(t) == kind], new_tokens, bar)
             if results:
-                measured = kind_cost(kind, results, costs)
-                kinds.append(measured)
-                rows[kind] = 2 if measured.tokens and measured.cost_per_token <= TWO_ROWS_PAY else 1
+                by_kind[kind] = results
+    kinds = [kind_cost(kind, results, costs) for kind, results in by_kind.items()]
+    rows = {k.kind: 2 if k.tokens and k.cost_per_token <= TWO_ROWS_PAY else 1 for k in kinds}
     return PromptRowsChoice(rows, costs, kinds)

@@ -158,8 +158,8 @@ def render(info: BundleSummary) -> str:
             )
     spec = info["speculation"]
     lines.append(f"speculation {json.dumps(spec) if spec else 'none'}")
-    rows = ", ".join(f"{kind} {n}" for kind, n in info["prompt_rows"].items())
-    lines.append(f"decode rows per prompt kind: {rows or 'the runtime rule (edit 2, chat 1)'}")
+    rows = ", ".join(f"{kind} {n}" for kind, n in info["prompt_rows"].items()) or "not measured (the runtime's rule)"
+    lines.append(f"decode rows per prompt kind: {rows}")
     lines.append("graphs:")
     for name, g in info["graphs"].items():
         extras = [
