@@ -39,6 +39,7 @@ from onnx import helper, numpy_helper
 from adaptive_export.loading.gguf_tensors import MappedGGUF
 
 CORRECTION_BLOCK = 32
+INDICATOR_MOST_BYTES = 1 << 20  # block sums by an indicator MatMul up to this matrix size (blocksum_nodes)
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 EIGHT_BIT_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
@@ -558,14 +559,34 @@ def matmul_nbits_nodes(
     return nodes, linear_initializers(prefix, linear)
 
 
-def blocksum_nodes(x: str, out: str, k: int, prefix: str) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
-    """out [..., K/32] = sums of x [..., K] over each block of 32, as ONE MatMul with a constant
-    0/1 block-indicator matrix [K, K/32] (any rank). Measured in the fused SmolLM2 graph: the
-    Shape + Concat + Reshape + ReduceSum form cost four ORT nodes per linear (120 linears),
-    which showed up as per-node overhead; the indicator (41-295 KB, stored once per K) is
-    one node. Sums of x * 1.0 are exact products, so only the summation order differs."""
+def blocksum_nodes(
+    x: str, out: str, k: int, prefix: str, rank: int | None = None
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """out [..., K/32] = sums of x [..., K] over each block of 32.
+
+    Small K: ONE MatMul with a constant 0/1 block-indicator matrix [K, K/32] (any rank). In the
+    fused SmolLM2 graph (K 576 and 1536: 41-295 KB) it beats Reshape + ReduceSum, whose extra
+    node per activation cost 3% of a step. But the matrix grows with K squared and is read on
+    every call: on the 1.5B's 8960-wide ffn_down it is 10 MB a layer, and the indicators took
+    5.2 ms of a 61 ms step (Zen 4, 2 threads). So past INDICATOR_MOST_BYTES, with x's rank
+    known, x is reshaped to [..., K/32, 32] (leading dims copied: shape 0) and summed. Sums of
+    x * 1.0 are exact products, so the forms differ in summation order only."""
     if k % CORRECTION_BLOCK:
         raise ValueError(f"K={k} is not a multiple of {CORRECTION_BLOCK}")
+    if rank is not None and k * (k // CORRECTION_BLOCK) * 4 > INDICATOR_MOST_BYTES:
+        shape_name, axis_name = f"blocksum.shape_{rank}_{k}", f"blocksum.last_axis_{rank}"
+        shape = np.array([0] * (rank - 1) + [k // CORRECTION_BLOCK, CORRECTION_BLOCK], np.int64)
+        nodes = [
+            helper.make_node("Reshape", [x, shape_name], [f"{prefix}/blocks"], name=f"{prefix}/BlockReshape"),
+            helper.make_node(
+                "ReduceSum", [f"{prefix}/blocks", axis_name], [out], name=f"{prefix}/BlockSum", keepdims=0
+            ),
+        ]
+        constants = [
+            numpy_helper.from_array(shape, shape_name),
+            numpy_helper.from_array(np.array([rank], np.int64), axis_name),
+        ]
+        return nodes, constants
     indicator = f"blocksum.indicator_{k}"
     matrix = np.kron(np.eye(k // CORRECTION_BLOCK, dtype=np.float32), np.ones((CORRECTION_BLOCK, 1), np.float32))
     inits = [numpy_helper.from_array(matrix, indicator)]

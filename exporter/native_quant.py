@@ -142,9 +142,10 @@ def apply_native(model: onnx.ModelProto, weights: NativeWeights, accuracy_level:
     nodes: list[onnx.NodeProto] = []
     added: list[onnx.TensorProto] = []
     blocksums: dict[str, str] = {}
+    ranks = _ranks(model.graph)
     for node in model.graph.node:
         start = len(added)
-        replaced = _replacement(node, weights, accuracy_level, blocksums, nodes, added)
+        replaced = _replacement(node, weights, accuracy_level, _Sums(blocksums, ranks), nodes, added)
         if not replaced:
             nodes.append(node)
         elif emit is not None:
@@ -157,6 +158,20 @@ def apply_native(model: onnx.ModelProto, weights: NativeWeights, accuracy_level:
     model.graph.initializer.extend(unique_initializers(keep + added))
 
 
+@dataclass(frozen=True)
+class _Sums:
+    """The block sums made so far (activation -> its sums) and the ranks the graph declares."""
+
+    made: dict[str, str]
+    ranks: dict[str, int]
+
+
+def _ranks(graph: onnx.GraphProto) -> dict[str, int]:
+    """Rank of every value whose shape the graph declares (the exporters write value_info)."""
+    declared = list(graph.input) + list(graph.value_info) + list(graph.output)
+    return {v.name: len(v.type.tensor_type.shape.dim) for v in declared if v.type.tensor_type.HasField("shape")}
+
+
 def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
@@ -165,7 +180,7 @@ def _replacement(
     node: onnx.NodeProto,
     weights: NativeWeights,
     accuracy_level: int,
-    blocksums: dict[str, str],
+    sums: _Sums,
     nodes: list[onnx.NodeProto],
     added: list[onnx.TensorProto],
 ) -> bool:
@@ -201,10 +216,11 @@ def _replacement(
     prefix = "token_embd" if name == EMBEDDING else name
     blocksum = None
     if linear.correction is not None:
-        blocksum = blocksums.get(x)
+        blocksum = sums.made.get(x)
         if blocksum is None:
-            blocksum = blocksums[x] = f"{x}/blocksum"
-            new, inits = blocksum_nodes(x, blocksum, linear.k, f"{x}.blocksum")
+            blocksum = sums.made[x] = f"{x}/blocksum"
+            rank = 2 if node.op_type == "Gemm" else sums.ranks.get(x)
+            new, inits = blocksum_nodes(x, blocksum, linear.k, f"{x}.blocksum", rank)
             nodes.extend(new)
             added.extend(inits)
     new, inits = matmul_nbits_nodes(x, node.output[0], prefix, linear, accuracy_level, blocksum)

@@ -405,6 +405,21 @@ def linear_errors(nl: gn.NativeLinear, accuracy_level: int, seed: int = 0) -> fl
     return relative_error(y, x, gn.dequantize_native(nl))
 
 
+@pytest.mark.parametrize("k", [64, 8960])
+def test_block_sums_by_indicator_or_reshape(k: int) -> None:
+    """Small K sums through the indicator MatMul, large K (with the rank known) through
+    Reshape + ReduceSum: both equal numpy's block sums, and only the small one stores a matrix."""
+    x = np.random.default_rng(k).standard_normal((1, 3, k)).astype(np.float32)
+    nodes, inits = gn.blocksum_nodes("x", "x_bs", k, "bs", rank=3)
+    ops = [n.op_type for n in nodes]
+    assert ops == (["MatMul"] if k * (k // 32) * 4 <= gn.INDICATOR_MOST_BYTES else ["Reshape", "ReduceSum"])
+    assert sum(i.ByteSize() for i in inits) < 2 * gn.INDICATOR_MOST_BYTES
+    (sums,) = run_graph(nodes, inits, {"x": x}, ["x_bs"])
+    np.testing.assert_allclose(sums, x.reshape(1, 3, k // 32, 32).sum(-1), rtol=1e-5, atol=1e-5)
+    unknown_rank, _ = gn.blocksum_nodes("x", "x_bs", k, "bs")
+    assert [n.op_type for n in unknown_rank] == ["MatMul"]  # any rank
+
+
 @pytest.mark.parametrize(
     "name", [f"{t}.weight" for t in EXPECTED] + ["Q4_1.wide.weight", "Q4_K.random.weight", "Q4_1.odd.weight"]
 )
