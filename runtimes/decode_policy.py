@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from adaptive_export.runtimes.manifest_prompt_rows import PromptRows
 
@@ -40,6 +41,15 @@ class DecodePolicy:
     name: str
     kind: str = ""
     calibrated: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """The policy as `run --json` and the server's stats report it."""
+        return {
+            "decode_rows": self.rows,
+            "policy": self.name,
+            "prompt_kind": self.kind,
+            "policy_calibrated": self.calibrated,
+        }
 
 
 def code_chars(prompt: str) -> int:

@@ -56,14 +56,15 @@ class GenerationStats:
     decode_ms: float = 0.0
     tpot_ms: float = 0.0
     stop_reason: str = "length"  # "length", "eos", "stop" (a stop string) or "cancelled" (should_stop)
-    decode_rows: int = 1  # rows of every decode pass (runtimes/decode_policy.py)
-    policy: str = "fixed"  # why: "lookup", "head", "plain", or "fixed" (the caller's or bundle's rows)
-    prompt_kind: str = ""  # "edit" or "chat" where the prompt chose the rows
-    policy_calibrated: bool = False  # the rows are what build measured for that kind (manifest prompt_rows)
+    # rows of every decode pass and why, chosen at prefill (runtimes/decode_policy.py); its fields
+    # reach --json under the policy's own names (DecodePolicy.to_json)
+    decode_policy: DecodePolicy = DecodePolicy(1, "fixed")
     speculation: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        del data["decode_policy"]
+        data.update(self.decode_policy.to_json())
         data.update(data.pop("speculation"))
         return data
 
@@ -401,10 +402,7 @@ class Generator:
             skipped_layers=self.bundle.num_layers - len(chosen.kept),
             prompt_tokens=len(prompt_ids),
             skip_adapters=self.bundle.manifest.graph(chosen.decode).skip_adapters,
-            decode_rows=request.policy.rows,
-            policy=request.policy.name,
-            prompt_kind=request.policy.kind,
-            policy_calibrated=request.policy.calibrated,
+            decode_policy=request.policy,
         )
         return SequenceState(arena=arena, config=chosen, prompt_ids=list(prompt_ids), tokens=[], pending=first), stats
 
