@@ -142,10 +142,10 @@ def apply_native(model: onnx.ModelProto, weights: NativeWeights, accuracy_level:
     nodes: list[onnx.NodeProto] = []
     added: list[onnx.TensorProto] = []
     blocksums: dict[str, str] = {}
-    ranks = _ranks(model.graph)
+    sums = _Sums(blocksums, _ranks(model.graph))
     for node in model.graph.node:
         start = len(added)
-        replaced = _replacement(node, weights, accuracy_level, _Sums(blocksums, ranks), nodes, added)
+        replaced = _replacement(node, weights, accuracy_level, sums, nodes, added)
         if not replaced:
             nodes.append(node)
         elif emit is not None:
