@@ -125,5 +125,5 @@ def calibrate_prompt_rows(
             if results:
                 by_kind[kind] = results
     kinds = [kind_cost(kind, results, costs) for kind, results in by_kind.items()]
-    rows = {k.kind: 2 if k.tokens and k.cost_per_token <= TWO_ROWS_PAY else 1 for k in kinds}
+    rows = {k.kind: 2 if k.cost_per_token <= TWO_ROWS_PAY else 1 for k in kinds}  # no tokens: cost 1.0
     return PromptRowsChoice(rows, costs, kinds)
