@@ -210,12 +210,30 @@ def _apply_precision(
         from adaptive_export.exporter.native_quant import apply_native
 
         apply_native(model, native, quant_options.get("accuracy_level", 4), emit)
+        quantize_guess_head(model, quant_options.get("block_size", 32))  # names are canonical: no model weight
         return model
     if quantize != "none":
         from adaptive_export.exporter.quantize import quantize as quantize_model
 
         return quantize_model(model, quantize, **quant_options)
     return model
+
+
+def quantize_guess_head(model: onnx.ModelProto, block_size: int) -> None:
+    """A GGUF-exact graph's guessing head (an EAGLE head's block and trimmed rows: no GGUF tensor)
+    as 4-bit blocks like the model's own linears: it is read on every decode pass, and as a
+    lossless draft its precision moves only its acceptance (measured in docs/speculation.md)."""
+    from adaptive_export.exporter.quantize import quantize_weights
+    from adaptive_export.graphs.span_graph import GUESS_PREFIX
+
+    # canonicalize_names gave a tensor the head shares with the model (a tied embedding) the model's name
+    weights = [
+        init.name
+        for init in model.graph.initializer
+        if init.name.startswith(GUESS_PREFIX) and init.data_type == onnx.TensorProto.FLOAT and len(init.dims) == 2
+    ]
+    if weights:
+        quantize_weights(model, weights, bits=4, block_size=block_size)
 
 
 def build_bundle(

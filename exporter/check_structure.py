@@ -9,7 +9,12 @@ bundle's, node for node (ops, domains, attributes, wiring), graph input and outp
 output, and initializer for initializer (name, type, shape and every byte: GGUF-exact blocks
 exactly, derived tables such as the rotary caches in full). A row names the first node or tensor
 that differs. What no model defines (trained routers, adapters, draft heads) has no rebuilt
-engine: those graphs are listed as not rebuilt, and the behavioural checks cover them.
+engine: those graphs are listed as not rebuilt, and the behavioural checks cover them. The one
+exception is a guessing head inside the plain decode graph (an EAGLE head, which `build` of a
+packaged model includes by default): the rebuild takes its trained table and ids from the
+bundle's own head file (listed with a checksum like every file), so every other node and tensor
+of that graph is still compared with what the model defines; a head tampered in both places only
+changes guesses, which verification makes lossless.
 """
 
 from __future__ import annotations
@@ -76,23 +81,66 @@ def _plain_graphs_in(bundle: Bundle) -> bool:
     before minutes of rebuilding a bundle with nothing to compare)."""
     from adaptive_export.exporter.build import flavoured
     from adaptive_export.exporter.graph_entry import manifest_graph
-    from adaptive_export.graphs.plan import BuildPlan
 
     flavour = bundle.manifest.backends["onnx"].flavour
-    plain = flavoured(BuildPlan(num_layers=bundle.num_layers).graphs(), flavour)
+    plain = flavoured(_plain_plan(bundle, bundle.num_layers).graphs(), flavour)
     return any(g.name in bundle.manifest.graphs and bundle.graph(g.name) == manifest_graph(g) for g in plain)
 
 
-def _rebuild(bundle: Bundle, model: str, out: Path) -> Bundle:
-    """The plain plan's engines, built from the model with the bundle's recorded options."""
-    from adaptive_export.exporter.build import ExportOptions, build_bundle
+@dataclass(frozen=True)
+class _Head:
+    """The bundle's guessing head, as its own files hold it: table [5 x width, hidden], ids."""
+
+    table: Any
+    ids: Any
+
+
+def _bundle_head(bundle: Bundle) -> _Head | None:
+    """The EAGLE head the bundle's plain decode graph guesses with, from its head file, or None."""
+    import torch
+
+    from adaptive_export.loading.artifacts import load_draft_table
+    from adaptive_export.runtimes.drafting.eagle import FIELD, Eagle
+
+    assert Eagle.table is not None
+    decode = bundle.manifest.graphs.get("decode_full")
+    ids = bundle.draft_vocab_ids
+    if decode is None or not decode.draft_field(FIELD) or ids is None:
+        return None
+    table = load_draft_table(Eagle.table, bundle.root / Eagle.table.file, bundle.model.hidden_size)
+    return _Head(table, torch.from_numpy(ids.astype(np.int64)))
+
+
+def _plain_plan(bundle: Bundle, num_layers: int, head: _Head | None = None) -> Any:
+    """The plain build's plan, with the bundle's guessing head where it has one."""
     from adaptive_export.graphs.plan import BuildPlan
-    from adaptive_export.loading.lean_model import load_lean_model
+    from adaptive_export.runtimes.drafting.eagle import FIELD
+
+    plan = BuildPlan(num_layers=num_layers)
+    head = head or _bundle_head(bundle)
+    if head is not None:
+        plan.draft_fields[FIELD] = int(head.table.shape[0]) // 5
+        plan.draft_vocab = int(head.ids.numel())
+    return plan
+
+
+def _rebuild(bundle: Bundle, model: str, out: Path) -> Bundle:
+    """The plain plan's engines (with the bundle's own guessing head, if any), built from the
+    model with the bundle's recorded options."""
+    from adaptive_export.exporter.build import ExportOptions, build_bundle
+    from adaptive_export.graphs.span_graph import ModelParts
+    from adaptive_export.loading.lean_model import draft_vocab_rows, load_lean_model
     from adaptive_export.runtimes.bundle import load_bundle
+    from adaptive_export.runtimes.drafting.eagle import FIELD
 
     onnx_entry = bundle.manifest.backends["onnx"]
     loaded = load_lean_model(model)
     assert loaded.weights is not None
+    parts = ModelParts(loaded.hf_model, loaded.spec)
+    head = _bundle_head(bundle)
+    if head is not None:
+        parts.draft_tables[FIELD], parts.draft_vocab = head.table, head.ids
+        parts.draft_heads[int(head.ids.numel())] = draft_vocab_rows(loaded, head.ids)
     options = ExportOptions(
         output=out,
         max_len=bundle.max_len,
@@ -102,7 +150,7 @@ def _rebuild(bundle: Bundle, model: str, out: Path) -> Bundle:
         native_source=loaded.weights.path if onnx_entry.quantize == "native" else None,
         progress=False,
     )
-    build_bundle(loaded, BuildPlan(num_layers=loaded.spec.num_layers), options)
+    build_bundle(loaded, _plain_plan(bundle, loaded.spec.num_layers, head), options, parts)
     return load_bundle(out)
 
 

@@ -10,6 +10,7 @@ content-addressed weight store still keeps one copy.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection, Container
 
 import numpy as np
 import onnx
@@ -20,14 +21,17 @@ from adaptive_export.runtimes.errors import UsageError
 QUANT_BITS = {"int8": 8, "int4": 4}
 
 
-def gemm_to_matmul(model: onnx.ModelProto) -> None:
+def gemm_to_matmul(model: onnx.ModelProto, weights: Container[str] | None = None) -> None:
+    """Each plain Gemm over a constant weight as MatMul (+ Add), the form MatMulNBits quantizes;
+    only those over `weights` where given."""
     inits = {i.name: i for i in model.graph.initializer}
     transposed: dict[str, str] = {}
     nodes = []
     for node in model.graph.node:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         plain = attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0
-        if node.op_type != "Gemm" or not plain or node.input[1] not in inits:
+        chosen = weights is None or (len(node.input) > 1 and node.input[1] in weights)
+        if node.op_type != "Gemm" or not plain or node.input[1] not in inits or not chosen:
             nodes.append(node)
             continue
         weight = node.input[1]
@@ -88,3 +92,25 @@ def quantize(model: onnx.ModelProto, scheme: str, block_size: int = 32, accuracy
     )
     quantizer.process()
     return quantizer.model.model
+
+
+def quantize_weights(model: onnx.ModelProto, weights: Collection[str], bits: int, block_size: int = 32) -> None:
+    """The linears over these float weights alone as symmetric block-quantized MatMulNBits at
+    accuracy 4 (a lossless draft's own layers: their precision moves its acceptance, never the
+    output), every other node and initializer left as it is."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    gemm_to_matmul(model, weights)
+    names = {*weights, *(f"{w}.T" for w in weights)}  # gemm_to_matmul names a transposed weight <name>.T
+    chosen = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1:2] and n.input[1] in names]
+    if not chosen:
+        return
+    others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in chosen]
+    logging.getLogger("onnxruntime").setLevel(logging.ERROR)
+    quantizer = MatMulNBitsQuantizer(  # it quantizes every MatMul it is not told to exclude
+        model, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=4, nodes_to_exclude=others,
+        op_types_to_quantize=("MatMul",),
+    )  # fmt: skip
+    quantizer.process()
+    if quantizer.model.model is not model:
+        model.CopyFrom(quantizer.model.model)

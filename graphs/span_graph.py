@@ -24,6 +24,9 @@ from adaptive_export.graphs.decoder_layer import DecoderLayer
 from adaptive_export.graphs.layers import DecoderStack, Head, PrefixKV
 from adaptive_export.graphs.spec import ModelSpec
 
+# the exported names of a guessing head's initializers (the graph module's `guess` attribute)
+GUESS_PREFIX = "guess."
+
 if TYPE_CHECKING:  # the ort flavour's module imports this one
     from adaptive_export.graphs.fused_graph import PackedWeights
 
@@ -164,7 +167,7 @@ class SpanFlow(nn.Module):
         self.routers, self.adapter = trainable_additions(parts, graph)
         self.layer_adapters = layer_adapters(parts, graph)
         self.register_buffer("draft_head", draft_head(parts, graph), persistent=False)
-        self.guess = guess_head(parts, graph)
+        self.guess = guess_head(parts, graph)  # its initializers' names start with GUESS_PREFIX
 
     def tokens(self, x: Tensor) -> Tensor:
         """x [.., T, H] as [T, H] (the routers score tokens, the head reads rows)."""

@@ -62,6 +62,28 @@ class GGUFWeights:
         self.reader.release(name)
         return array
 
+    def rows(self, hf_name: str, ids: np.ndarray) -> np.ndarray:
+        """Rows `ids` of a 2-D parameter in fp32, only those rows dequantized (a trimmed head's rows
+        of a 151,936-row table). For tensors transformers loads unchanged (embeddings, LM heads)."""
+        import gguf
+
+        name = self.gguf_name(hf_name)
+        tensor = self._tensors[name]
+        if len(tensor.shape) != 2:
+            raise ValueError(f"tensor {name!r} is not a matrix")
+        cols, count = (int(d) for d in tensor.shape)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= count):
+            raise ValueError(f"row ids out of range for tensor {name!r} of {count} rows")
+        kind = tensor.tensor_type.name
+        if kind in FLOAT_VIEWS:
+            picked = tensor.data.view(FLOAT_VIEWS[kind]).reshape(count, cols)[ids]
+        elif kind == "BF16":
+            picked = (tensor.data.view(np.uint16).reshape(count, cols)[ids].astype(np.uint32) << 16).view(np.float32)
+        else:
+            picked = gguf.quants.dequantize(tensor.data.reshape(count, -1)[ids], tensor.tensor_type)
+        self.reader.release(name)
+        return np.ascontiguousarray(picked, dtype=np.float32).reshape(len(ids), cols)
+
 
 def _dequantized(tensor: MappedTensor, gguf: Any) -> np.ndarray:
     """One tensor's values, shaped in HF order (ggml lists the contiguous dimension first)."""

@@ -134,3 +134,17 @@ def _fill_parameters(hf_model: Any, weights: GGUFWeights) -> None:
         real = torch.nn.Parameter(torch.from_numpy(weights.array(name)), requires_grad=False)
         for module, leaf in owners[id(parameter)]:
             setattr(module, leaf, real)
+
+
+def draft_vocab_rows(lean: LeanModel, ids: Any) -> Any:
+    """The LM head's rows of a draft vocabulary (int64 ids), read from the .gguf row by row: the
+    head's weight is a FakeTensor here, so a graph piece that scores those rows (an EAGLE head)
+    takes these (ModelParts.draft_heads) instead of indexing it."""
+    import torch
+
+    from adaptive_export.graphs.architectures import architecture
+
+    assert lean.weights is not None
+    weight = architecture(lean.spec.model_type).lm_head(lean.hf_model).weight
+    name = next(n for n, p in lean.hf_model.named_parameters() if p is weight)
+    return torch.from_numpy(lean.weights.rows(name, ids.numpy()))

@@ -51,3 +51,42 @@ def test_int8_run_generates(int8_bundle: Path) -> None:
 
     result = Generator(int8_bundle).generate("The quick brown fox", mode="ar", max_new_tokens=6, raw=True)
     assert len(result.tokens) == 6 or result.stats.stop_reason == "eos"
+
+
+def test_quantize_weights_touches_only_the_named_linears() -> None:
+    """A guessing head's linears (a Gemm over its own weight) become 4-bit MatMulNBits; a MatMul and
+    a Gemm over other weights (a GGUF-exact graph's fp32 corrections, say) stay exactly as they were,
+    though MatMulNBitsQuantizer quantizes every MatMul it is not told to exclude."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from adaptive_export.exporter.quantize import quantize_weights
+
+    rng = np.random.default_rng(0)
+    weights = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in (
+        ("guess.w", (64, 64)), ("correction", (64, 64)), ("head", (32, 64)))}  # fmt: skip
+    nodes = [
+        helper.make_node("Gemm", ["x", "guess.w"], ["a"], name="guess_gemm", transB=1),
+        helper.make_node("MatMul", ["a", "correction"], ["b"], name="correction_matmul"),
+        helper.make_node("Gemm", ["b", "head"], ["y"], name="head_gemm", transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 32])],
+        [numpy_helper.from_array(w, n) for n, w in weights.items()],
+    )  # fmt: skip
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
+    quantize_weights(model, ["guess.w"], bits=4)
+    ops = [(n.op_type, n.name) for n in model.graph.node]
+    assert ops[0][0] == "MatMulNBits" and ops[1:] == [("MatMul", "correction_matmul"), ("Gemm", "head_gemm")], ops
+    kept = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    assert np.array_equal(kept["correction"], weights["correction"]) and np.array_equal(kept["head"], weights["head"])
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = (x @ weights["guess.w"].T) @ weights["correction"] @ weights["head"].T
+    got = session.run(None, {"x": x})[0]
+    relative = np.sqrt(np.mean((got - expected) ** 2) / np.mean(expected**2))
+    assert 0.0 < relative < 0.2, relative  # 4-bit blocks of normal weights: close (about 0.1), not equal
