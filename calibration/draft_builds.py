@@ -61,6 +61,23 @@ class BuildStep(ABC):
     def asked(cls, value: str | None) -> bool:
         return value not in cls.option.off and value is not None
 
+    @classmethod
+    def resolve(cls, value: str, options: Any) -> str:
+        """The option's value once the other build options are known (a default that depends on
+        the model, such as a head shipped for it); the value itself unless the step says otherwise."""
+        return value
+
+    @classmethod
+    def trains(cls, value: str) -> bool:
+        """Whether `build` needs the fp32 model (training); a step that only loads a file need not."""
+        return True
+
+    @classmethod
+    def streams(cls, value: str) -> bool:
+        """Whether the export can still stream the weights from a .gguf with this source in its
+        graphs (exporter/lean_export.py): its graph piece reads no model weight as floats."""
+        return False
+
     @staticmethod
     @abstractmethod
     def check(value: str) -> None:

@@ -2,7 +2,8 @@
 
 Two kinds of documents, each a list of token ids:
 - self-written: the model, asked through its own chat template to write a user request about
-  a topic in a style (TOPICS x STYLES, shuffled with the seed), writes the request; the request
+  a topic in a style (TOPICS x STYLES and, as much, CODE_TOPICS x CODE_STYLES: a coding
+  assistant is the typical edge deployment; shuffled with the seed), writes the request; the request
   is then put to it and its greedy answer is the continuation. A draft must predict exactly
   these tokens to be accepted, so they are the text that matters most.
 - shipped: docstrings of Python's own standard library (the .py files under
@@ -34,6 +35,16 @@ TOPICS = (
 STYLES = (
     "a direct question", "a how-to request", "a request for a very short story", "a request to explain a concept",
     "a request for a list of ideas",
+)  # fmt: skip
+CODE_TOPICS = (
+    "Python lists and dictionaries", "JavaScript promises", "SQL joins", "bash scripting", "git branches",
+    "regular expressions", "C pointers", "Rust ownership", "Docker images", "REST APIs", "unit testing",
+    "sorting algorithms", "TypeScript types", "Go goroutines", "Java classes", "CSS flexbox",
+    "pandas dataframes", "recursion", "exception handling", "Python decorators",
+)  # fmt: skip
+CODE_STYLES = (
+    "a direct question", "a request to write a short function", "a request to explain a concept",
+    "a request to compare two approaches", "a how-to request",
 )  # fmt: skip
 
 
@@ -68,10 +79,10 @@ def self_written_requests(loaded: Any, count: int, seed: int, progress: bool = T
     """`count` user requests the model writes itself, one per (topic, style) pair, in seeded order."""
     from adaptive_export.calibration.greedy import greedy_sequences
 
+    pairs = [(t, s) for t in TOPICS for s in STYLES] + [(t, s) for t in CODE_TOPICS for s in CODE_STYLES]
     asks = [
         f"Write {style} that a user might send to an AI assistant about {topic}. Reply with the request only."
-        for topic in TOPICS
-        for style in STYLES
+        for topic, style in pairs
     ]
     random.Random(seed).shuffle(asks)
     requests = []

@@ -27,7 +27,7 @@ from adaptive_export.graphs.drafts.precision import NAME as PRECISION
 from adaptive_export.graphs.plan import BuildPlan
 from adaptive_export.graphs.span_graph import ModelParts
 from adaptive_export.loading.gguf_header import read_gguf_header
-from adaptive_export.loading.lean_model import load_lean_model
+from adaptive_export.loading.lean_model import draft_vocab_rows, load_lean_model
 from adaptive_export.loading.memory_plan import BuildPath, build_need, ensure_fits
 from adaptive_export.loading.model import check_model_files, load_model, model_fields
 from adaptive_export.loading.model_checks import SIZING_KEYS
@@ -297,7 +297,10 @@ def export_options(options: BuildOptions, checked: CheckedBuild, state: Calibrat
 def builds_lean(options: BuildOptions, checked: CheckedBuild) -> bool:
     """Whether the build only exports (nothing trains or measures on the torch model) and its
     export streams: then the model's weights are never loaded whole (exporter/lean_export.py)."""
-    calibrates = options.routers or options.speculate
+    from adaptive_export.calibration.drafts import BUILD_STEPS
+
+    trains = any(BUILD_STEPS[name].trains(value) for name, value in checked.draft_builds)
+    calibrates = options.routers or options.speculate or trains
     return not calibrates and exports_streamed(options, checked)
 
 
@@ -305,11 +308,14 @@ def exports_streamed(options: BuildOptions, checked: CheckedBuild) -> bool:
     """Whether the export can stream the weights from a .gguf into ONNX Runtime engines, whatever
     calibration trained first: routers and skip/exit adapters are small real tensors the lean
     trace embeds. Re-quantization (int8/int4), precision drafts, draft vocabularies and draft heads
-    read the float weights, and CoreML/TensorRT read them all."""
+    read the float weights (a draft source built by its own option says whether it does), and
+    CoreML/TensorRT read them all."""
+    from adaptive_export.calibration.drafts import BUILD_STEPS
+
     reads_floats = (
         checked.draft_precision is not None
         or bool(options.draft_vocab)
-        or bool(checked.draft_builds)
+        or not all(BUILD_STEPS[name].streams(value) for name, value in checked.draft_builds)
         or (options.draft_head or "none") != "none"
     )
     _, gguf_file = check_model_files(options.model)
@@ -354,11 +360,19 @@ def run_build(options: BuildOptions) -> Manifest:
     elif options.speculate:
         calibrate_speculation(options, loaded, parts, state)
     if path == "calibrate":  # what calibration trained is kept; the fp32 model goes before the export
-        trained = {"routers": parts.routers, "exit_adapters": parts.exit_adapters, "skip_adapters": parts.skip_adapters}
+        trained = {
+            "routers": parts.routers,
+            "exit_adapters": parts.exit_adapters,
+            "skip_adapters": parts.skip_adapters,
+            "draft_tables": parts.draft_tables,
+            "draft_vocab": parts.draft_vocab,
+        }
         del loaded, parts
         gc.collect()
         loaded = load_lean_model(options.model)
         parts = ModelParts(loaded.hf_model, loaded.spec, **trained)
+    if path != "full" and parts.draft_vocab is not None:  # the fake LM head cannot be indexed: its rows from the file
+        parts.draft_heads[int(parts.draft_vocab.numel())] = draft_vocab_rows(loaded, parts.draft_vocab)
     return build_bundle(loaded, state.plan, export_options(options, checked, state), parts)
 
 

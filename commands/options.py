@@ -4,7 +4,7 @@ below one of these frozen dataclasses (never an argparse.Namespace)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
 from adaptive_export.exporter.backends import parse_backends
@@ -70,7 +70,11 @@ class BuildOptions(Options):
 
         model = resolve_model_argument(args.model, args.revision, args.gguf_file)
         draft_options = tuple((name, getattr(args, step.option.dest)) for name, step in BUILD_STEPS.items())
-        return super().from_args(args, backends=parse_backends(args.backend), model=model, draft_options=draft_options)
+        options = super().from_args(
+            args, backends=parse_backends(args.backend), model=model, draft_options=draft_options
+        )
+        resolved = tuple((name, BUILD_STEPS[name].resolve(value, options)) for name, value in draft_options)
+        return replace(options, draft_options=resolved)
 
 
 @dataclass(frozen=True)

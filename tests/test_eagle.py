@@ -229,3 +229,53 @@ def test_a_head_file_is_checked_against_the_model(tmp_path: Path, capsys: pytest
     assert main(["build", str(model), "-o", str(tmp_path / "b"), "--eagle-head", str(good), "--max-len", "64"]) == 0
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert manifest["graphs"]["decode_full"]["eagle"] == 32 and manifest["speculation"]["eagle"]["acceptance"] is None
+
+
+def parsed_build(*argv: str):  # type: ignore[no-untyped-def]
+    from adaptive_export.commands.cli import build_parser
+    from adaptive_export.commands.options import BuildOptions
+
+    return BuildOptions.from_args(build_parser().parse_args(["build", *argv]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "shipped"),
+    [
+        (("smollm2", "-o", "b"), True),  # the default: a packaged model's shipped head
+        (("smollm2", "-o", "b", "--backend", "onnx,coreml"), False),  # the head runs in ONNX Runtime only
+        (("smollm2", "-o", "b", "--speculate", "auto"), False),  # --speculate chooses its own decoding
+        (("smollm2", "-o", "b", "--eagle-head", "0"), False),  # asked off
+        (("gemma3", "-o", "b"), False),  # no head shipped for it
+    ],
+)
+def test_eagle_head_auto_takes_a_packaged_models_shipped_head(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: tuple[str, ...], shipped: bool
+) -> None:
+    """`--eagle-head auto` (the default) resolves, before any loading, to samples/heads/<model>.safetensors
+    where one ships and the build is plain ONNX Runtime decoding, and to none otherwise."""
+    from adaptive_export.loading import shipped_heads
+
+    monkeypatch.setattr(shipped_heads, "SHIPPED_DIR", tmp_path)
+    (tmp_path / "smollm2.safetensors").write_bytes(b"stand-in: resolve reads no content")
+    value = dict(parsed_build(*argv).draft_options)["eagle"]
+    assert value == (str(tmp_path / "smollm2.safetensors") if shipped else "0")
+
+
+def test_shipped_heads_are_heads_of_their_models() -> None:
+    """Every head in samples/heads/ names a packaged model and loads as a head of its width and
+    vocabulary (the check `--eagle-head FILE` runs), with a measured acceptance."""
+    from safetensors import safe_open
+
+    from adaptive_export.calibration.drafts import eagle
+    from adaptive_export.loading.packaged import PACKAGED
+    from adaptive_export.loading.shipped_heads import SHIPPED_DIR
+
+    heads = sorted(SHIPPED_DIR.glob("*.safetensors"))
+    assert heads, "no shipped head"
+    for path in heads:
+        assert path.stem in PACKAGED, path
+        with safe_open(str(path), framework="pt") as reader:
+            table, ids, metadata = reader.get_tensor(eagle.TABLE.key), reader.get_tensor("ids"), reader.metadata()
+        assert table.dim() == 2 and table.shape[0] % 5 == 0 and bool(torch.isfinite(table.float()).all())
+        assert ids.dim() == 1 and bool((ids[1:] > ids[:-1]).all())
+        assert 0.0 < float(metadata["acceptance_own_text"]) < 1.0

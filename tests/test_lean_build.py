@@ -102,6 +102,33 @@ def test_a_calibrated_build_streams_its_export(tmp_path: Path) -> None:
     assert_streamed_equals_full(tmp_path, "--max-len", "256", "--speculate", "20:3", lean_share=0.6)
 
 
+def test_a_build_with_a_head_file_streams_its_export(tmp_path: Path) -> None:
+    """An EAGLE head from a file (what `build` of a packaged model takes from samples/heads/) needs
+    no fp32 model: its trimmed LM head rows are read from the .gguf row by row, and the bundle
+    equals the full load's, the head's graph and tensors included."""
+    import torch
+
+    from adaptive_export.calibration.drafts.eagle import EagleFit, eagle_bytes
+    from adaptive_export.graphs.drafts.eagle import EagleBlock, pack
+
+    torch.manual_seed(0)
+    block = EagleBlock(576, 1152, 1e-5)  # SmolLM2's hidden size, the head's default width
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.normal_(std=0.02)
+    ids = torch.arange(5, 5 + 3 * 64, 3)  # 64 ascending ids
+    head = tmp_path / "head.safetensors"
+    head.write_bytes(eagle_bytes(EagleFit(pack(block), ids, {"acceptance_own_text": 0.3})))
+    flags = ("--max-len", "256", "--eagle-head", str(head), "--prompt-rows", "rule")
+    assert_streamed_equals_full(tmp_path, *flags, lean_share=0.5)
+    # check's first line still rebuilds the guessing graph (the head from the bundle's own file)
+    from adaptive_export.exporter.check_structure import structure_rows
+    from adaptive_export.runtimes.bundle import load_bundle
+
+    rows = structure_rows(load_bundle(tmp_path / "lean"), "smollm2")
+    assert rows and all(row.passed and row.executed for row in rows), rows
+
+
 def assert_streamed_equals_full(tmp_path: Path, *flags: str, lean_share: float) -> None:
     lean, full = tmp_path / "lean", tmp_path / "full"
     lean_proc, lean_peak = run_measured(CLI, "build", "smollm2", *flags, "-o", str(lean))

@@ -36,10 +36,13 @@ assert TABLE is not None  # the source ships its table
 MIN_VOCAB, MAX_VOCAB = 16, 65536
 REQUESTS, ANSWER_TOKENS, DOCSTRINGS = 48, 96, 240  # the training text (calibration/draft_data.py)
 EPOCHS, MAX_SECONDS = 4, 900.0  # 2-core CPU: the whole 0.5B recipe stays within about 30 minutes
+AUTO = "auto"
 HELP = (
     "train an EAGLE head that guesses the token after next in every decode pass, scoring the N token ids "
     "the model writes most (e.g. 4096; 0 = none), or take a bundle's eagle_head.safetensors (FILE): "
-    "the guess of every two-row pass, and `run --draft eagle`"
+    "the guess of every two-row pass, and `run --draft eagle`. auto (default): the head shipped for a "
+    "packaged model (samples/heads/; built without training), none for other models or with options "
+    "it does not combine with (another backend, --speculate, --routers, draft options)"
 )
 
 
@@ -197,7 +200,34 @@ def _acceptance(measured: dict[str, Any]) -> float | None:
 class EagleBuild(BuildStep):
     """`build --eagle-head N|FILE`: train the head over N token ids (or load one); it guesses in every decode pass."""
 
-    option = BuildOption("--eagle-head", "0", "N|FILE", HELP)
+    option = BuildOption("--eagle-head", AUTO, "N|FILE|auto", HELP)
+
+    @classmethod
+    def resolve(cls, value: str, options: Any) -> str:
+        """auto: the packaged model's shipped head where this build is plain ONNX Runtime
+        decoding, else none (an explicit N or FILE is checked with the options, as before)."""
+        from adaptive_export.loading.shipped_heads import shipped_head
+
+        if value != AUTO:
+            return value
+        head = shipped_head(options.model)
+        plain = (
+            tuple(options.backends) == ("onnx",)
+            and not (options.speculate or options.routers or options.draft_vocab)
+            and (options.draft_head or "none") == "none"
+            and not precision_asked(options)
+        )
+        return str(head) if head is not None and plain else "0"
+
+    @classmethod
+    def trains(cls, value: str) -> bool:
+        return value.isdigit()
+
+    @classmethod
+    def streams(cls, value: str) -> bool:
+        """Its graph piece reads the embedding (streamed like the model's) and the draft
+        vocabulary's LM head rows, which a streamed build reads from the .gguf row by row."""
+        return True
 
     @staticmethod
     def check(value: str) -> None:

@@ -1,0 +1,61 @@
+"""Train the EAGLE head a packaged model ships with (samples/heads/<model>.safetensors).
+
+    python -m benchmarks.eagle_heads --model qwen2.5-coder-0.5b [--output DIR]
+
+`build MODEL` includes the shipped head without training (issue #37 item 2); this script is how
+that file was made, so anyone can remake it: `build MODEL --eagle-head 4096` with the larger
+recipe below (twice the self-written requests, longer answers), seed 0, on this machine's CPU.
+The bundle it builds on the way is kept in --output for benchmarks/two_rows.py and peers.py. The
+shipped file is the bundle's eagle_head.safetensors with its table stored as fp16 (half the
+bytes; the bundle's graph computes in fp32 either way), its ids and its measured acceptance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+from adaptive_export.calibration.drafts import eagle
+from adaptive_export.commands.cli import main as cli_main
+from adaptive_export.loading.shipped_heads import SHIPPED_DIR
+
+VOCAB = 4096
+SHIPPED_RECIPE = {"REQUESTS": 96, "ANSWER_TOKENS": 128, "DOCSTRINGS": 240, "EPOCHS": 4, "MAX_SECONDS": 1200.0}
+
+
+def fp16_copy(source: Path, target: Path) -> None:
+    """The head file with its table as fp16 (ids and metadata unchanged)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(source), framework="pt") as reader:
+        tensors = {key: reader.get_tensor(key) for key in reader.keys()}
+        metadata = reader.metadata() or {}
+    tensors[eagle.TABLE.key] = tensors[eagle.TABLE.key].half()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(target), metadata={**metadata, "recipe": repr(SHIPPED_RECIPE), "vocab": str(VOCAB)})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a packaged model name, e.g. qwen2.5-coder-0.5b")
+    parser.add_argument("--output", default=None, help="where the bundle built on the way goes (default: a temp dir)")
+    args = parser.parse_args()
+    for name, value in SHIPPED_RECIPE.items():
+        setattr(eagle, name, value)
+    output = Path(args.output or f"/tmp/eagle-head-{args.model}")
+    started = time.perf_counter()
+    flags = ["--eagle-head", str(VOCAB), "--prompt-rows", "rule", "--force"]
+    code = cli_main(["build", args.model, "-o", str(output), *flags])
+    if code:
+        raise SystemExit(code)
+    target = SHIPPED_DIR / f"{args.model}.safetensors"
+    fp16_copy(output / eagle.TABLE.file, target)
+    shutil.copy(output / "calibration.json", output.parent / f"{output.name}.calibration.json")
+    print(f"wrote {target} ({target.stat().st_size / 1e6:.1f} MB) in {(time.perf_counter() - started) / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
