@@ -129,10 +129,13 @@ def test_default_build_is_gguf_exact_at_accuracy_4(smol_default_bundle: Path, tm
     structure = [r for r in results if r["check"] == "structure"]  # equal to the engines the model defines
     assert {r["engine"] for r in structure} == {"prefill", "decode_full"}, structure
     assert all(r["passed"] and r["executed"] for r in structure), structure
-    # run's default (auto) decodes plainly here: an accuracy-4 verify pass does not reproduce T=1 steps
+    # run's default (auto) decodes this chat prompt on the rows the build measured for chat: plainly
+    # on one row (an accuracy-4 verify pass does not reproduce T=1 steps), exact lookup on two (its
+    # 0.95-0.98 one-row steps per token sit on the line, so the choice differs between builds)
     runs = [
         cli("run", str(out), "-p", "Name three rivers.", "--max-new-tokens", "16", "--json", *m)
         for m in ((), ("--mode", "ar"))
     ]
     default, plain = (json.loads(p.stdout) for p in runs)
-    assert default["stats"]["mode"] == "ar" and default["tokens"] == plain["tokens"], default["stats"]
+    expected = "spec" if manifest["prompt_rows"]["chat"] == 2 else "ar"
+    assert default["stats"]["mode"] == expected and default["tokens"] == plain["tokens"], default["stats"]
