@@ -108,19 +108,27 @@ def _bundle_head(bundle: Bundle) -> _Head | None:
     if decode is None or not decode.draft_field(FIELD) or ids is None:
         return None
     table = load_draft_table(Eagle.table, bundle.root / Eagle.table.file, bundle.model.hidden_size)
+    if table.shape[0] != 5 * decode.draft_field(FIELD):  # a hostile file whose checksum was re-signed
+        raise UsageError(
+            f"the bundle's {Eagle.table.file} holds a head of width {table.shape[0] // 5}, its decode graph "
+            f"guesses with width {decode.draft_field(FIELD)}",
+            "rebuild the bundle: its head file does not belong to its engines",
+        )
     return _Head(table, torch.from_numpy(ids.astype(np.int64)))
 
 
-def _plain_plan(bundle: Bundle, num_layers: int, head: _Head | None = None) -> Any:
-    """The plain build's plan, with the bundle's guessing head where it has one."""
+def _plain_plan(bundle: Bundle, num_layers: int) -> Any:
+    """The plain build's plan, with the bundle's guessing head where its decode graph has one
+    (width and vocabulary from the manifest: no file is read to decide what to rebuild)."""
     from adaptive_export.graphs.plan import BuildPlan
     from adaptive_export.runtimes.drafting.eagle import FIELD
 
     plan = BuildPlan(num_layers=num_layers)
-    head = head or _bundle_head(bundle)
-    if head is not None:
-        plan.draft_fields[FIELD] = int(head.table.shape[0]) // 5
-        plan.draft_vocab = int(head.ids.numel())
+    decode = bundle.manifest.graphs.get("decode_full")
+    width = decode.draft_field(FIELD) if decode is not None else 0
+    if width and bundle.manifest.draft_vocab is not None:
+        plan.draft_fields[FIELD] = width
+        plan.draft_vocab = bundle.manifest.draft_vocab.size
     return plan
 
 
@@ -150,7 +158,7 @@ def _rebuild(bundle: Bundle, model: str, out: Path) -> Bundle:
         native_source=loaded.weights.path if onnx_entry.quantize == "native" else None,
         progress=False,
     )
-    build_bundle(loaded, _plain_plan(bundle, loaded.spec.num_layers, head), options, parts)
+    build_bundle(loaded, _plain_plan(bundle, loaded.spec.num_layers), options, parts)
     return load_bundle(out)
 
 
