@@ -279,3 +279,22 @@ def test_shipped_heads_are_heads_of_their_models() -> None:
         assert table.dim() == 2 and table.shape[0] % 5 == 0 and bool(torch.isfinite(table.float()).all())
         assert ids.dim() == 1 and bool((ids[1:] > ids[:-1]).all())
         assert 0.0 < float(metadata["acceptance_own_text"]) < 1.0
+
+
+def test_a_head_fp16_holds_exactly_is_stored_as_fp16(tmp_path: Path) -> None:
+    """The bundle's copy of a shipped (fp16) head keeps half the bytes and reads back the same
+    values; a trained fp32 table that fp16 would round stays fp32."""
+    from safetensors import safe_open
+
+    from adaptive_export.calibration.drafts import eagle
+    from adaptive_export.calibration.drafts.eagle import EagleFit, eagle_bytes
+    from adaptive_export.loading.artifacts import load_draft_table
+
+    ids = torch.arange(0, 64, 2)
+    exact = torch.randn(10, 8).half().float()
+    for table, dtype in ((exact, torch.float16), (exact + 1e-6, torch.float32)):
+        path = tmp_path / f"{dtype}.safetensors"
+        path.write_bytes(eagle_bytes(EagleFit(table, ids, {"acceptance_own_text": 0.4})))
+        with safe_open(str(path), framework="pt") as reader:
+            assert reader.get_tensor(eagle.TABLE.key).dtype == dtype
+        assert torch.equal(load_draft_table(eagle.TABLE, path, 8), table)

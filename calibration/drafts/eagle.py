@@ -253,11 +253,15 @@ class EagleBuild(BuildStep):
 
 def eagle_bytes(fit: EagleFit) -> bytes:
     """The head as its bundle file: the packed table (`check` reads it back), its vocabulary's ids
-    (int32) and its measured acceptance, so `--eagle-head FILE` rebuilds without training."""
+    (int32) and its measured acceptance, so `--eagle-head FILE` rebuilds without training. A table
+    that fp16 holds exactly (a shipped head) is stored as fp16: the same values at half the bytes."""
     import torch
     from safetensors.torch import save
 
-    tensors = {TABLE.key: fit.table.detach().contiguous(), "ids": fit.ids.to(torch.int32).contiguous()}
+    table = fit.table.detach().contiguous()
+    if table.dtype == torch.float32 and torch.equal(table.half().float(), table):
+        table = table.half()
+    tensors = {TABLE.key: table, "ids": fit.ids.to(torch.int32).contiguous()}
     return save(tensors, metadata={"acceptance_own_text": repr(fit.report.get("acceptance_own_text"))})
 
 
