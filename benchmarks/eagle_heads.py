@@ -23,8 +23,9 @@ from adaptive_export.loading.shipped_heads import SHIPPED_DIR
 
 VOCAB = 4096
 SHIPPED_RECIPE = {"REQUESTS": 96, "ANSWER_TOKENS": 128, "DOCSTRINGS": 240, "EPOCHS": 4, "MAX_SECONDS": 1200.0}
-# The 1.5B's forward passes cost 3-5x the 0.5B's on a 2-core CPU (fp32 torch): half the requests, shorter
-# answers and half the docstrings keep its whole recipe within issue #37's bound (60 minutes, 2 cores).
+# The 1.5B's torch passes cost 1.6-4.7x the 0.5B's on a 2-core CPU (answers per token 1.6x, teacher passes
+# per document 1.8x, requests 4.7x): half the text keeps its recipe well within issue #37's bound of 60
+# minutes (21.2 min on Zen 4); the 0.5B's whole recipe would take about twice that.
 RECIPES = {
     "qwen2.5-coder-1.5b": {
         **SHIPPED_RECIPE,
