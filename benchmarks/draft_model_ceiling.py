@@ -41,10 +41,15 @@ class Ceiling:
 
 
 def same_vocabulary(target: Path, draft: Path) -> bool:
-    """Both bundles' tokenizer.json name the same token for every id (issue #37: refuse otherwise)."""
+    """Both bundles' tokenizer.json name the same token for every id (issue #37: refuse otherwise),
+    each read within the runtime's own bound on a tokenizer file (runtimes/limits.py)."""
+    from adaptive_export.runtimes.limits import MAX_TOKENIZER_BYTES
 
     def vocab(bundle: Path) -> dict:
-        return json.loads((bundle / "tokenizer.json").read_text())["model"]["vocab"]
+        path = bundle / "tokenizer.json"
+        if path.stat().st_size > MAX_TOKENIZER_BYTES:
+            raise SystemExit(f"error: {path} is over {MAX_TOKENIZER_BYTES} bytes. Fix: pass bundles `build` wrote")
+        return json.loads(path.read_text())["model"]["vocab"]
 
     return vocab(target) == vocab(draft)
 
