@@ -52,7 +52,8 @@ by every contender), the same thread count, in one run:
   have, and its n-gram (prompt lookup) draft was not released when this was written;
 - `bundle-<name>`: this project's bundles through the torch-free runtime (any bundle dir;
   `NAME=DIR@auto` runs it with `--mode auto`, i.e. with its calibrated speculation; `NAME=DIR@ar/2` or
-  `@auto/2` with `--decode-rows 2`: plain steps of two rows, on which speculation is exact at accuracy 4).
+  `@auto/2` with `--decode-rows 2`: plain steps of two rows, on which speculation is exact at accuracy 4;
+  `NAME=DIR@auto+DRAFT_DIR` with `--draft-bundle DRAFT_DIR`, a smaller bundle drafting).
 Each contender runs in its own subprocess so peak RSS is its own.
 
 Reported per contender: median prefill ms (time to the first token) and TPOT (the next N-1
@@ -392,8 +393,9 @@ def contender_bundle(
     from adaptive_export.runtimes import Generator
 
     path, _, how = spec.partition("@")  # DIR, DIR@MODE (ar|auto|spec) or DIR@MODE/ROWS (decode rows, 1|2)
+    how, _, draft = how.partition("+")  # ...+DRAFT_DIR: that bundle drafts (`run --draft-bundle`)
     mode, _, rows = how.partition("/")
-    gen = Generator(path, threads=threads, decode_rows=int(rows) if rows else None)
+    gen = Generator(path, threads=threads, decode_rows=int(rows) if rows else None, draft_bundle=draft or None)
     gen.codec.eos_ids = set()
 
     def run(ids: list[int]) -> tuple[float, float, list[int]]:

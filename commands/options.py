@@ -92,6 +92,7 @@ class RunOptions(Options):
     json: bool = False
     decoding: DecodingSettings = DEFAULT_DECODING  # --config, --mode, --draft, --draft-len
     decode_rows: int | None = None  # None: the bundle's min_decode_rows
+    draft_bundle: str | None = None  # a smaller bundle with the same tokenizer that drafts (runtimes/draft_model.py)
     backend: str = "onnx"
     provider: str = "cpu"
     threads: int = 0

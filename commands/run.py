@@ -30,7 +30,14 @@ def load_generator(options: RunOptions) -> Generator:
     bundle = load_bundle(options.bundle, verify=options.verify)  # loaded (and verified) once
     if options.backend == "onnx":
         backend_options.update(provider=options.provider, prepack=prepack_graphs(bundle, options.prepack))
-    return Generator(bundle, backend=options.backend, decode_rows=options.decode_rows, **backend_options)
+    return Generator(
+        bundle,
+        backend=options.backend,
+        decode_rows=options.decode_rows,
+        draft_bundle=options.draft_bundle,
+        verify=options.verify,
+        **backend_options,
+    )
 
 
 def cmd_run(options: RunOptions) -> int:

@@ -12,6 +12,7 @@ request and never branches on the mode itself:
 | spec | any | `Speculative` | rounds of the chosen source's drafts, ungated |
 | auto | any | `GatedSpeculative` | rounds of the source that pays, drafting only while it pays (*) |
 | pipelined | any | `Pipelined` | predictive pipelined decoding over the early-exit stages |
+| spec, auto with a draft bundle | 2+ | `PairedDrafts` | rounds of a smaller bundle's drafts, ungated |
 
 (*) On two rows without a calibrated source: prompt lookup growing from one draft a round
 (`GrowingLookup`), decided from the tokens alone.
@@ -30,6 +31,7 @@ import numpy as np
 
 from adaptive_export.runtimes.backends import Backend
 from adaptive_export.runtimes.bundle import Bundle
+from adaptive_export.runtimes.draft_model import DRAFT_MODEL_K, DraftModel, DraftModelSource
 from adaptive_export.runtimes.drafting import FREE_SOURCE, SOURCES
 from adaptive_export.runtimes.drafting.prompt_lookup import GROWING_MOST
 from adaptive_export.runtimes.errors import UsageError
@@ -91,6 +93,7 @@ class DecodeContext:
     bundle: Bundle
     backend: Backend
     warmups: dict[str, DraftWarmup] = field(default_factory=dict)  # draft engine -> its background creation
+    draft_model: DraftModel | None = None  # `--draft-bundle`: a smaller bundle that drafts (runtimes/draft_model.py)
 
     def warm(self, graphs: list[str]) -> list[DraftWarmup]:
         """Start creating these engines' sessions in the background (once per engine); the warm-ups to wait for."""
@@ -240,6 +243,25 @@ class GatedSpeculative(_Rounds):
         )
 
 
+class PairedDrafts(_Rounds):
+    """`--draft-bundle` under spec or auto: every round drafts with the draft bundle
+    (runtimes/draft_model.py) and verifies at two rows or more, the rows `--mode ar` decodes with
+    beside a draft bundle (Generator), so the tokens stay ar's."""
+
+    loop = "spec"
+    prompt_rows = True
+
+    def check(self, context: DecodeContext, args: DecodeArgs, config: ConfigEntry) -> None:
+        if args.draft is not None:
+            raise UsageError(f"--draft {args.draft} and --draft-bundle both name a draft source", "drop one of them")
+
+    def runner(self, context: DecodeContext, seq: SequenceState, args: DecodeArgs) -> SpeculativeRunner:
+        assert context.draft_model is not None  # decoder_for picks this decoder only beside a draft bundle
+        k = args.draft_len or DRAFT_MODEL_K
+        drafter = DraftModelSource(context.backend, seq.config, context.bundle.model, k, context.draft_model)
+        return SpeculativeRunner(context.bundle, context.backend, seq.config, decode_rows=args.rows, drafter=drafter)
+
+
 class Pipelined(Decoder):
     """`--mode pipelined`: the early-exit draft of the next token runs beside the rest of this
     token's layers (runtimes/pipelined.py), two sessions at once."""
@@ -299,6 +321,12 @@ DECODERS: dict[tuple[Mode, bool], Decoder] = {
 }
 
 
-def decoder_for(mode: Mode, rows: int) -> Decoder:
-    """The decoder of a request: the table's entry for its mode and rows."""
+PAIRED_DRAFTS = PairedDrafts()
+
+
+def decoder_for(mode: Mode, rows: int, paired: bool = False) -> Decoder:
+    """The decoder of a request: the table's entry for its mode and rows; beside a draft bundle
+    (`paired`), spec and auto draft with it."""
+    if paired and mode in (Mode.SPEC, Mode.AUTO):
+        return PAIRED_DRAFTS
     return DECODERS[(mode, rows >= 2)]

@@ -27,6 +27,7 @@ from adaptive_export.runtimes.backends import Backend, make_backend
 from adaptive_export.runtimes.bundle import Bundle, load_bundle
 from adaptive_export.runtimes.decode_policy import DecodePolicy, prompt_policy
 from adaptive_export.runtimes.decoders import DecodeArgs, DecodeContext, Decoder, DecodeRun, Mode, decoder_for
+from adaptive_export.runtimes.draft_model import DraftModel
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_decode_rows
@@ -202,8 +203,11 @@ class Generator:
         backend: str = "onnx",
         verify: str = "full",
         decode_rows: int | None = None,
+        draft_bundle: str | os.PathLike[str] | None = None,
         **backend_options: Any,
     ) -> None:
+        """`draft_bundle`: a smaller bundle with the same tokenizer that drafts for this one under
+        spec and auto (runtimes/draft_model.py); beside it every decode pass is two rows or more."""
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, verify=verify)
         self.backend: Backend = make_backend(self.bundle, backend, **backend_options)
         if not self.backend.executes:
@@ -220,6 +224,8 @@ class Generator:
             model.head_dim,
             layout=self.backend.kv_layout,
         )
+        if draft_bundle is not None:
+            self.backend.alternate()  # the draft bundle's engines run between this one's
         self.backend.prepare("prefill")
         self.backend.prepare(self.bundle.config("full").decode)
         # rows of every decode pass (manifest `speculation.min_decode_rows`, or the caller's): 2 makes
@@ -228,7 +234,16 @@ class Generator:
         fixed = check_decode_rows(decode_rows) if decode_rows is not None else min_decode_rows(self.bundle)
         self.fixed_rows: int | None = fixed if decode_rows is not None or fixed >= 2 else None
         self.decode_rows = fixed
-        self.decoding = DecodeContext(self.bundle, self.backend)  # what the decoders read (runtimes/decoders.py)
+        draft = None
+        if draft_bundle is not None:
+            if decode_rows == 1:
+                raise UsageError(
+                    "a draft bundle's rounds verify two rows or more: one-row plain steps would not give their tokens",
+                    "drop --decode-rows 1, or drop --draft-bundle",
+                )
+            own = {name: value for name, value in backend_options.items() if name != "prepack"}  # names our graphs
+            draft = DraftModel.load(draft_bundle, self.bundle, self.codec, backend, verify, **own)
+        self.decoding = DecodeContext(self.bundle, self.backend, draft_model=draft)  # what the decoders read
         self._turn = _Turn()
 
     # ---- public API -------------------------------------------------------------------
@@ -298,7 +313,8 @@ class Generator:
         self._check_lengths(prompt_ids, max_new_tokens)
         mode = decoding.parsed_mode
         policy = self._policy(prompt, prompt_ids, mode)
-        decoder = decoder_for(mode, policy.rows).resolve(self.decoding, policy.rows)
+        paired = self.decoding.draft_model is not None
+        decoder = decoder_for(mode, policy.rows, paired).resolve(self.decoding, policy.rows)
         return GenerationRequest(
             prompt_ids, max_new_tokens, sampling, stop_strings, decoding, decoder, should_stop, policy
         )
@@ -310,8 +326,11 @@ class Generator:
         prompt (runtimes/decode_policy.py). spec and pipelined keep one row."""
         if self.fixed_rows is not None:
             return DecodePolicy(self.fixed_rows, "fixed")
-        if not decoder_for(mode, 1).prompt_rows or not self.backend.rows_alike:
+        paired = self.decoding.draft_model is not None
+        if not decoder_for(mode, 1, paired).prompt_rows or not self.backend.rows_alike:
             return DecodePolicy(1, "fixed")
+        if paired:  # ar beside a draft bundle decodes the rows its rounds verify
+            return DecodePolicy(2, "draft_model")
         text = prompt if isinstance(prompt, str) else self.codec.decode(prompt_ids)
         guessing = self.bundle.graph(self.bundle.config("full").decode).guesses
         return prompt_policy(text, guessing, self.bundle.manifest.prompt_rows)

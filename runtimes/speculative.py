@@ -235,10 +235,19 @@ class SpeculativeRunner:
         warmups: Sequence[DraftWarmup] = (),
         decode_rows: int = 1,
         growing: bool = False,
+        drafter: DraftSource | None = None,
     ) -> None:
         """`growing`: prompt lookup's drafts follow its own acceptance, up to the draft length
-        (runtimes/drafting/prompt_lookup.py GrowingLookup), instead of k every round."""
+        (runtimes/drafting/prompt_lookup.py GrowingLookup), instead of k every round. `drafter`: a
+        source made by the caller, outside the registry (runtimes/draft_model.py), drafting ungated."""
         self.warmups = warmups  # draft sessions being created off the critical path: wait for them before drafting
+        # a round without drafts is a floor round (one guess, T=2) on a bundle that decodes two rows at least
+        self.floor = FloorGuess(backend, config, bundle.model, 1) if decode_rows >= 2 else None
+        self.counts = RoundCounts()
+        self.gate: DraftingGate | None = None
+        if drafter is not None:
+            self.source, self.k, self.drafter = drafter.name, drafter.k, drafter
+            return
         self.source = source or default_source(bundle, config)
         source_class = draft_source(self.source)
         if not source_class.available(config):
@@ -254,10 +263,6 @@ class SpeculativeRunner:
             raise ValueError(f"only prompt lookup grows its drafts, not {self.source}")
         drafter_class = GrowingLookup if growing else source_class
         self.drafter = drafter_class(backend, config, bundle.model, self.k)
-        # a round without drafts is a floor round (one guess, T=2) on a bundle that decodes two rows at least
-        self.floor = FloorGuess(backend, config, bundle.model, 1) if decode_rows >= 2 else None
-        self.counts = RoundCounts()
-        self.gate: DraftingGate | None = None
         if gated and source_class.gateable:
             prepacked = config.decode in getattr(backend, "prepack", ())  # ORT: T > 1 passes much cheaper
             costs = calibrated.verify_costs(prepacked)

@@ -106,6 +106,9 @@ class CheckedBackend(Backend):
     def prepare(self, graph: str) -> None:
         self.inner.prepare(graph)
 
+    def alternate(self) -> None:
+        self.inner.alternate()
+
     def with_threads(self, threads: int) -> CheckedBackend:
         """The wrapped backend's `with_threads` variant, checked alike (ONNX Runtime only)."""
         return CheckedBackend(self.inner.with_threads(threads))

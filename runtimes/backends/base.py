@@ -46,6 +46,10 @@ class Backend(ABC):
     def prepare(self, graph: str) -> None:  # noqa: B027 - a backend that loads engines lazily needs nothing here
         """Load the engine ahead of first use (e.g. at start-up), so timings exclude it."""
 
+    def alternate(self) -> None:  # noqa: B027 - a backend without thread pools of its own needs nothing here
+        """Another bundle's engines will run between this one's (a draft bundle, runtimes/draft_model.py):
+        let its threads go idle after each run. Called before the first session is created."""
+
     def with_threads(self, threads: int) -> Backend:
         """A backend over the same engines whose sessions each use `threads` intra-op threads and
         may run one engine while this one runs another (pipelined decoding, runtimes/pipelined.py).

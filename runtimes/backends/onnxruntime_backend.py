@@ -17,7 +17,8 @@ the token ids, the two length scalars (mutated in place) and, when T changes, th
 buffers are rebound. Engines that are the same ONNX file (the fused prefill and full-model
 decode) share one session, so ONNX Runtime prepacks their weights once.
 
-Threads: when a bundle has draft engines, each session's intra-op threads stop spinning as
+Threads: when a bundle has draft engines, or another bundle drafts for it (`alternate`), each
+session's intra-op threads stop spinning as
 soon as its run returns (`session.force_spinning_stop`). Otherwise the pool of the engine
 that just ran keeps spinning while the next engine runs on the same cores: measured on
 SmolLM2 (2 cores), alternating a GGUF-exact draft and verify session cost 13-14 ms per
@@ -193,6 +194,10 @@ class OnnxRuntimeBackend(Backend):
         self._out_buffers: dict[tuple[str, str, tuple[int, ...]], np.ndarray] = {}
         self.guard = RunGuard(self.ort, bundle.manifest, int(self.weights.size))  # memory, time, interrupts
         self._variants: dict[int, OnnxRuntimeBackend] = {}  # by thread count: sessions of their own (with_threads)
+
+    def alternate(self) -> None:
+        """Sessions made from now on stop spinning when their run returns, as a bundle with draft engines' do."""
+        self.alternating = True
 
     def with_threads(self, threads: int) -> OnnxRuntimeBackend:
         """This backend with `threads` intra-op threads per session: pipelined decoding runs two

@@ -1,0 +1,178 @@
+"""A smaller bundle drafting for a larger one (issue #37 item 3): `run --draft-bundle DIR`.
+
+The draft bundle (Qwen2.5-Coder-0.5B's for the 1.5B) runs its own engines on its own KV arena and
+reads only the target's tokens, never its KV: before each round it catches its arena up with the
+tokens the target emitted since (the last draft and the bonus token after a round that accepted
+everything, one corrected token otherwise), then writes k drafts with T=1 steps. It reads a
+window of the context (the prompt's last DRAFT_WINDOW tokens onward), and a round that prompt
+lookup can fill with a sure match copies instead of drafting. The target's
+decode engine verifies [pending, d1, .., dk] in one pass (a bonus row: a round emits accepted + 1
+tokens), so greedy output is the target's own; sampling keeps the draft's logits for the
+rejection rule. The two bundles must name every token alike (`check_pairing`), else drafts would
+be other tokens. The draft arena keeps the rows of the last request too, so a prompt that repeats
+the last one's opening (a system prompt) reuses them.
+
+It is a run-time pairing, not a technique a build puts into a bundle: no manifest field, no graph
+piece, no calibration module (runtimes/draft_registry.py lists those). Opt-in because it holds a
+second bundle's weights and arena: +45% peak RSS for the 0.5B beside the 1.5B (docs/speculation.md).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from adaptive_export.runtimes.backends import Backend, StepOutputs, make_backend
+from adaptive_export.runtimes.bundle import Bundle, load_bundle
+from adaptive_export.runtimes.drafting.base import DraftSource, Proposal, decode_engine_verify
+from adaptive_export.runtimes.drafting.prompt_lookup import GROWING_MAX_NGRAM, SURE_NGRAM, lookup_match
+from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.kv_arena import KVArena
+from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
+from adaptive_export.runtimes.sampling import Sampler
+from adaptive_export.runtimes.text import TextCodec
+
+DRAFT_MODEL_K = 3  # drafts per round: the 0.5B for the 1.5B paid best at k = 1..3 (benchmarks/draft_model_ceiling.py)
+# The draft prefills at most the last this-many tokens of a prompt: a draft needs no more to guess
+# the next few, and the 0.5B's prefill of a 300-token edit prompt cost 10 ms of the 1.5B's TPOT over
+# a 64-token answer. Copies from earlier in the prompt are prompt lookup's (`lookup_first`).
+DRAFT_WINDOW = 64
+MAX_CATCH_UP_ROWS = 64  # a longer catch-up (a new prompt after a shared opening) runs the draft's prefill instead
+PAIRING_FIX = "pass a draft bundle built from a model with the same tokenizer (Qwen2.5-Coder-0.5B for the 1.5B)"
+
+
+def check_pairing(target: Bundle, draft: Bundle, target_codec: TextCodec, draft_codec: TextCodec) -> None:
+    """Refuse a draft bundle whose tokens are not the target's, id for id."""
+    if draft.model.vocab_size != target.model.vocab_size:
+        raise UsageError(
+            f"the draft bundle's vocabulary has {draft.model.vocab_size} tokens, the target's"
+            f" {target.model.vocab_size}",
+            PAIRING_FIX,
+        )
+    if draft_codec.tokenizer.get_vocab(with_added_tokens=True) != target_codec.tokenizer.get_vocab(
+        with_added_tokens=True
+    ):
+        raise UsageError("the draft bundle's tokenizer names its tokens differently from the target's", PAIRING_FIX)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens the two lists share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class DraftModel:
+    """The draft bundle's engines and KV arena, and which tokens the arena holds rows for."""
+
+    def __init__(self, bundle: Bundle, backend: Backend) -> None:
+        self.bundle, self.backend = bundle, backend
+        model = bundle.model
+        self.arena = KVArena(
+            bundle.num_layers, bundle.max_len, model.num_kv_heads, model.head_dim, layout=backend.kv_layout
+        )
+        self.decode = bundle.config("full").decode
+        self.window = DRAFT_WINDOW
+        self.skipped: list[int] = []  # the context's tokens before the draft's window: not in its arena
+        self.written: list[int] = []  # the tokens whose KV rows the arena holds, from the window's start
+
+    @classmethod
+    def load(
+        cls,
+        directory: str | os.PathLike[str],
+        target: Bundle,
+        target_codec: TextCodec,
+        backend: str,
+        verify: str = "full",
+        **backend_options: Any,
+    ) -> DraftModel:
+        """Load and verify the draft bundle like any bundle, check it pairs with the target, create its sessions."""
+        bundle = load_bundle(directory, verify=verify)
+        check_pairing(target, bundle, target_codec, TextCodec(bundle))
+        draft = cls(bundle, make_backend(bundle, backend, **backend_options))
+        draft.backend.alternate()  # the target's engines run between the draft's
+        draft.backend.prepare("prefill")
+        draft.backend.prepare(draft.decode)
+        return draft
+
+    def draft(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
+        """Up to k tokens after `context` (its last token is the target's pending one): none where
+        the draft arena cannot hold them."""
+        view = self._window(context)
+        if len(view) + k > self.bundle.max_len:
+            return Proposal([])
+        logits = self._catch_up(view)
+        vocab = self.bundle.model.vocab_size
+        token = np.empty((1, 1), dtype=np.int64)
+        drafts: list[int] = []
+        rows: list[np.ndarray] | None = None if sampler.greedy else []
+        for j in range(k):
+            if j:
+                token[0, 0] = drafts[-1]
+                logits = self.backend.run(self.decode, token, self.arena, self.arena.length).logits[0, -1]
+                self.arena.length += 1
+                self.written.append(drafts[-1])
+            if rows is None:
+                choice = int(np.argmax(logits))
+            else:
+                rows.append(logits.copy())  # the backend reuses its output buffer next step
+                choice = int(sampler.rng.choice(logits.size, p=sampler.probabilities(rows[-1])))
+            if not 0 <= choice < vocab:  # an engine's output is untrusted input: no id the target cannot embed
+                break
+            drafts.append(choice)
+        return Proposal(drafts, rows[: len(drafts)] if rows is not None else None)
+
+    def _window(self, context: list[int]) -> list[int]:
+        """The context from the draft's window start, kept while the arena can catch up with it in
+        one short pass; else (a new request) a new window of the last `window` tokens."""
+        skip = len(self.skipped)
+        view = context[skip:]
+        kept = common_prefix(self.written, view) if context[:skip] == self.skipped else 0
+        if kept == 0 or len(view) - kept > MAX_CATCH_UP_ROWS:
+            skip = max(0, len(context) - self.window)
+            self.skipped, self.written = context[:skip], []
+            view = context[skip:]
+        return view
+
+    def _catch_up(self, context: list[int]) -> np.ndarray:
+        """Write the rows of the context's tokens the arena lacks; the logits row after its last token."""
+        kept = min(common_prefix(self.written, context), len(context) - 1)  # the last token always runs
+        fresh = context[kept:]
+        ids = np.asarray([fresh], dtype=np.int64)
+        if kept == 0 or len(fresh) > MAX_CATCH_UP_ROWS:
+            kept, ids = 0, np.asarray([context], dtype=np.int64)
+            out = self.backend.run("prefill", ids, self.arena, 0)
+        else:
+            out = self.backend.run(self.decode, ids, self.arena, kept)
+        self.arena.length = len(context)
+        self.written = list(context)
+        return out.logits[0, -1]
+
+
+class DraftModelSource(DraftSource):
+    """Rounds of a draft model's tokens, verified with the bonus row by the target's decode engine.
+    A round whose context ends in an n-gram of SURE_NGRAM tokens or more seen before copies the k
+    tokens that followed it instead: free (no draft step; the draft catches up next time), and what
+    edit answers mostly are (the 1.5B's edit prompts: 39.8 against 53.3 ms a token without it)."""
+
+    name = "draft_model"
+    bonus = True
+
+    def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int, draft: DraftModel) -> None:
+        super().__init__(backend, config, model, k)
+        self.draft = draft
+
+    def propose(
+        self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
+    ) -> Proposal:
+        copied, n = lookup_match(context, k, GROWING_MAX_NGRAM)
+        if n >= SURE_NGRAM and len(copied) == k:
+            return Proposal(copied)
+        return self.draft.draft(context, k, sampler)
+
+    def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
+        return decode_engine_verify(self.backend, self.config, pending, proposal.tokens, start, arena)
