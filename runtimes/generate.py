@@ -25,7 +25,7 @@ import numpy as np
 
 from adaptive_export.runtimes.backends import Backend, make_backend
 from adaptive_export.runtimes.bundle import Bundle, load_bundle
-from adaptive_export.runtimes.decode_policy import DecodePolicy, prompt_policy
+from adaptive_export.runtimes.decode_policy import DecodePolicy, prompt_kind, prompt_policy
 from adaptive_export.runtimes.decoders import DecodeArgs, DecodeContext, Decoder, DecodeRun, Mode, decoder_for
 from adaptive_export.runtimes.draft_model import DraftModel
 from adaptive_export.runtimes.errors import UsageError
@@ -314,7 +314,7 @@ class Generator:
         mode = decoding.parsed_mode
         policy = self._policy(prompt, prompt_ids, mode)
         paired = self.decoding.draft_model is not None
-        decoder = decoder_for(mode, policy.rows, paired).resolve(self.decoding, policy.rows)
+        decoder = decoder_for(mode, policy.rows, paired, policy.kind).resolve(self.decoding, policy.rows)
         return GenerationRequest(
             prompt_ids, max_new_tokens, sampling, stop_strings, decoding, decoder, should_stop, policy
         )
@@ -323,17 +323,21 @@ class Generator:
         """The rows of every decode pass: the caller's or the bundle's where fixed; else, for the
         decoders whose tokens stay ar's (ar and auto alike, so their tokens agree), the rows the
         bundle's build measured for the prompt's kind, else two rows with prompt lookup on an edit
-        prompt (runtimes/decode_policy.py). spec and pipelined keep one row."""
-        if self.fixed_rows is not None:
-            return DecodePolicy(self.fixed_rows, "fixed")
+        prompt (runtimes/decode_policy.py). spec and pipelined keep one row. Beside a draft bundle
+        every request decodes two rows or more (its rounds' verify passes), and a chat prompt drafts
+        with it (policy "draft_model"); an edit prompt keeps the policy it would have had."""
         paired = self.decoding.draft_model is not None
+        text = prompt if isinstance(prompt, str) else self.codec.decode(prompt_ids)
+        if self.fixed_rows is not None:
+            return DecodePolicy(self.fixed_rows, "fixed", prompt_kind(text) if paired else "")
         if not decoder_for(mode, 1, paired).prompt_rows or not self.backend.rows_alike:
             return DecodePolicy(1, "fixed")
-        if paired:  # ar beside a draft bundle decodes the rows its rounds verify
-            return DecodePolicy(2, "draft_model")
-        text = prompt if isinstance(prompt, str) else self.codec.decode(prompt_ids)
         guessing = self.bundle.graph(self.bundle.config("full").decode).guesses
-        return prompt_policy(text, guessing, self.bundle.manifest.prompt_rows)
+        policy = prompt_policy(text, guessing, self.bundle.manifest.prompt_rows)
+        if not paired:
+            return policy
+        name = "draft_model" if policy.kind == "chat" else policy.name if policy.rows >= 2 else "lookup"
+        return DecodePolicy(max(policy.rows, 2), name, policy.kind, policy.calibrated)
 
     def _prompt_ids(self, prompt: str | Sequence[int], raw: bool) -> list[int]:
         if isinstance(prompt, str):

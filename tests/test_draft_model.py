@@ -92,6 +92,20 @@ def test_draft_model_sampling_matches_plain_sampling(paired: Generator) -> None:
     assert_sampling_matches_plain(paired, "The quick brown fox", 4, 700, mode="spec", draft_len=2)
 
 
+def test_an_edit_prompt_keeps_its_own_drafts_beside_a_draft_bundle(paired: Generator, tiny_bundle: Path) -> None:
+    """Auto drafts with the draft bundle on chat prompts only: an edit prompt (code an answer copies)
+    decodes as it would without it, on two rows, and its tokens are still ar's."""
+    code = "The quick brown fox jumps over the lazy dog. " * 2  # the tiny tokenizer's own text: few tokens
+    prompt = f"Fix this.\n```\n{code}\n```"
+    ar = paired.generate(prompt, mode="ar", max_new_tokens=30, raw=True)
+    result = paired.generate(prompt, max_new_tokens=30, raw=True)
+    assert result.stats.decode_policy.kind == "edit" and result.stats.decode_policy.rows == 2
+    assert result.stats.speculation["draft_source"] == "prompt_lookup", result.stats.speculation
+    assert_same_or_tie(paired, result.prompt_ids, ar.tokens, result.tokens)
+    alone = Generator(tiny_bundle, decode_rows=2).generate(prompt, max_new_tokens=30, raw=True)
+    assert result.tokens == alone.tokens
+
+
 def test_run_reports_the_draft_model(tiny_bundle: Path, draft_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["run", str(tiny_bundle), "-p", "The quick brown fox", "--raw", "--max-new-tokens", "12", "--json"]
     assert main([*argv, "--draft-bundle", str(draft_bundle)]) == 0
