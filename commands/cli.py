@@ -457,7 +457,8 @@ def _add_run_decoding_arguments(run: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="a smaller bundle built from a model with the same tokenizer (Qwen2.5-Coder-0.5B's for the 1.5B) that "
         "drafts for this one under --mode auto/spec, verified exactly: greedy tokens stay --mode ar's, which then also "
-        "decodes two rows a pass. Costs that bundle's memory (+45%% peak RSS for the 0.5B beside the 1.5B)",
+        "decodes two rows a pass. Under auto it drafts on chat prompts; edit prompts keep prompt lookup. Costs that "
+        "bundle's memory (+41%% peak RSS for the 0.5B beside the 1.5B)",
     )
     run.add_argument(
         "--decode-rows",

@@ -14,7 +14,7 @@ the last one's opening (a system prompt) reuses them.
 
 It is a run-time pairing, not a technique a build puts into a bundle: no manifest field, no graph
 piece, no calibration module (runtimes/draft_registry.py lists those). Opt-in because it holds a
-second bundle's weights and arena: +45% peak RSS for the 0.5B beside the 1.5B (docs/speculation.md).
+second bundle's weights and arena: +41% peak RSS for the 0.5B beside the 1.5B (docs/speculation.md).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from adaptive_export.runtimes.text import TextCodec
 DRAFT_MODEL_K = 3  # drafts per round: the 0.5B for the 1.5B paid best at k = 1..3 (benchmarks/draft_model_ceiling.py)
 # The draft prefills at most the last this-many tokens of a prompt: a draft needs no more to guess
 # the next few, and the 0.5B's prefill of a 300-token edit prompt cost 10 ms of the 1.5B's TPOT over
-# a 64-token answer. Copies from earlier in the prompt are prompt lookup's (`lookup_first`).
+# a 64-token answer. Copies from earlier in the prompt are prompt lookup's (`DraftModelSource.propose`).
 DRAFT_WINDOW = 64
 MAX_CATCH_UP_ROWS = 64  # a longer catch-up (a new prompt after a shared opening) runs the draft's prefill instead
 PAIRING_FIX = "pass a draft bundle built from a model with the same tokenizer (Qwen2.5-Coder-0.5B for the 1.5B)"
