@@ -26,7 +26,7 @@ import numpy as np
 
 from adaptive_export.runtimes.backends import Backend, StepOutputs, make_backend
 from adaptive_export.runtimes.bundle import Bundle, load_bundle
-from adaptive_export.runtimes.drafting.base import DraftSource, Proposal, decode_engine_verify
+from adaptive_export.runtimes.drafting.base import DraftSource, Proposal, decode_engine_verify, engine_drafts
 from adaptive_export.runtimes.drafting.prompt_lookup import GROWING_MAX_NGRAM, SURE_NGRAM, lookup_match
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.kv_arena import KVArena
@@ -39,7 +39,7 @@ DRAFT_MODEL_K = 3  # drafts per round: the 0.5B for the 1.5B paid best at k = 1.
 # the next few, and the 0.5B's prefill of a 300-token edit prompt cost 10 ms of the 1.5B's TPOT over
 # a 64-token answer. Copies from earlier in the prompt are prompt lookup's (`DraftModelSource.propose`).
 DRAFT_WINDOW = 64
-MAX_CATCH_UP_ROWS = 64  # a longer catch-up (a new prompt after a shared opening) runs the draft's prefill instead
+MAX_CATCH_UP_ROWS = 64  # a longer catch-up (a new prompt after a shared opening) starts a new window instead
 PAIRING_FIX = "pass a draft bundle built from a model with the same tokenizer (Qwen2.5-Coder-0.5B for the 1.5B)"
 
 
@@ -101,56 +101,31 @@ class DraftModel:
 
     def draft(self, context: list[int], k: int, sampler: Sampler) -> Proposal:
         """Up to k tokens after `context` (its last token is the target's pending one): none where
-        the draft arena cannot hold them."""
-        view = self._window(context)
+        the draft arena cannot hold them. The tokens the arena lacks run in the first step's pass."""
+        view, kept = self._window(context)
         if len(view) + k > self.bundle.max_len:
             return Proposal([])
-        logits = self._catch_up(view)
-        vocab = self.bundle.model.vocab_size
-        token = np.empty((1, 1), dtype=np.int64)
-        drafts: list[int] = []
-        rows: list[np.ndarray] | None = None if sampler.greedy else []
-        for j in range(k):
-            if j:
-                token[0, 0] = drafts[-1]
-                logits = self.backend.run(self.decode, token, self.arena, self.arena.length).logits[0, -1]
-                self.arena.length += 1
-                self.written.append(drafts[-1])
-            if rows is None:
-                choice = int(np.argmax(logits))
-            else:
-                rows.append(logits.copy())  # the backend reuses its output buffer next step
-                choice = int(sampler.rng.choice(logits.size, p=sampler.probabilities(rows[-1])))
-            if not 0 <= choice < vocab:  # an engine's output is untrusted input: no id the target cannot embed
-                break
-            drafts.append(choice)
-        return Proposal(drafts, rows[: len(drafts)] if rows is not None else None)
+        start, lead = len(view) - 1, view[kept:-1]
+        if kept == 0 and lead:  # a new window: its prefill, then the drafts from the pending token
+            self.backend.run("prefill", np.asarray([lead], dtype=np.int64), self.arena, 0)
+            lead = []
+        proposal = engine_drafts(self.backend, self.decode, view[-1], k, start, self.arena, sampler, lead=lead)
+        self.written = view + proposal.tokens[:-1]  # the last draft is not run: no row of it
+        self.arena.length = len(self.written)
+        return proposal
 
-    def _window(self, context: list[int]) -> list[int]:
-        """The context from the draft's window start, kept while the arena can catch up with it in
-        one short pass; else (a new request) a new window of the last `window` tokens."""
+    def _window(self, context: list[int]) -> tuple[list[int], int]:
+        """The context from the draft's window start and how many of its tokens the arena holds
+        (all but the last at most), kept while one short pass catches up; else (a new request) a new
+        window of the last `window` tokens, none of them held."""
         skip = len(self.skipped)
         view = context[skip:]
-        kept = common_prefix(self.written, view) if context[:skip] == self.skipped else 0
+        kept = min(common_prefix(self.written, view), len(view) - 1) if context[:skip] == self.skipped else 0
         if kept == 0 or len(view) - kept > MAX_CATCH_UP_ROWS:
-            skip = max(0, len(context) - self.window)
+            skip, kept = max(0, len(context) - self.window), 0
             self.skipped, self.written = context[:skip], []
             view = context[skip:]
-        return view
-
-    def _catch_up(self, context: list[int]) -> np.ndarray:
-        """Write the rows of the context's tokens the arena lacks; the logits row after its last token."""
-        kept = min(common_prefix(self.written, context), len(context) - 1)  # the last token always runs
-        fresh = context[kept:]
-        ids = np.asarray([fresh], dtype=np.int64)
-        if kept == 0 or len(fresh) > MAX_CATCH_UP_ROWS:
-            kept, ids = 0, np.asarray([context], dtype=np.int64)
-            out = self.backend.run("prefill", ids, self.arena, 0)
-        else:
-            out = self.backend.run(self.decode, ids, self.arena, kept)
-        self.arena.length = len(context)
-        self.written = list(context)
-        return out.logits[0, -1]
+        return view, kept
 
 
 class DraftModelSource(DraftSource):

@@ -327,17 +327,21 @@ class Generator:
         every request decodes two rows or more (its rounds' verify passes), and a chat prompt drafts
         with it (policy "draft_model"); an edit prompt keeps the policy it would have had."""
         paired = self.decoding.draft_model is not None
-        text = prompt if isinstance(prompt, str) else self.codec.decode(prompt_ids)
         if self.fixed_rows is not None:
-            return DecodePolicy(self.fixed_rows, "fixed", prompt_kind(text) if paired else "")
+            return DecodePolicy(self.fixed_rows, "fixed", prompt_kind(self._text(prompt, prompt_ids)) if paired else "")
         if not decoder_for(mode, 1, paired).prompt_rows or not self.backend.rows_alike:
             return DecodePolicy(1, "fixed")
+        text = self._text(prompt, prompt_ids)
         guessing = self.bundle.graph(self.bundle.config("full").decode).guesses
         policy = prompt_policy(text, guessing, self.bundle.manifest.prompt_rows)
         if not paired:
             return policy
         name = "draft_model" if policy.kind == "chat" else policy.name if policy.rows >= 2 else "lookup"
         return DecodePolicy(max(policy.rows, 2), name, policy.kind, policy.calibrated)
+
+    def _text(self, prompt: str | Sequence[int], prompt_ids: list[int]) -> str:
+        """The prompt as text (ids decoded), for the policy that reads it."""
+        return prompt if isinstance(prompt, str) else self.codec.decode(prompt_ids)
 
     def _prompt_ids(self, prompt: str | Sequence[int], raw: bool) -> list[int]:
         if isinstance(prompt, str):

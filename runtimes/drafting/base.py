@@ -11,7 +11,7 @@ same sources under the same names (calibration/drafts/; the registry: runtimes/d
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -112,18 +112,21 @@ def engine_drafts(
     arena: KVArena,
     sampler: Sampler,
     on_step: Callable[[int, StepOutputs], None] | None = None,
+    lead: Sequence[int] = (),
 ) -> Proposal:
     """k T=1 steps of a draft engine over token ids from arena position `start`: the drafts
     (argmax, or sampled from the draft's own distribution) and, when sampling, each step's
     logits row for the rejection rule (greedy acceptance never reads them: no copy per step).
-    `on_step(j, outputs)` sees every step's outputs (early exit keeps its exit hidden state)."""
+    `on_step(j, outputs)` sees every step's outputs (early exit keeps its exit hidden state).
+    `lead`: tokens the draft's arena still lacks before `pending` (a draft model catching up,
+    runtimes/draft_model.py), run in the first step's pass at `start - len(lead)`."""
     token = np.empty((1, 1), dtype=np.int64)
-    token[0, 0] = pending
+    inputs, at = np.asarray([[*lead, pending]], dtype=np.int64), start - len(lead)
     ids = backend.bundle.draft_vocab_ids if backend.bundle.graph(graph).draft_vocab else None
     drafts: list[int] = []
     rows: list[np.ndarray] | None = None if sampler.greedy else []
     for j in range(k):
-        out = backend.run(graph, token, arena, start + j)
+        out = backend.run(graph, inputs, arena, at)
         if on_step is not None:
             on_step(j, out)
         logits = out.logits[0, -1]
@@ -136,6 +139,7 @@ def engine_drafts(
             rows.append(row)
             drafts.append(int(sampler.rng.choice(row.size, p=sampler.probabilities(row))))
         token[0, 0] = drafts[-1]
+        inputs, at = token, start + j + 1
     return Proposal(drafts, rows)
 
 
