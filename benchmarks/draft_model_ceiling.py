@@ -40,20 +40,6 @@ class Ceiling:
     vs_target_plain: float
 
 
-def same_vocabulary(target: Path, draft: Path) -> bool:
-    """Both bundles' tokenizer.json name the same token for every id (issue #37: refuse otherwise),
-    each read within the runtime's own bound on a tokenizer file (runtimes/limits.py)."""
-    from adaptive_export.runtimes.limits import MAX_TOKENIZER_BYTES
-
-    def vocab(bundle: Path) -> dict:
-        path = bundle / "tokenizer.json"
-        if path.stat().st_size > MAX_TOKENIZER_BYTES:
-            raise SystemExit(f"error: {path} is over {MAX_TOKENIZER_BYTES} bytes. Fix: pass bundles `build` wrote")
-        return json.loads(path.read_text())["model"]["vocab"]
-
-    return vocab(target) == vocab(draft)
-
-
 def teacher_forced_hits(generator, prompt_ids: list[int], answer: list[int]) -> list[bool]:
     """hits[i]: the draft's argmax after prompt + answer[:i] is answer[i]."""
     backend, arena = generator.backend, generator.arena
@@ -89,12 +75,16 @@ def priced_rounds(
 def measure(target: Path, draft: Path, references: list[Path], max_draft: int, threads: int) -> list[Ceiling]:
     from adaptive_export.calibration.verify_cost import time_decode_passes
     from adaptive_export.runtimes.bundle import load_bundle
+    from adaptive_export.runtimes.draft_model import check_pairing
+    from adaptive_export.runtimes.errors import UsageError
     from adaptive_export.runtimes.generate import Generator
 
-    if not same_vocabulary(target, draft):
-        raise SystemExit("error: the bundles' vocabularies differ. Fix: draft with a model of the target's tokenizer")
     drafting = Generator(load_bundle(draft, verify="size"), threads=threads)
     verifying = Generator(load_bundle(target, verify="size"), threads=threads)
+    try:  # the runtime's own pairing rule (`run --draft-bundle`): the same tokens, id for id
+        check_pairing(verifying.bundle, drafting.bundle, verifying.codec, drafting.codec)
+    except UsageError as exc:
+        raise SystemExit(exc.one_line()) from None
     target_ms = dict(time_decode_passes(verifying, max_draft).pass_ms)
     draft_ms = dict(time_decode_passes(drafting, 1).pass_ms)  # T = 1 and 2
     rows = []
