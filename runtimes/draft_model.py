@@ -34,11 +34,15 @@ from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
 from adaptive_export.runtimes.sampling import Sampler
 from adaptive_export.runtimes.text import TextCodec
 
-DRAFT_MODEL_K = 3  # drafts per round: the 0.5B for the 1.5B paid best at k = 1..3 (benchmarks/draft_model_ceiling.py)
+# At most this many drafts a round, ended early after a draft whose own top-1 probability is below
+# DRAFT_STOP_BELOW: the 0.5B for the 1.5B, chat prompts, 2-core Zen 4 (docs/speculation.md): a fixed
+# k = 3 took 46.6 ms a token, stopped rounds of up to 4-8 took 41.0-42.7, k = 6 below 0.6 the least.
+DRAFT_MODEL_K = 6
 # The draft prefills at most the last this-many tokens of a prompt: a draft needs no more to guess
 # the next few, and the 0.5B's prefill of a 300-token edit prompt cost 10 ms of the 1.5B's TPOT over
 # a 64-token answer. Copies from earlier in the prompt are prompt lookup's (`DraftModelSource.propose`).
 DRAFT_WINDOW = 64
+DRAFT_STOP_BELOW = 0.6
 MAX_CATCH_UP_ROWS = 64  # a longer catch-up (a new prompt after a shared opening) starts a new window instead
 PAIRING_FIX = "pass a draft bundle built from a model with the same tokenizer (Qwen2.5-Coder-0.5B for the 1.5B)"
 
@@ -77,6 +81,7 @@ class DraftModel:
         )
         self.decode = bundle.config("full").decode
         self.window = DRAFT_WINDOW
+        self.stop_below = DRAFT_STOP_BELOW
         self.skipped: list[int] = []  # the context's tokens before the draft's window: not in its arena
         self.written: list[int] = []  # the tokens whose KV rows the arena holds, from the window's start
 
@@ -109,7 +114,9 @@ class DraftModel:
         if kept == 0 and lead:  # a new window: its prefill, then the drafts from the pending token
             self.backend.run("prefill", np.asarray([lead], dtype=np.int64), self.arena, 0)
             lead = []
-        proposal = engine_drafts(self.backend, self.decode, view[-1], k, start, self.arena, sampler, lead=lead)
+        proposal = engine_drafts(
+            self.backend, self.decode, view[-1], k, start, self.arena, sampler, lead=lead, stop_below=self.stop_below
+        )
         self.written = view + proposal.tokens[:-1]  # the last draft is not run: no row of it
         self.arena.length = len(self.written)
         return proposal

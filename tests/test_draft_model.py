@@ -13,7 +13,8 @@ import pytest
 
 from adaptive_export.commands.cli import main
 from adaptive_export.runtimes import Generator
-from adaptive_export.runtimes.draft_model import DRAFT_WINDOW
+from adaptive_export.runtimes.draft_model import DRAFT_MODEL_K, DRAFT_STOP_BELOW, DRAFT_WINDOW
+from adaptive_export.runtimes.sampling import SamplingParams, make_sampler
 from tests.conftest import assert_sampling_matches_plain
 from tests.test_bad_bundles import expect_usage_error
 from tests.test_hardening import resign
@@ -68,6 +69,26 @@ def test_the_draft_arena_holds_the_rows_prefill_writes(paired: Generator) -> Non
     np.testing.assert_allclose(after, draft.arena.valid_rows(len(draft.written)), atol=2e-5)
 
 
+def test_a_doubting_draft_ends_its_round_and_keeps_the_tokens_of_ar(paired: Generator) -> None:
+    """With the confidence stop (`stop_below`) the draft ends a round after a draft whose own top-1
+    probability is below it: at 1.0 after its first draft, at 0 after all k; the tokens stay ar's."""
+    draft = paired.decoding.draft_model
+    assert draft is not None
+    ids = paired.codec.encode("Write a short poem about the sea", raw=True)
+    ar = paired.generate(ids, mode="ar", max_new_tokens=30).tokens
+    greedy = make_sampler(SamplingParams())
+    try:
+        drafted = {}
+        for stop in (0.0, 1.0):
+            draft.stop_below = stop
+            drafted[stop] = len(draft.draft(ids, 4, greedy).tokens)
+        result = paired.generate(ids, max_new_tokens=30, draft_len=4)  # still at 1.0: a round of one draft
+        assert_same_or_tie(paired, ids, ar, result.tokens)
+    finally:
+        draft.stop_below = DRAFT_STOP_BELOW
+    assert drafted == {0.0: 4, 1.0: 1}, drafted
+
+
 def test_a_draft_window_reads_the_prompt_from_its_last_tokens(paired: Generator) -> None:
     """With a window shorter than the prompt the draft prefills only the prompt's last tokens and
     keeps them across the request's rounds; the tokens are still ar's."""
@@ -110,7 +131,8 @@ def test_run_reports_the_draft_model(tiny_bundle: Path, draft_bundle: Path, caps
     argv = ["run", str(tiny_bundle), "-p", "The quick brown fox", "--raw", "--max-new-tokens", "12", "--json"]
     assert main([*argv, "--draft-bundle", str(draft_bundle)]) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]
-    assert stats["mode"] == "spec" and stats["draft_source"] == "draft_model" and stats["draft_len"] == 3, stats
+    assert stats["mode"] == "spec" and stats["draft_source"] == "draft_model", stats
+    assert stats["draft_len"] == DRAFT_MODEL_K, stats
     assert stats["decode_rows"] == 2 and stats["policy"] == "draft_model", stats
 
 

@@ -113,13 +113,16 @@ def engine_drafts(
     sampler: Sampler,
     on_step: Callable[[int, StepOutputs], None] | None = None,
     lead: Sequence[int] = (),
+    stop_below: float = 0.0,
 ) -> Proposal:
     """k T=1 steps of a draft engine over token ids from arena position `start`: the drafts
     (argmax, or sampled from the draft's own distribution) and, when sampling, each step's
     logits row for the rejection rule (greedy acceptance never reads them: no copy per step).
     `on_step(j, outputs)` sees every step's outputs (early exit keeps its exit hidden state).
     `lead`: tokens the draft's arena still lacks before `pending` (a draft model catching up,
-    runtimes/draft_model.py), run in the first step's pass at `start - len(lead)`."""
+    runtimes/draft_model.py), run in the first step's pass at `start - len(lead)`.
+    `stop_below`: end the round after a draft whose own top-1 probability is below it (a draft
+    the engine doubts is likely rejected, and the steps after it with it); 0 drafts all k."""
     token = np.empty((1, 1), dtype=np.int64)
     inputs, at = np.asarray([[*lead, pending]], dtype=np.int64), start - len(lead)
     ids = backend.bundle.draft_vocab_ids if backend.bundle.graph(graph).draft_vocab else None
@@ -138,9 +141,16 @@ def engine_drafts(
             row = logits.copy() if ids is None else full_vocabulary_row(logits, ids, backend.bundle.model.vocab_size)
             rows.append(row)
             drafts.append(int(sampler.rng.choice(row.size, p=sampler.probabilities(row))))
+        if stop_below and top_probability(logits) < stop_below:
+            break
         token[0, 0] = drafts[-1]
         inputs, at = token, start + j + 1
     return Proposal(drafts, rows)
+
+
+def top_probability(logits: np.ndarray) -> float:
+    """The softmax probability of the row's largest logit."""
+    return float(1.0 / np.exp(logits - logits.max()).sum())
 
 
 def full_vocabulary_row(logits: np.ndarray, ids: np.ndarray, vocab: int) -> np.ndarray:

@@ -32,33 +32,17 @@ class EarlyExit(EarlyExitContract, DraftSource):
         self.hidden = np.zeros((1, k, model.hidden_size), dtype=np.float32)
         speculation = backend.bundle.manifest.speculation
         self.stop_below = stop_threshold(speculation.extra.get("draft_stop_below") if speculation else None)
-        self.confidence = 1.0  # the last draft's own top-1 probability
 
     def propose(
         self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
     ) -> Proposal:
         def keep_exit_hidden(j: int, out: StepOutputs) -> None:  # the exit query cache the verify pass starts from
             self.hidden[0, j] = out.exit_hidden[0, -1]
-            if self.stop_below:
-                logits = out.logits[0, -1]
-                self.confidence = float(1.0 / np.exp(logits - logits.max()).sum())
 
         graph = self.config.engines["draft"]
-        if not self.stop_below:
-            return engine_drafts(self.backend, graph, pending, k, start, arena, sampler, keep_exit_hidden)
-        tokens: list[int] = []
-        rows: list[np.ndarray] | None = None if sampler.greedy else []
-        for j in range(k):  # one draft step at a time, until the draft doubts its own token
-            step = engine_drafts(
-                self.backend, graph, tokens[-1] if tokens else pending, 1, start + j, arena, sampler,
-                lambda _, out, j=j: keep_exit_hidden(j, out),
-            )  # fmt: skip
-            tokens += step.tokens
-            if rows is not None and step.rows is not None:
-                rows += step.rows
-            if self.confidence < self.stop_below:
-                break
-        return Proposal(tokens, rows)
+        return engine_drafts(
+            self.backend, graph, pending, k, start, arena, sampler, keep_exit_hidden, stop_below=self.stop_below
+        )
 
     def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
         return self.backend.run(self.config.engines["verify"], self.hidden[:, : len(proposal.tokens)], arena, start)
