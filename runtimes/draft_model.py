@@ -38,11 +38,11 @@ from adaptive_export.runtimes.text import TextCodec
 # DRAFT_STOP_BELOW: the 0.5B for the 1.5B, chat prompts, 2-core Zen 4 (docs/speculation.md): a fixed
 # k = 3 took 46.6 ms a token, stopped rounds of up to 4-8 took 41.0-42.7, k = 6 below 0.6 the least.
 DRAFT_MODEL_K = 6
+DRAFT_STOP_BELOW = 0.6
 # The draft prefills at most the last this-many tokens of a prompt: a draft needs no more to guess
 # the next few, and the 0.5B's prefill of a 300-token edit prompt cost 10 ms of the 1.5B's TPOT over
 # a 64-token answer. Copies from earlier in the prompt are prompt lookup's (`DraftModelSource.propose`).
 DRAFT_WINDOW = 64
-DRAFT_STOP_BELOW = 0.6
 MAX_CATCH_UP_ROWS = 64  # a longer catch-up (a new prompt after a shared opening) starts a new window instead
 PAIRING_FIX = "pass a draft bundle built from a model with the same tokenizer (Qwen2.5-Coder-0.5B for the 1.5B)"
 
