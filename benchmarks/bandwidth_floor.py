@@ -124,7 +124,11 @@ def plain_tpots(path: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = bench_parser(__doc__, bundle="bundle directory whose decode engine is counted")
+    parser = bench_parser(
+        __doc__,
+        threads_help="threads that read memory in the bandwidth measure (default: 2, the peers runs' count)",
+        bundle="bundle directory whose decode engine is counted",
+    )
     parser.add_argument("--model", required=True, help="packaged name or .gguf the bundle was built from")
     parser.add_argument("--peers", type=Path, help="a peers.py --json file from this machine: adds measured TPOTs")
     args = parse_and_pin(parser)
