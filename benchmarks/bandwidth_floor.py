@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx.external_data_helper import ExternalDataInfo
 
 from benchmarks.common import bench_parser, cpu_model, parse_and_pin, print_table
 
@@ -44,12 +45,15 @@ class StepBytes:
 
 
 def bundle_step_bytes(bundle: Path, engine: str = "decode_full") -> StepBytes:
-    """The decode engine's initializers read whole by a T=1 step (external ones by their recorded length)."""
-    from adaptive_export.runtimes.manifest import validate
+    """The decode engine's initializers read whole by a T=1 step, the engine read as the runtime
+    reads a bundle's files (manifest validated, paths confined, sizes and the engine's sha256 checked)."""
+    from adaptive_export.runtimes import limits
+    from adaptive_export.runtimes.bundle import load_bundle, read_listed
 
-    manifest = validate(json.loads((bundle / "manifest.json").read_text()))
-    path = bundle / str(manifest.backends["onnx"].graphs[engine].file)
-    total, count = engine_step_bytes(onnx.load(str(path), load_external_data=False).graph)
+    loaded = load_bundle(bundle, verify="size")
+    file = str(loaded.backend_entry("onnx").graphs[engine].file)
+    graph = onnx.load_from_string(read_listed(loaded, file, limits.MAX_ENGINE_BYTES)).graph
+    total, count = engine_step_bytes(graph)
     return StepBytes(f"bundle {engine} engine", total, count)
 
 
@@ -82,7 +86,10 @@ def _terminal_ops(value: str, consumers: dict[str, list[onnx.NodeProto]]) -> set
 
 def _initializer_bytes(init: onnx.TensorProto) -> int:
     if init.data_location == onnx.TensorProto.EXTERNAL:
-        return int({e.key: e.value for e in init.external_data}["length"])
+        try:
+            return int(ExternalDataInfo(init).length)
+        except ValueError:
+            raise ValueError(f"initializer {init.name[:80]!r} records an external length that is no number") from None
     return len(init.raw_data) or onnx.numpy_helper.to_array(init).nbytes
 
 
@@ -133,13 +140,19 @@ def main() -> None:
     parser.add_argument("--peers", type=Path, help="a peers.py --json file from this machine: adds measured TPOTs")
     args = parse_and_pin(parser)
     from adaptive_export.loading.model import resolve_model_path
+    from adaptive_export.runtimes.errors import UsageError
 
     folder, gguf_name = resolve_model_path(args.model)
     if gguf_name is None:
         parser.error(f"{args.model} is no .gguf: nothing to compare the bundle's bytes with")
     gguf = folder / gguf_name
+    try:
+        counted = [gguf_step_bytes(gguf), bundle_step_bytes(Path(args.bundle))]
+    except UsageError as exc:
+        parser.error(f"{exc.problem}. Fix: {exc.fix}")
+    except ValueError as exc:
+        parser.error(f"{args.bundle}: {exc}. Fix: rebuild the bundle")
     bandwidth = read_bandwidth(args.threads)
-    counted = [gguf_step_bytes(gguf), bundle_step_bytes(Path(args.bundle))]
     base = counted[0].bytes_read
     rows = [
         {

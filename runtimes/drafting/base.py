@@ -141,8 +141,8 @@ def engine_drafts(
             row = logits.copy() if ids is None else full_vocabulary_row(logits, ids, backend.bundle.model.vocab_size)
             rows.append(row)
             drafts.append(int(sampler.rng.choice(row.size, p=sampler.probabilities(row))))
-        if stop_below and top_probability(logits) < stop_below:
-            break
+        if stop_below and j + 1 < k and top_probability(logits) < stop_below:
+            break  # (after the round's last draft there is nothing left to stop)
         token[0, 0] = drafts[-1]
         inputs, at = token, start + j + 1
     return Proposal(drafts, rows)
