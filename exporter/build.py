@@ -66,6 +66,9 @@ class ExportOptions:
     # graphs TensorRT parses (a build with the tensorrt backend is always portable).
     onnx_flavour: str = "ort"
     native_source: Path | None = None  # the quantized .gguf whose blocks --quantize native keeps
+    # check's rebuild: a uniform stack's portable graphs written from short traces
+    # (exporter/repeated_layers.py) where this machine has no trace cached
+    repeat_layers: bool = False
     coreml_precision: str = "float16"
     trt_precision: str = "fp16"
     # Runs on the staged bundle (provisional manifest written) before the final manifest:
@@ -101,6 +104,7 @@ def export_onnx(
     max_len: int = DEFAULT_MAX_LEN,
     native_source: Path | None = None,
     lazy: LazyWeights | None = None,
+    repeat_layers: bool = False,
 ) -> BackendEntry:
     """Export every graph to root/onnx with one shared weights file (optionally weight-quantized).
     With `lazy` (the memory-lean build), the parts' large weights are fake and read from the file
@@ -124,7 +128,7 @@ def export_onnx(
             key = manifest_graph(graph).engine_key()
             if key not in written:
                 model = (
-                    cached_lean_graph(parts, graph, packed, names, max_len)
+                    cached_lean_graph(parts, graph, packed, names, max_len, repeat_layers)
                     if lazy
                     else export_graph(parts, graph, packed)
                 )
@@ -257,7 +261,7 @@ def build_bundle(
     with staging_dir(options.output, options.force) as root:
         onnx_entry = export_onnx(
             root, parts, graphs, options.progress, options.quantize, options.quant_options, options.max_len,
-            options.native_source, lazy,
+            options.native_source, lazy, options.repeat_layers,
         )  # fmt: skip
         save_tokenizer(loaded.tokenizer, root / "tokenizer.json", loaded.spec.vocab_size)
         manifest = _manifest(loaded, plan, options, graphs, onnx_entry)

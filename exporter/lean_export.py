@@ -12,7 +12,8 @@ graph, and one tensor (measured in docs/quantization.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,8 @@ from adaptive_export.graphs.fused_graph import PackedWeights
 from adaptive_export.graphs.span_graph import GraphSpec, ModelParts
 from adaptive_export.loading.gguf_weights import GGUFWeights
 from adaptive_export.loading.lean_model import is_fake
+
+log = logging.getLogger(__name__)
 
 # the location a placeholder initializer names until its bytes are written to weights.bin
 LAZY_LOCATION = "<lazy>"
@@ -59,19 +62,77 @@ def fake_names(parts: ModelParts, packed: PackedWeights | None) -> dict[int, str
 
 
 def cached_lean_graph(
-    parts: ModelParts, graph: GraphSpec, packed: PackedWeights | None, names: dict[int, str], max_len: int
+    parts: ModelParts,
+    graph: GraphSpec,
+    packed: PackedWeights | None,
+    names: dict[int, str],
+    max_len: int,
+    repeat_layers: bool = False,
 ) -> onnx.ModelProto:
     """`export_lean_graph`, read from the graph cache where this machine traced the same graph
-    before (exporter/graph_cache.py), written to it otherwise."""
+    before (exporter/graph_cache.py), written to it otherwise. With `repeat_layers` (check's
+    rebuild), a cache miss on a uniform stack writes the graph from short traces instead."""
     cache = graph_cache() if cacheable(graph) else None
-    if cache is None:
-        return export_lean_graph(parts, graph, packed, names)
-    key = trace_key(parts, graph, max_len)
-    model = cache.get(key)
+    key = trace_key(parts, graph, max_len) if cache is not None else ""
+    model = cache.get(key) if cache is not None else None
+    if model is None and repeat_layers:
+        model = repeated_lean_graph(parts, graph, packed, names)
+        if model is not None:
+            return model  # not cached: the cache holds traces
     if model is None:
         model = export_lean_graph(parts, graph, packed, names)
-        cache.put(key, model)
+        if cache is not None:
+            cache.put(key, model)
     return model
+
+
+def repeated_lean_graph(
+    parts: ModelParts, graph: GraphSpec, packed: PackedWeights | None, names: dict[int, str]
+) -> onnx.ModelProto | None:
+    """The graph written from its traces over two and four layers (exporter/repeated_layers.py),
+    or None where its layers are not alike or the traces do not repeat."""
+    from adaptive_export.exporter.repeated_layers import TRACED_LAYERS, NotRepeating, write_layers
+    from adaptive_export.graphs.architectures import architecture
+    from adaptive_export.graphs.span_graph import SpanGraph
+
+    arch, config = architecture(parts.spec.model_type), parts.hf_model.config
+    alike = len({arch.layer_attention(config, i) for i in graph.layers}) == 1
+    if not (repeatable(graph) and alike and graph.layers == tuple(range(parts.spec.num_layers))):
+        return None
+    module = SpanGraph(parts, graph)
+    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    weights = set(names.values()) | set(tensors)
+
+    def weight_for(name: str, template: onnx.TensorProto) -> onnx.TensorProto:
+        """A weight of a layer the short traces lack: a placeholder like its template's, or the
+        module's real tensor (a norm weight: small parameters are read for real)."""
+        if template.data_location == onnx.TensorProto.EXTERNAL:
+            if name not in weights:
+                raise NotRepeating(f"{name!r} is no model weight")
+            tensor = onnx.TensorProto()
+            tensor.CopyFrom(template)
+            tensor.name = name
+            return tensor
+        real = tensors.get(name)
+        if real is None or is_fake(real):
+            raise NotRepeating(f"{name!r} has no value in the graph's module")
+        tensor = onnx.numpy_helper.from_array(real.detach().numpy(), name)
+        if (tensor.data_type, list(tensor.dims)) != (template.data_type, list(template.dims)):
+            raise NotRepeating(f"{name!r} differs in type or shape from its layer-1 template")
+        return tensor
+
+    short = [replace(graph, layers=tuple(range(n))) for n in TRACED_LAYERS]
+    small, large = (export_lean_graph(parts, spec, packed, names) for spec in short)
+    try:
+        return write_layers(small, large, len(graph.layers), weights.__contains__, weight_for)
+    except NotRepeating as reason:
+        log.info("tracing all %d layers of %s: %s", len(graph.layers), graph.name, reason)
+        return None
+
+
+def repeatable(graph: GraphSpec) -> bool:
+    """Portable graphs whose layers carry nothing but the model's own weights."""
+    return graph.flavour == "portable" and not (graph.router_scores or graph.exit_adapter or graph.skip_adapters)
 
 
 def export_lean_graph(
