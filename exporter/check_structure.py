@@ -191,7 +191,7 @@ def engine_difference(bundle: Bundle, file: str, rebuilt: Bundle, rebuilt_file: 
     """The first difference between two engines, in words, or None."""
     a = onnx.load(str(bundle.root / file), load_external_data=False)
     b = onnx.load(str(rebuilt.root / rebuilt_file), load_external_data=False)
-    for check in (_opsets, _interface, _nodes):
+    for check in (_opsets, _functions, _interface, _nodes):
         found = check(a, b)
         if found is not None:
             return found
@@ -213,6 +213,15 @@ def _interface(a: onnx.ModelProto, b: onnx.ModelProto) -> str | None:
         if ours != theirs:
             return f"graph {kind}s differ from the model's"
     return None
+
+
+def _functions(a: onnx.ModelProto, b: onnx.ModelProto) -> str | None:
+    """Local functions can give an op another body: the engine's must be the model's."""
+    ours, theirs = [f.SerializeToString() for f in a.functions], [f.SerializeToString() for f in b.functions]
+    if ours == theirs:
+        return None
+    ours_named, theirs_named = [f.name for f in a.functions][:3], [f.name for f in b.functions][:3]
+    return f"the engine defines local functions {ours_named}, the model's {theirs_named}"
 
 
 def _typed_name(value: onnx.ValueInfoProto) -> bytes:

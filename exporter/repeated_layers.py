@@ -1,11 +1,13 @@
-"""A plain graph of N identical layers, written from its traces over two and three (issue #40).
+"""A plain graph of N alike layers, written from its traces over two and four (issue #40).
 
 torch.export of the portable flavour costs about a second per decoder layer (two dynamic
 dimensions: 32 s per SmolLM2 graph on Zen 4), so `check`'s cold rebuild was 6x its old time.
 A trace of a uniform stack is a prefix, one block of nodes per layer and a suffix, and the
-blocks differ only in their own layer's names (weights, past and new KV). So the rebuild traces
-the graph over layers (0, 1) and (0, 1, 2) (3-4 s each), finds that decomposition, proves it by
-writing both traces again from it, and writes the N-layer graph. Its values get fresh names
+blocks differ only in their own layer's names (weights, past and new KV) and in which block they
+read (their own, the one before, or the first: values the optimizer computes once). So the rebuild
+traces the graph over layers 0-1 and 0-3 (3-5 s each), finds that decomposition (the fourth layer
+tells reads of the first block from reads of the one before), proves it by writing both traces
+again from it, and writes the N-layer graph. Its values get fresh names
 (names compute nothing: exporter/check_structure.py compares graphs up to them), its weights
 the names the full trace gives them. Anything that does not decompose returns None, and the
 caller traces the whole graph.

@@ -141,3 +141,14 @@ def test_the_comparison_ignores_names_and_sees_wiring() -> None:
     extra = small_model()
     extra.graph.node.append(helper.make_node("Neg", ["y"], ["z"]))
     assert _nodes(extra, model) == "3 nodes where the model defines 2; the first extra is Neg ''"
+
+
+def test_an_engine_with_its_own_local_functions_differs() -> None:
+    """A local function could give an op another body: none is in the model's engines."""
+    from adaptive_export.exporter.check_structure import _functions
+
+    model, bad = small_model(), small_model()
+    body = helper.make_function("evil", "Add", ["a", "b"], ["c"], [helper.make_node("Sub", ["a", "b"], ["c"])], [])
+    bad.functions.append(body)
+    assert _functions(model, model) is None
+    assert _functions(bad, model) == "the engine defines local functions ['Add'], the model's []"
