@@ -105,6 +105,36 @@ def test_smollm2_graphs_are_written_as_their_whole_traces() -> None:
         assert_written_equals_traced(parts, graph, names)
 
 
+@needs_smollm2
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_smollm2_cold_portable_check_passes_and_a_tamper_is_reported_from_whole_traces(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """The user's path, graph cache off: a portable bundle passes `check --model` on written graphs;
+    a token branch in its decode engine fails it, the node named as whole traces name it."""
+    import shutil
+
+    from tests.conftest import build_smollm2
+    from tests.test_check_structure import branch_on_token, check_in_child, structure_results
+    from tests.test_hardening import edit_engine, resign
+
+    bundle = build_smollm2(tmp_path_factory, "portable", "--onnx-flavour", "portable", "--max-len", "256")
+    code, report, seconds, peak = check_in_child(bundle, tmp_path)
+    rows = structure_results(report)
+    assert code == 0 and len(rows) == 2 and all(r["passed"] and "equal to" in r["detail"] for r in rows), report
+    assert seconds < 300 and peak < 4 << 30, (seconds, peak)  # 40 s and 1.7 GB on Zen 4; whole traces 81 s
+
+    tampered = tmp_path / "tampered"
+    shutil.copytree(bundle, tampered)
+    edit_engine(tampered, "decode_full", branch_on_token)
+    resign(tampered)
+    code, report, _, _ = check_in_child(tampered, tmp_path)
+    failed = [r for r in structure_results(report) if not r["passed"]]
+    assert code == 1 and [r["engine"] for r in failed] == ["decode_full"], report
+    assert failed[0]["detail"].startswith("node ") and "differs from the model's" in failed[0]["detail"]
+
+
 def small_model(rename: bool = False) -> onnx.ModelProto:
     """y = (x + c) * x, with its intermediate value named `s` or `renamed`."""
     middle = "renamed" if rename else "s"
