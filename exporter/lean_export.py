@@ -97,8 +97,9 @@ def repeated_lean_graph(
 
     arch, config = architecture(parts.spec.model_type), parts.hf_model.config
     alike = len({arch.layer_attention(config, i) for i in graph.layers}) == 1
-    if not (repeatable(graph) and alike and graph.layers == tuple(range(parts.spec.num_layers))):
-        return None
+    whole_stack = graph.layers == tuple(range(parts.spec.num_layers))
+    if not (repeatable(graph) and alike and whole_stack and len(graph.layers) > TRACED_LAYERS[-1]):
+        return None  # a stack no longer than the large trace is traced whole
     module = SpanGraph(parts, graph)
     tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     weights = set(names.values()) | set(tensors)

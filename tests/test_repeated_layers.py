@@ -69,12 +69,14 @@ def test_a_tiny_stack_is_written_as_its_whole_trace(variant: str, tmp_path: Path
         assert_written_equals_traced(parts, graph, names)
 
 
-def test_graphs_with_trained_parts_or_a_partial_stack_are_traced_whole(tmp_path: Path) -> None:
+def test_graphs_with_trained_parts_a_partial_or_a_short_stack_are_traced_whole(tmp_path: Path) -> None:
     parts, names = lean_parts(make_tiny_model(tmp_path / "tiny", layers=6))
     decode = portable_graphs(parts)[-1]
     assert repeated_lean_graph(parts, replace(decode, router_scores=True), None, names) is None
     assert repeated_lean_graph(parts, replace(decode, layers=(0, 1, 2, 4, 5)), None, names) is None
     assert repeated_lean_graph(parts, replace(decode, flavour="ort"), None, names) is None
+    short, short_names = lean_parts(make_tiny_model(tmp_path / "short", layers=3))
+    assert repeated_lean_graph(short, portable_graphs(short)[-1], None, short_names) is None  # shorter than a trace
 
 
 def test_traces_whose_blocks_differ_are_refused(tmp_path: Path) -> None:
