@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from adaptive_export.exporter.repeated_layers import reads_input_shape
+from adaptive_export.exporter.repeated_layers import GraphNames, bare_value, reads_input_shape
 from adaptive_export.runtimes.bundle import Bundle
 from adaptive_export.runtimes.errors import UsageError
 
@@ -191,7 +191,7 @@ def engine_difference(bundle: Bundle, file: str, rebuilt: Bundle, rebuilt_file: 
     """The first difference between two engines, in words, or None."""
     a = onnx.load(str(bundle.root / file), load_external_data=False)
     b = onnx.load(str(rebuilt.root / rebuilt_file), load_external_data=False)
-    for check in (_opsets, _functions, _interface, _nodes):
+    for check in (_opsets, _interface, _nodes):
         found = check(a, b)
         if found is not None:
             return found
@@ -215,24 +215,12 @@ def _interface(a: onnx.ModelProto, b: onnx.ModelProto) -> str | None:
     return None
 
 
-def _functions(a: onnx.ModelProto, b: onnx.ModelProto) -> str | None:
-    """Local functions can give an op another body: the engine's must be the model's."""
-    ours, theirs = [f.SerializeToString() for f in a.functions], [f.SerializeToString() for f in b.functions]
-    if ours == theirs:
-        return None
-    ours_named, theirs_named = [f.name for f in a.functions][:3], [f.name for f in b.functions][:3]
-    return f"the engine defines local functions {ours_named}, the model's {theirs_named}"
-
-
 def _typed_name(value: onnx.ValueInfoProto) -> bytes:
-    """A graph input's or output's name and type (its metadata names the tracer's node: no meaning)."""
-    bare = onnx.ValueInfoProto()
-    bare.CopyFrom(value)
-    del bare.metadata_props[:]
-    return bare.SerializeToString()
+    """A graph input's or output's name and type."""
+    return bare_value(value).SerializeToString()
 
 
-class _Wiring:
+class _Wiring(GraphNames):
     """What each value of a graph is, independent of its name: the graph input or output of that
     name, a model tensor (external: its name, as the runtime binds it), a constant (by content),
     or output k of node i. Two graphs compute the same exactly when their nodes, in order, have
@@ -240,21 +228,12 @@ class _Wiring:
     counters of the tracer, exporter/repeated_layers.py names them afresh)."""
 
     def __init__(self, model: onnx.ModelProto) -> None:
+        super().__init__(model)
         graph = model.graph
-        self.producer: dict[str, tuple[int, int]] = {}
         defined = [v.name for v in graph.input] + [t.name for t in graph.initializer]
-        for index, node in enumerate(graph.node):
-            for output, name in enumerate(node.output):
-                if name:
-                    self.producer[name] = (index, output)
-                    defined.append(name)
+        defined += [name for node in graph.node for name in node.output if name]
         seen: set[str] = set()
         self.twice = next((name for name in defined if name in seen or seen.add(name)), None)  # type: ignore[func-returns-value]
-        self.inputs = {v.name for v in graph.input}
-        self.input_types = {v.name: v.type.SerializeToString() for v in graph.input}
-        self.outputs = {v.name for v in graph.output}
-        self.initializers = {t.name: t for t in graph.initializer}
-        self._constants: dict[str, tuple[Any, ...]] = {}
 
     def value(self, name: str) -> tuple[Any, ...]:
         if not name:
@@ -268,10 +247,7 @@ class _Wiring:
             return ("undefined", name)
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             return ("tensor", name)
-        if name not in self._constants:
-            data = onnx.numpy_helper.to_array(tensor).tobytes()
-            self._constants[name] = ("constant", tensor.data_type, tuple(tensor.dims), hashlib.sha256(data).hexdigest())
-        return self._constants[name]
+        return ("constant", *self.constant_key(name))
 
     def node_key(self, node: onnx.NodeProto) -> tuple[Any, ...]:
         attributes = tuple(sorted((a.name, a.SerializeToString()) for a in node.attribute))

@@ -64,23 +64,35 @@ def layer_name(name: str) -> tuple[str, int] | None:
     return None
 
 
-class _Trace:
-    """One traced graph's name table: producers, graph inputs and outputs, initializers."""
+class GraphNames:
+    """A graph's name table: which node output, graph input or output, or initializer each name
+    is, and each inline constant's content key (cached: the decomposition search reads them often)."""
 
-    def __init__(self, model: onnx.ModelProto, is_weight: Callable[[str], bool]) -> None:
+    def __init__(self, model: onnx.ModelProto) -> None:
         graph = model.graph
-        self.model, self.nodes = model, list(graph.node)
+        self.nodes = list(graph.node)
         self.producer = {out: (i, k) for i, n in enumerate(self.nodes) for k, out in enumerate(n.output) if out}
         self.inputs = {v.name for v in graph.input}
         self.input_types = {v.name: v.type.SerializeToString() for v in graph.input}
         self.outputs = {v.name for v in graph.output}
         self.initializers = {t.name: t for t in graph.initializer}
-        self.is_weight = is_weight
+        self._constants: dict[str, tuple[Any, ...]] = {}
 
     def constant_key(self, name: str) -> tuple[Any, ...]:
-        tensor = self.initializers[name]
-        data = onnx.numpy_helper.to_array(tensor)
-        return tensor.data_type, tuple(tensor.dims), hashlib.sha256(data.tobytes()).hexdigest()
+        """An inline initializer as what it holds: type, shape and the sha256 of its values."""
+        if name not in self._constants:
+            tensor = self.initializers[name]
+            data = onnx.numpy_helper.to_array(tensor).tobytes()
+            self._constants[name] = (tensor.data_type, tuple(tensor.dims), hashlib.sha256(data).hexdigest())
+        return self._constants[name]
+
+
+class _Trace(GraphNames):
+    """A traced graph's names, and which of its initializers are the model's weights."""
+
+    def __init__(self, model: onnx.ModelProto, is_weight: Callable[[str], bool]) -> None:
+        super().__init__(model)
+        self.is_weight = is_weight
 
 
 def reads_input_shape(node: onnx.NodeProto, input_types: dict[str, bytes]) -> bool:
@@ -301,8 +313,8 @@ def _interface(values: Sequence[onnx.ValueInfoProto], layers: int, traced: int) 
         run = [v for v in values[index : index + traced]]
         if [layer_name(v.name) for v in run] != [(template, k) for k in range(traced)]:
             raise NotRepeating(f"graph values {[v.name for v in run]} are no run over the layers")
-        model = _bare(run[1])
-        if any(_bare(v).type != model.type for v in run):
+        model = bare_value(run[1])
+        if any(bare_value(v).type != model.type for v in run):
             raise NotRepeating(f"the {template} values differ in type between layers")
         for layer in range(layers):
             value = onnx.ValueInfoProto()
@@ -313,7 +325,8 @@ def _interface(values: Sequence[onnx.ValueInfoProto], layers: int, traced: int) 
     return out
 
 
-def _bare(value: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+def bare_value(value: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+    """A graph input or output without its metadata (which names the tracer's node: no meaning)."""
     copy = onnx.ValueInfoProto()
     copy.CopyFrom(value)
     del copy.metadata_props[:]
@@ -330,8 +343,8 @@ def write_layers(
     """The `layers`-layer graph from the short traces `small` and `large` (TRACED_LAYERS).
 
     `is_weight` says which initializer names are the model's (compared by name; the others are
-    constants, compared by content); `weight_for(name, template)` gives a weight the 3-layer trace
-    lacks, from the same tensor of its layer 1. Raises NotRepeating where the traces do not
+    constants, compared by content); `weight_for(name, template)` gives a weight the large trace
+    lacks, from the same tensor of the template's layer. Raises NotRepeating where the traces do not
     decompose or either is not written back exactly from the decomposition."""
     layout = find_layout(small, large, is_weight)
     for traced, model in zip(TRACED_LAYERS, (small, large)):

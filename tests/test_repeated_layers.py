@@ -175,12 +175,15 @@ def test_the_comparison_ignores_names_and_sees_wiring() -> None:
     assert _nodes(extra, model) == "3 nodes where the model defines 2; the first extra is Neg ''"
 
 
-def test_an_engine_with_its_own_local_functions_differs() -> None:
-    """A local function could give an op another body: none is in the model's engines."""
-    from adaptive_export.exporter.check_structure import _functions
+def test_an_engine_with_its_own_local_functions_is_refused_before_any_comparison() -> None:
+    """A local function could give an op another body: the bundle's graph policy refuses such an
+    engine when it is read (runtimes/graph_policy.py), so check never compares one."""
+    from adaptive_export.runtimes.errors import UsageError
+    from adaptive_export.runtimes.graph_policy import _parse
 
-    model, bad = small_model(), small_model()
+    bad = small_model()
     body = helper.make_function("evil", "Add", ["a", "b"], ["c"], [helper.make_node("Sub", ["a", "b"], ["c"])], [])
     bad.functions.append(body)
-    assert _functions(model, model) is None
-    assert _functions(bad, model) == "the engine defines local functions ['Add'], the model's []"
+    _parse(small_model().SerializeToString(), "engine")
+    with pytest.raises(UsageError, match="model-local functions"):
+        _parse(bad.SerializeToString(), "engine")
