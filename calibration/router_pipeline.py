@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -47,12 +48,19 @@ DEFAULT_MIN_AGREEMENT = 0.8
 # and measures the floor (adapters fit their own training text far better: docs/routers.md).
 HELD_OUT_EVERY = 4
 # The router thresholds `--router-threshold auto` compares (keep layer i iff p_i >= threshold):
-# a higher one skips more layers per prompt, as far as the quality floor allows.
-THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
+# a higher one skips more layers per prompt, as far as the quality floor allows. Finer between 0.6
+# and 0.7, where Qwen2.5-Coder-1.5B's routers go from 4 skipped layers to 7 (docs/routers.md).
+THRESHOLDS = (0.5, 0.55, 0.6, 0.62, 0.64, 0.66, 0.68, 0.7, 0.75, 0.8, 0.9)
 # The most kept sets one build measures against the floor (each a teacher-forced pass over its
 # sequences: ~25 s on Gemma 3); a higher threshold's histogram offers hundreds of candidates.
 # Past the budget an unmeasured set does not pass.
-MAX_MEASUREMENTS = 24
+MAX_MEASUREMENTS = 48
+# Skip adapters train on the routers' kept sets (at any threshold tried) that keep at least
+# floor - ADAPTER_REACH unaided, the most frequent ADAPTER_SETS of them: a set far below the floor
+# (the 1.5B's sets without layer 0 keep 0.08) only takes the adapters' capacity from the ones they
+# can carry over it.
+ADAPTER_REACH = 0.15
+ADAPTER_SETS = 24
 log = logging.getLogger(__name__)
 
 
@@ -100,9 +108,12 @@ def plan_routers(options: RouterOptions, loaded: Any) -> RouterPlan:
     routers, report["training"] = routers_and_training(options, loaded, sequences, lam)
     scores = [router_scores(loaded, routers, seq.ids[: seq.prompt_len]) for seq in sequences]
     floor = DEFAULT_MIN_AGREEMENT if options.min_config_agreement is None else options.min_config_agreement
-    sets_to_adapt = kept_histogram(scores, min(thresholds_to_try(options)))
-    quality = quality_floor(options, loaded, sequences, sets_to_adapt, floor)
+    quality = quality_floor(options, loaded, sequences, scores, floor)
     threshold, histogram, chosen, sweep = sweep_thresholds(options, scores, spec.num_layers, quality)
+    if quality.training is not None:  # the same sweep without the adapters, on the same sequences and floor
+        unaided = sweep_thresholds(options, scores, spec.num_layers, Unaided(quality))[3]
+        for row, plain in zip(sweep, unaided, strict=True):
+            row["layers_saved_per_prompt_without_adapters"] = plain["layers_saved_per_prompt"]
     report["threshold_sweep"] = sweep
     report["threshold"] = threshold
     floor_report = quality.report()
@@ -140,7 +151,7 @@ def kept_histogram(scores: list[list[float]], threshold: float) -> Counter[froze
 
 
 def sweep_thresholds(
-    options: RouterOptions, scores: list[list[float]], num_layers: int, quality: QualityFloor
+    options: RouterOptions, scores: list[list[float]], num_layers: int, quality: QualityFloor | Unaided
 ) -> tuple[float, Counter[frozenset[int]], list[frozenset[int]], list[dict[str, Any]]]:
     """The threshold whose configurations (each passing the floor) save the most layers per
     prompt, the lowest on a tie: (threshold, its kept-set histogram, its chosen sets, the sweep)."""
@@ -210,26 +221,67 @@ def quality_floor(
     options: RouterOptions,
     loaded: Any,
     sequences: list[TrainingSequence],
-    histogram: Counter[frozenset[int]],
+    scores: list[list[float]],
     floor: float,
 ) -> QualityFloor:
     """The floor every configuration must keep. With `--lora R`, one shared set of skip adapters
-    trains on three of every four calibration sequences, over the kept sets the routers choose at
-    the lowest threshold tried (`histogram`), and the floor is measured on the fourth (held out),
-    with and without the adapters. (Trained over every threshold's sets, Gemma 3's adapters saw 106
-    sets, most skipping 3-6 layers, and lost 3 points on the one-layer sets that pass the floor.)"""
+    trains on three of every four calibration sequences and the floor is measured on the fourth
+    (held out), with and without them. Two sets of kept sets to train on are tried, and the
+    adapters that let the threshold sweep skip more layers are kept (the first on a tie):
+    `lowest_threshold_sets` (Gemma 3's layer 17 needs them) and `adapter_sets` (the 1.5B's fifth
+    layer needs them; docs/routers.md)."""
     if not options.lora:
         return QualityFloor(loaded, sequences, floor)
     held_out = sequences[HELD_OUT_EVERY - 1 :: HELD_OUT_EVERY]
     training = [seq for index, seq in enumerate(sequences) if index % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
-    full = frozenset(range(loaded.spec.num_layers))
-    kept_sets = sorted((k for k in histogram.elements() if k and k != full), key=sorted)  # sets with adapters
-    quality = QualityFloor(loaded, held_out, floor)
-    if kept_sets:
+    unaided = QualityFloor(loaded, held_out, floor)
+    thresholds = thresholds_to_try(options)
+    rules = {
+        "lowest threshold": lowest_threshold_sets(scores, thresholds, loaded.spec.num_layers),
+        "within reach": adapter_sets(scores, thresholds, unaided),
+    }
+    best, best_saved, saved_by_rule = unaided, -1, {}
+    for rule, kept_sets in rules.items():
+        if not kept_sets:
+            continue
+        quality = unaided.sibling()
         quality.training = train_skip_adapters(quality.model, training, kept_sets, options.lora, seed=options.seed)
-    else:
+        _, histogram, chosen, _ = sweep_thresholds(options, scores, loaded.spec.num_layers, quality)
+        saved_by_rule[rule] = saved = layers_saved(histogram, chosen, loaded.spec.num_layers)
+        if saved > best_saved:
+            best, best_saved = quality, saved
+            best.rule = rule
+    if best.training is None:
         log.info("the routers keep every layer of every calibration prompt: no skip adapters to train")
-    return quality
+    best.saved_by_rule = {rule: round(saved / max(len(scores), 1), 3) for rule, saved in saved_by_rule.items()}
+    return best
+
+
+def lowest_threshold_sets(
+    scores: list[list[float]], thresholds: tuple[float, ...], layers: int
+) -> list[frozenset[int]]:
+    """The kept sets of the lowest threshold tried, each as often as the routers choose it."""
+    full = frozenset(range(layers))
+    histogram = kept_histogram(scores, min(thresholds))
+    return sorted((k for k in histogram.elements() if k and k != full), key=sorted)
+
+
+def adapter_sets(
+    scores: list[list[float]], thresholds: tuple[float, ...], quality: QualityFloor
+) -> list[frozenset[int]]:
+    """The kept sets the adapters train on: those the routers choose at any of `thresholds` (the
+    most frequent ADAPTER_SETS, counted over every threshold) that keep at least floor -
+    ADAPTER_REACH unaided. On the 1.5B, adapters trained this way (15 sets) keep 0.840 where the
+    routers skip layers 1, 5, 13, 14 and 27 (0.798 unaided); trained on the lowest threshold's sets
+    alone, which skip 1-3 layers and pass unaided, they kept 0.773 there (docs/routers.md)."""
+    full = frozenset(range(quality.model.spec.num_layers))
+    counts: Counter[frozenset[int]] = Counter()
+    for threshold in thresholds:
+        counts.update(kept_histogram(scores, threshold))
+    del counts[full], counts[frozenset()]
+    frequent = sorted(counts, key=lambda kept: (-counts[kept], sorted(kept)))[:ADAPTER_SETS]
+    reach = quality.floor - ADAPTER_REACH
+    return sorted((kept for kept in frequent if quality.unaided(kept) >= reach), key=sorted)
 
 
 class QualityFloor:
@@ -245,25 +297,46 @@ class QualityFloor:
         self.measured: dict[frozenset[int], float] = {}
         self.adapted: dict[frozenset[int], float] = {}
         self.training: AdapterTraining | None = None
+        self.rule = ""  # which kept sets the adapters trained on (quality_floor)
+        self.saved_by_rule: dict[str, float] = {}
         self.unmeasured = 0  # candidates refused unmeasured, past MAX_MEASUREMENTS
 
+    def sibling(self) -> QualityFloor:
+        """A floor on the same model, sequences and unaided measurements, for other adapters."""
+        other = copy.copy(self)
+        other.adapted, other.training, other.unmeasured = {}, None, 0
+        return other
+
     def passes(self, kept: frozenset[int]) -> bool:
-        if kept not in self.measured and len(self.measured) >= MAX_MEASUREMENTS:
+        if not self.measurable(kept):
+            return False
+        self.unaided(kept)
+        if self.training is not None and kept not in self.adapted:
+            adapters = as_module_dict(self.training.adapters)
+            self.adapted[kept] = round(adapted_agreement(self.model, self.sequences, kept, adapters), 4)
+            log.info("  with skip adapters: %.3f", self.adapted[kept])
+        return self.agreement(kept) >= self.floor
+
+    def measurable(self, kept: frozenset[int], unaided: bool = False) -> bool:
+        """Whether `kept` is measured or the budget still allows it (a refusal is counted). Each
+        set of adapters has its own budget; the unaided measurements, which they share, theirs."""
+        counted = self.measured if unaided or self.training is None else self.adapted
+        if kept not in counted and len(counted) >= MAX_MEASUREMENTS:
             self.unmeasured += 1
             return False
+        return True
+
+    def unaided(self, kept: frozenset[int]) -> float:
+        """The agreement of decoding with `kept` without adapters, measured once."""
         if kept not in self.measured:
             self.measured[kept] = round(continuation_agreement(self.model, self.sequences, kept), 4)
-            if self.training is not None:
-                adapters = as_module_dict(self.training.adapters)
-                self.adapted[kept] = round(adapted_agreement(self.model, self.sequences, kept, adapters), 4)
             log.info(
-                "skipping layers %s keeps %.3f of the greedy tokens%s (floor %.2f)",
+                "skipping layers %s keeps %.3f of the greedy tokens (floor %.2f)",
                 sorted(set(range(len(self.model.layers))) - kept),
                 self.measured[kept],
-                f", {self.adapted[kept]:.3f} with skip adapters" if kept in self.adapted else "",
                 self.floor,
             )
-        return self.agreement(kept) >= self.floor
+        return self.measured[kept]
 
     def agreement(self, kept: frozenset[int]) -> float:
         return max(self.measured[kept], self.adapted.get(kept, 0.0))
@@ -301,7 +374,20 @@ class QualityFloor:
                 "steps": t.steps,
                 "decode_rows": t.decode_rows,
                 "kept_sets": t.kept_sets,
+                "kept_sets_rule": self.rule,
+                "layers_saved_per_prompt_by_rule": self.saved_by_rule,
                 "seconds": round(t.seconds, 1),
                 "seed": t.seed,
             }
         return report
+
+
+class Unaided:
+    """The floor as a routed bundle without adapters sees it: the same sequences, budget and
+    measurements, each set's agreement without the adapters."""
+
+    def __init__(self, quality: QualityFloor) -> None:
+        self.quality = quality
+
+    def passes(self, kept: frozenset[int]) -> bool:
+        return self.quality.measurable(kept, unaided=True) and self.quality.unaided(kept) >= self.quality.floor

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from adaptive_export.calibration.router_pipeline import THRESHOLDS
 from adaptive_export.calibration.routers import GatedModel, TrainingSequence, continuation_agreement
 from adaptive_export.calibration.skip_adapters import adapted_agreement, as_module_dict, train_skip_adapters
 from adaptive_export.commands.cli import main
@@ -65,9 +66,15 @@ def test_a_helped_configuration_is_compiled_with_its_adapters(lora_setup: tuple[
     assert SKIP_ADAPTERS_FILE in manifest["files"] and not manifest["graphs"]["decode_full"]["skip_adapters"]
     calibration = json.loads((bundle / "calibration.json").read_text())
     assert manifest["router_threshold"] == calibration["routers"]["threshold"]  # --lora calibrates it
-    assert [row["threshold"] for row in calibration["routers"]["threshold_sweep"]] == [0.5, 0.6, 0.7, 0.8, 0.9]
+    sweep = calibration["routers"]["threshold_sweep"]
+    assert [row["threshold"] for row in sweep] == list(THRESHOLDS)
+    assert all(row["layers_saved_per_prompt"] >= row["layers_saved_per_prompt_without_adapters"] for row in sweep)
     quality = calibration["configs"]["quality"]
-    assert quality["skip_adapters"]["rank"] == 4 and quality["skip_adapters"]["steps"] > 0
+    adapters = quality["skip_adapters"]
+    assert adapters["rank"] == 4 and adapters["steps"] > 0
+    by_rule = adapters["layers_saved_per_prompt_by_rule"]  # both sets of kept sets trained, the better kept
+    assert set(by_rule) == {"lowest threshold", "within reach"}
+    assert by_rule[adapters["kept_sets_rule"]] == max(by_rule.values())
     for config in adapted_configs(bundle):
         row = next(r for r in quality["measured"] if r["kept"] == config["kept"])
         assert row["with_adapters"] > row["without_adapters"] and row["agreement"] == row["with_adapters"]
@@ -207,7 +214,7 @@ def test_the_threshold_sweep_skips_the_most_the_floor_allows() -> None:
     options = RouterOptions(routers="train", router_threshold="auto", max_configs=2)
     threshold, histogram, chosen, sweep = sweep_thresholds(options, scores, layers, AtMostOneSkipped())
     saved = {row["threshold"]: row["layers_saved_per_prompt"] for row in sweep}
-    assert saved == {0.5: 0.0, 0.6: 1.0, 0.7: 1.0, 0.8: 1.0, 0.9: 1.0}
+    assert saved == {t: (0.0 if t <= 0.55 else 1.0) for t in THRESHOLDS}  # 0.55 >= 0.55 keeps layer 3
     assert threshold == 0.6 and chosen == [frozenset({0, 1, 2})]
     assert histogram == {frozenset({0, 1, 2}): 4}
     fixed = RouterOptions(routers="train", router_threshold="0.5", max_configs=2)
@@ -229,3 +236,32 @@ def test_the_floor_measures_at_most_its_budget(tmp_path: Path, monkeypatch: pyte
     assert quality.passes(frozenset({0, 1}))  # measured sets still answer
     report = quality.report()
     assert len(report["measured"]) == 2 and report["refused_unmeasured"] == 1
+
+
+def test_adapters_train_on_the_sets_within_their_reach(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adapters train on the routers' kept sets at any threshold tried that keep at least
+    floor - ADAPTER_REACH unaided: not a set far below the floor, not the full model, and only
+    the ADAPTER_SETS most frequent ones (each measured once)."""
+    from types import SimpleNamespace
+
+    from adaptive_export.calibration import router_pipeline
+
+    # at 0.6 and 0.7 the first rows keep {0, 1, 2} or {0, 1}, the fourth {0, 2, 3}, the fifth {0, 1, 2}
+    scores = [[0.95, 0.95, 0.65, 0.57]] * 3 + [[0.95, 0.58, 0.95, 0.95], [0.95, 0.95, 0.95, 0.57], [0.95] * 4]
+    unaided = {frozenset({0, 1, 2}): 0.9, frozenset({0, 1}): 0.7, frozenset({0, 2, 3}): 0.5}
+    measured: list[frozenset[int]] = []
+
+    class Floor:
+        floor = 0.8
+        model = SimpleNamespace(spec=SimpleNamespace(num_layers=4))
+
+        def unaided(self, kept: frozenset[int]) -> float:
+            measured.append(kept)
+            return unaided[kept]
+
+    thresholds = (0.5, 0.6, 0.7)
+    sets = router_pipeline.adapter_sets(scores, thresholds, Floor())  # type: ignore[arg-type]
+    assert sets == [frozenset({0, 1}), frozenset({0, 1, 2})]  # {0, 2, 3} keeps 0.5 < 0.8 - 0.15
+    assert sorted(measured, key=sorted) == sorted(unaided, key=sorted)
+    monkeypatch.setattr(router_pipeline, "ADAPTER_SETS", 1)  # the most frequent: {0, 1, 2}, 5 times
+    assert router_pipeline.adapter_sets(scores, thresholds, Floor()) == [frozenset({0, 1, 2})]  # type: ignore[arg-type]
