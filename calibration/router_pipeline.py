@@ -269,7 +269,7 @@ def lowest_threshold_sets(
 def adapter_sets(
     scores: list[list[float]], thresholds: tuple[float, ...], quality: QualityFloor
 ) -> list[frozenset[int]]:
-    """The kept sets the adapters train on: those the routers choose at any of `thresholds` (the
+    """The "within reach" kept sets (one of quality_floor's two): those the routers choose at any of `thresholds` (the
     most frequent ADAPTER_SETS, counted over every threshold) that keep at least floor -
     ADAPTER_REACH unaided. On the 1.5B, adapters trained this way (15 sets) keep 0.840 where the
     routers skip layers 1, 5, 13, 14 and 27 (0.798 unaided); trained on the lowest threshold's sets
