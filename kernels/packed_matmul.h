@@ -1,0 +1,60 @@
+// Y[t, n] = sum_k A[t, k] * W[n, k] over GGUF rows read as stored (the compute of MatMulPacked).
+//
+// Each weight block is read and unpacked once per call for every activation row: the rows of a
+// verify pass share one read of the weights, so a bandwidth-bound T-row pass costs little more
+// than a one-row step.
+#pragma once
+
+#include <cstdint>
+
+#include "gguf_formats.h"
+
+namespace adaptive_export {
+
+enum class ActivationMode : int64_t {
+  kFloat = 0,  // fp32 activations times the exact dequantized weights
+  kInt8 = 1,   // activations quantized to int8 per block of 32 (llama.cpp's Q8_0/Q8_1 way)
+};
+
+// Activations of one call. f32: [rows, k]. For kInt8 also q: int8 [rows, k] and, by the
+// weights' block size (ActivationBlocks):
+//  - 32-element formats (llama.cpp's Q8_0/Q8_1 way): d, the scale of each block of 32
+//    [rows, k / 32], and s = d * the sum of the block's q [rows, k / 32];
+//  - 256-element K-quants (llama.cpp's Q8_K way): d, one scale per 256 [rows, k / 256], and the
+//    integer sums of q per 16 (sum16 [rows, k / 16]) and per 32 (sum32 [rows, k / 32]), which
+//    carry the formats' mins and offsets in integer arithmetic.
+struct Activations {
+  int64_t rows = 0;
+  int64_t k = 0;
+  const float* f32 = nullptr;
+  const int8_t* q = nullptr;
+  const float* d = nullptr;
+  const float* s = nullptr;
+  const int16_t* sum16 = nullptr;
+  const int16_t* sum32 = nullptr;
+};
+
+// The int8 buffers of one call's activations (sized by activation_buffers).
+struct ActivationBuffers {
+  int8_t* q;
+  float* d;
+  float* s;
+  int16_t* sum16;
+  int16_t* sum32;
+};
+
+// Elements per activation scale for weights of this format: 256 for K-quants, else 32.
+int64_t activation_block(const FormatInfo& format);
+
+// Quantize rows [begin, end) of acts.f32 into out, per activation_block(format).
+void quantize_activations(const FormatInfo& format, const Activations& acts, int64_t begin, int64_t end,
+                          const ActivationBuffers& out);
+
+// y[t * ldy + n] for every activation row t and weight rows n in [n_begin, n_end).
+void matmul_rows(const FormatInfo& format, ActivationMode mode, const uint8_t* weights, int64_t row_bytes,
+                 int64_t n_begin, int64_t n_end, const Activations& acts, float* y, int64_t ldy);
+
+// Which kernels this CPU runs: "avx2" or "generic" (chosen once from CPUID).
+const char* kernel_isa();
+
+}  // namespace adaptive_export
