@@ -456,12 +456,17 @@ inline void tile(const uint8_t* row, int64_t nb, const Activations& a, int64_t t
   else tile256<F, Kind, KQuant, Tile>(row, nb, a, t0, y, ldy);
 }
 
+constexpr int64_t kPrefetchRows = 2;
+
 template <class F, int Kind, bool KQuant>
 void rows(const uint8_t* weights, int64_t row_bytes, int64_t n_begin, int64_t n_end, const Activations& a, float* y,
           int64_t ldy) {
   const int64_t nb = row_bytes / F::kBytes;
   for (int64_t n = n_begin; n < n_end; ++n) {
     const uint8_t* row = weights + n * row_bytes;
+    if (n + kPrefetchRows < n_end)  // the rows a few ahead, so DRAM streams while these compute
+      for (int64_t line = 0; line < row_bytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * row_bytes + line), _MM_HINT_T0);
     int64_t t = 0;
     for (; t + 4 <= a.rows; t += 4) tile<F, Kind, KQuant, 4>(row, nb, a, t, y + n, ldy);
     switch (a.rows - t) {

@@ -71,3 +71,16 @@ def require_library() -> Path:
     if path is None:
         raise missing_library_error()
     return path
+
+
+def kernel_isa() -> str | None:
+    """The instruction set the op library's kernels run on this CPU ("avx512-vnni", "avx2" or
+    "generic"; ADAPTIVE_EXPORT_KERNEL_ISA caps it), or None without the library."""
+    path = library_path()
+    if path is None:
+        return None
+    import ctypes
+
+    library = ctypes.CDLL(str(path))
+    library.adaptive_export_kernel_isa.restype = ctypes.c_char_p
+    return str(library.adaptive_export_kernel_isa().decode())

@@ -126,11 +126,9 @@ def check_formats(k_values: tuple[int, ...] = (256, 768), rows: tuple[int, ...] 
 
 
 def kernel_isa() -> str:
-    import ctypes
-
-    library = ctypes.CDLL(str(LIBRARY))
-    library.adaptive_export_kernel_isa.restype = ctypes.c_char_p
-    return library.adaptive_export_kernel_isa().decode()
+    isa = packed_ops.kernel_isa()
+    assert isa is not None
+    return isa
 
 
 def run_child(code: str, **env: str) -> subprocess.CompletedProcess[str]:
