@@ -72,8 +72,7 @@ void generic_int8_rows(const FormatInfo& format, const uint8_t* weights, int64_t
         const float dx = xd[j / per_scale];
         sum += row.scale[j] * dx * static_cast<float>(dot);
         if (format.has_min) {
-          const float block_sum = per_scale == 1 ? acts.s[t * blocks + j] : dx * acts.sum32[t * blocks + j];
-          sum += row.min[j] * block_sum;
+          sum += row.min[j] * acts.s[t * blocks + j];
         }
       }
       y[t * ldy + n] = sum;
@@ -118,16 +117,14 @@ void quantize_activations(const FormatInfo& format, const Activations& acts, int
       const float scale = amax / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
       for (int64_t i = 0; i < block; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
       out.d[t * scales + j] = scale;
+      int32_t first_half = 0;
       for (int64_t g = 0; g < block / 16; ++g) {
         int32_t sum16 = 0;
         for (int i = 0; i < 16; ++i) sum16 += q[16 * g + i];
         const int64_t sixteen = t * (k / 16) + j * (block / 16) + g;
-        out.sum16[sixteen] = static_cast<int16_t>(sum16);
-        if (g % 2) {
-          const int32_t sum32 = out.sum16[sixteen - 1] + sum16;
-          out.sum32[sixteen / 2] = static_cast<int16_t>(sum32);
-          if (block == 32) out.s[t * (k / 32) + j] = scale * static_cast<float>(sum32);
-        }
+        out.s16[sixteen] = scale * static_cast<float>(sum16);
+        if (g % 2 == 0) first_half = sum16;
+        else out.s[sixteen / 2] = scale * static_cast<float>(first_half + sum16);
       }
     }
   }

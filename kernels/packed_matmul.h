@@ -16,13 +16,11 @@ enum class ActivationMode : int64_t {
   kInt8 = 1,   // activations quantized to int8 per block of 32 (llama.cpp's Q8_0/Q8_1 way)
 };
 
-// Activations of one call. f32: [rows, k]. For kInt8 also q: int8 [rows, k] and, by the
-// weights' block size (ActivationBlocks):
-//  - 32-element formats (llama.cpp's Q8_0/Q8_1 way): d, the scale of each block of 32
-//    [rows, k / 32], and s = d * the sum of the block's q [rows, k / 32];
-//  - 256-element K-quants (llama.cpp's Q8_K way): d, one scale per 256 [rows, k / 256], and the
-//    integer sums of q per 16 (sum16 [rows, k / 16]) and per 32 (sum32 [rows, k / 32]), which
-//    carry the formats' mins and offsets in integer arithmetic.
+// Activations of one call. f32: [rows, k]. For kInt8 also q: int8 [rows, k], d: the scale of
+// each activation block, and the block sums that carry the weights' mins and offsets in
+// float: s = d * the sum of q over each 32 elements [rows, k / 32], s16 the same over each 16
+// [rows, k / 16]. Activation blocks follow the weights: 32 elements for 32-element formats
+// (llama.cpp's Q8_0/Q8_1 way), 256 for K-quants (its Q8_K way: one conversion to float per 256).
 struct Activations {
   int64_t rows = 0;
   int64_t k = 0;
@@ -30,17 +28,15 @@ struct Activations {
   const int8_t* q = nullptr;
   const float* d = nullptr;
   const float* s = nullptr;
-  const int16_t* sum16 = nullptr;
-  const int16_t* sum32 = nullptr;
+  const float* s16 = nullptr;
 };
 
-// The int8 buffers of one call's activations (sized by activation_buffers).
+// The int8 buffers of one call's activations.
 struct ActivationBuffers {
   int8_t* q;
   float* d;
   float* s;
-  int16_t* sum16;
-  int16_t* sum32;
+  float* s16;
 };
 
 // Elements per activation scale for weights of this format: 256 for K-quants, else 32.

@@ -251,6 +251,29 @@ struct Q6_K {
   }
 };
 
+// What a K block's mins (Q4_K/Q5_K: -dmin * m per 32) or offsets (Q6_K: codes are q + 32, so
+// -32 * d * sub per 16) contribute, as floats to multiply with the activations' scaled sums.
+struct BlockSums {
+  __m256 mins;
+  __m256 offsets[2];
+};
+
+template <class F>
+AE_AVX2 inline BlockSums block_sums(const HeaderK& h) {
+  BlockSums w{};
+  if (F::kMin) {
+    const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h.sc_m + 8)));
+    w.mins = _mm256_mul_ps(_mm256_set1_ps(-h.dmin), _mm256_cvtepi32_ps(m));
+  }
+  if (F::kOffset) {
+    const __m128i sub = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h.sub));
+    const __m256 scale = _mm256_set1_ps(-32.0f * h.d);
+    w.offsets[0] = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sub)));
+    w.offsets[1] = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sub, 8))));
+  }
+  return w;
+}
+
 template <class F, int Tile>
 AE_AVX2 void k_int8(const uint8_t* row, int64_t nb, const Activations& a, int64_t t0, float* y, int64_t ldy) {
   const int64_t k = a.k;
@@ -272,22 +295,15 @@ AE_AVX2 void k_int8(const uint8_t* row, int64_t nb, const Activations& a, int64_
         sum[t] = _mm256_add_epi32(sum[t], _mm256_add_epi32(p0, p1));
       }
     }
-    __m256i sub = _mm256_setzero_si256();
-    __m128i mins = _mm_setzero_si128();
-    if (F::kOffset) sub = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h.sub)));
-    if (F::kMin) mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h.sc_m + 8)));
+    const BlockSums w = block_sums<F>(h);
     for (int t = 0; t < Tile; ++t) {
       const int64_t r = t0 + t;
-      if (F::kOffset) {  // codes are q + 32: take 32 * sub * (the 16-element sums) back
-        const __m256i offsets = _mm256_madd_epi16(sub, load32(a.sum16 + r * (k / 16) + 16 * b));
-        sum[t] = _mm256_sub_epi32(sum[t], _mm256_slli_epi32(offsets, 5));
-      }
-      const float dx = a.d[r * nb + b];
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_set1_ps(h.d * dx), acc[t]);
-      if (F::kMin) {
-        const __m128i sums = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.sum32 + r * (k / 32) + 8 * b));
-        const __m256i m = _mm256_zextsi128_si256(_mm_madd_epi16(mins, sums));
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-(h.dmin * dx)), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_set1_ps(h.d * a.d[r * nb + b]), acc[t]);
+      if (F::kMin) acc[t] = _mm256_fmadd_ps(w.mins, _mm256_loadu_ps(a.s + r * (k / 32) + 8 * b), acc[t]);
+      if (F::kOffset) {
+        const float* s16 = a.s16 + r * (k / 16) + 16 * b;
+        acc[t] = _mm256_fmadd_ps(w.offsets[0], _mm256_loadu_ps(s16), acc[t]);
+        acc[t] = _mm256_fmadd_ps(w.offsets[1], _mm256_loadu_ps(s16 + 8), acc[t]);
       }
     }
   }
@@ -356,23 +372,15 @@ AE_AVX512 void k_int8_512(const uint8_t* row, int64_t nb, const Activations& a, 
         sum[t] = _mm512_dpwssd_epi32(sum[t], _mm512_maddubs_epi16(z, x), m);
       }
     }
-    __m256i sub = _mm256_setzero_si256();
-    __m128i mins = _mm_setzero_si128();
-    if (F::kOffset) sub = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h.sub)));
-    if (F::kMin) mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h.sc_m + 8)));
+    const BlockSums w = block_sums<F>(h);
     for (int t = 0; t < Tile; ++t) {
       const int64_t r = t0 + t;
-      __m256i total = fold(sum[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold(sum[t])), _mm256_set1_ps(h.d * a.d[r * nb + b]), acc[t]);
+      if (F::kMin) acc[t] = _mm256_fmadd_ps(w.mins, _mm256_loadu_ps(a.s + r * (k / 32) + 8 * b), acc[t]);
       if (F::kOffset) {
-        const __m256i offsets = _mm256_madd_epi16(sub, load32(a.sum16 + r * (k / 16) + 16 * b));
-        total = _mm256_sub_epi32(total, _mm256_slli_epi32(offsets, 5));
-      }
-      const float dx = a.d[r * nb + b];
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(h.d * dx), acc[t]);
-      if (F::kMin) {
-        const __m128i sums = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.sum32 + r * (k / 32) + 8 * b));
-        const __m256i mm = _mm256_zextsi128_si256(_mm_madd_epi16(mins, sums));
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_set1_ps(-(h.dmin * dx)), acc[t]);
+        const float* s16 = a.s16 + r * (k / 16) + 16 * b;
+        acc[t] = _mm256_fmadd_ps(w.offsets[0], _mm256_loadu_ps(s16), acc[t]);
+        acc[t] = _mm256_fmadd_ps(w.offsets[1], _mm256_loadu_ps(s16 + 8), acc[t]);
       }
     }
   }

@@ -172,15 +172,13 @@ Status* matmul_create(const CustomOp*, const Api*, const KernelInfo* info, void*
 // The int8 activations of one call, kept by the calling thread between calls.
 struct ActivationStorage {
   std::vector<int8_t> q;
-  std::vector<float> d, s;
-  std::vector<int16_t> sum16, sum32;
+  std::vector<float> d, s, s16;
   ActivationBuffers fit(int64_t m, int64_t k) {
     q.resize(static_cast<size_t>(m * k));
     d.resize(static_cast<size_t>(m * (k / 32)));
     s.resize(static_cast<size_t>(m * (k / 32)));
-    sum16.resize(static_cast<size_t>(m * (k / 16)));
-    sum32.resize(static_cast<size_t>(m * (k / 32)));
-    return {q.data(), d.data(), s.data(), sum16.data(), sum32.data()};
+    s16.resize(static_cast<size_t>(m * (k / 16)));
+    return {q.data(), d.data(), s.data(), s16.data()};
   }
 };
 
@@ -219,8 +217,7 @@ Status* matmul_compute(void* opaque, KernelContext* context) {
     task.acts.q = task.buffers.q;
     task.acts.d = task.buffers.d;
     task.acts.s = task.buffers.s;
-    task.acts.sum16 = task.buffers.sum16;
-    task.acts.sum32 = task.buffers.sum32;
+    task.acts.s16 = task.buffers.s16;
   }
   // about 64 tasks: balanced over any pool size, a few microseconds of scheduling each
   task.rows_per_task = kernel.n / 64 > 16 ? kernel.n / 64 : 16;
