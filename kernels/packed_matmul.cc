@@ -133,6 +133,13 @@ void quantize_activations(const FormatInfo& format, const Activations& acts, int
 void matmul_rows(const FormatInfo& format, ActivationMode mode, const uint8_t* weights, int64_t row_bytes,
                  int64_t n_begin, int64_t n_end, const Activations& acts, float* y, int64_t ldy) {
 #if defined(__x86_64__) || defined(_M_X64)
+  if (uses_float_panels(format, mode, acts.rows)) {
+    if (isa() == Isa::kAvx512)
+      avx512_float_panels(format, weights, row_bytes, n_begin, n_end, acts, y, ldy);
+    else
+      avx2_float_panels(format, weights, row_bytes, n_begin, n_end, acts, y, ldy);
+    return;
+  }
   if (isa() != Isa::kGeneric) {
     if (mode == ActivationMode::kFloat)
       avx2_float_rows(format, weights, row_bytes, n_begin, n_end, acts, y, ldy);
@@ -147,6 +154,11 @@ void matmul_rows(const FormatInfo& format, ActivationMode mode, const uint8_t* w
     generic_float_rows(format, weights, row_bytes, n_begin, n_end, acts, y, ldy);
   else
     generic_int8_rows(format, weights, row_bytes, n_begin, n_end, acts, y, ldy);
+}
+
+bool uses_float_panels(const FormatInfo& format, ActivationMode mode, int64_t rows) {
+  if (rows < kFloatPanelRows || isa() == Isa::kGeneric) return false;
+  return mode == ActivationMode::kFloat || format.block_elements == 32;
 }
 
 const char* kernel_isa() {

@@ -50,6 +50,14 @@ void quantize_activations(const FormatInfo& format, const Activations& acts, int
 void matmul_rows(const FormatInfo& format, ActivationMode mode, const uint8_t* weights, int64_t row_bytes,
                  int64_t n_begin, int64_t n_end, const Activations& acts, float* y, int64_t ldy);
 
+// Passes of at least this many rows (prefill) take the fp32 panel kernels: the weights
+// dequantized once per call and multiplied in fp32, exact. In the fp32 mode always; in the int8
+// mode for 32-element formats, where it beats per-row int8 products at that size (1.9x on a
+// Q5_0 4864x896 linear at 256 rows, one thread); K-quants keep their int8 kernels, which
+// sum whole 256-blocks in integers. Shorter passes (decode steps, verify passes) keep their mode.
+constexpr int64_t kFloatPanelRows = 32;
+bool uses_float_panels(const FormatInfo& format, ActivationMode mode, int64_t rows);
+
 // Which kernels this CPU runs: "avx2" or "generic" (chosen once from CPUID).
 const char* kernel_isa();
 

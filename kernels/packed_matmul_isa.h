@@ -18,6 +18,10 @@ void avx2_int8_rows(const FormatInfo& format, const uint8_t* weights, int64_t ro
                     int64_t n_end, const Activations& acts, float* y, int64_t ldy);
 void avx512_int8_rows(const FormatInfo& format, const uint8_t* weights, int64_t row_bytes, int64_t n_begin,
                       int64_t n_end, const Activations& acts, float* y, int64_t ldy);
+void avx2_float_panels(const FormatInfo& format, const uint8_t* weights, int64_t row_bytes, int64_t n_begin,
+                       int64_t n_end, const Activations& acts, float* y, int64_t ldy);
+void avx512_float_panels(const FormatInfo& format, const uint8_t* weights, int64_t row_bytes, int64_t n_begin,
+                         int64_t n_end, const Activations& acts, float* y, int64_t ldy);
 #endif
 
 }  // namespace adaptive_export

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <vector>
 
 #include "packed_matmul_isa.h"
 
@@ -436,6 +437,136 @@ AE_AVX512 void block32_int8_512(const uint8_t* row, int64_t nb, const Activation
   for (int t = 0; t < Tile; ++t) y[(t0 + t) * ldy] = _mm512_reduce_add_ps(acc[t]) + minimum[t];
 }
 
+// ------------------------------------------------------------ long passes: fp32 panels
+//
+// A pass of many rows (prefill) dequantizes four weight rows at a time into an fp32 panel,
+// exactly as gguf_formats.cc does, and multiplies it with every activation row in an FMA
+// micro-kernel (4 weight rows x 6 activation rows of accumulators): the dequantization is paid
+// once per weight row for the whole pass, and each weight and activation load feeds several
+// multiply-adds.
+
+template <class F>
+AE_AVX2 void dequantize_block32_rows(const uint8_t* row, int64_t nb, float* out) {
+  Block32 u;
+  for (int64_t b = 0; b < nb; ++b) {
+    F::load(row + b * F::kBytes, u);
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + 32 * b + 8 * c, weights8(u.codes, c, u.scale, F::kMin ? &u.min : nullptr));
+  }
+}
+
+template <class F>
+AE_AVX2 void dequantize_k_rows(const uint8_t* row, int64_t nb, float* out) {
+  HeaderK h;
+  const __m256i offset = _mm256_set1_epi8(32);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = row + b * F::kBytes;
+    F::header(block, h);
+    for (int c = 0; c < 4; ++c) {
+      __m256i codes[2], mult[2];
+      F::chunk(block, h, c, codes, mult);
+      for (int i = 0; i < 2; ++i) {
+        const int j = 2 * c + i;
+        float* w = out + 256 * b + 32 * j;
+        if (F::kMin) {
+          const float scale = h.d * static_cast<float>(h.sc_m[j]), min = -(h.dmin * static_cast<float>(h.sc_m[8 + j]));
+          for (int q = 0; q < 4; ++q) _mm256_storeu_ps(w + 8 * q, weights8(codes[i], q, scale, &min));
+        } else {
+          const __m256i centred = _mm256_sub_epi8(codes[i], offset);
+          for (int q = 0; q < 4; ++q)
+            _mm256_storeu_ps(w + 8 * q, weights8(centred, q, h.d * static_cast<float>(h.sub[2 * j + q / 2]), nullptr));
+        }
+      }
+    }
+  }
+}
+
+template <class F, bool KQuant>
+AE_AVX2 void dequantize_rows(const uint8_t* row, int64_t nb, float* out) {
+  if constexpr (KQuant) dequantize_k_rows<F>(row, nb, out);
+  else dequantize_block32_rows<F>(row, nb, out);
+}
+
+template <int Rows, int Cols>
+AE_AVX512 void panel_512(const float* w, int64_t k, const float* x, float* y, int64_t ldy) {
+  __m512 acc[Rows][Cols];
+  for (int i = 0; i < Rows; ++i)
+    for (int t = 0; t < Cols; ++t) acc[i][t] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < k; e += 16) {
+    __m512 wv[Rows];
+    for (int i = 0; i < Rows; ++i) wv[i] = _mm512_loadu_ps(w + i * k + e);
+    for (int t = 0; t < Cols; ++t) {
+      const __m512 xv = _mm512_loadu_ps(x + t * k + e);
+      for (int i = 0; i < Rows; ++i) acc[i][t] = _mm512_fmadd_ps(wv[i], xv, acc[i][t]);
+    }
+  }
+  for (int i = 0; i < Rows; ++i)
+    for (int t = 0; t < Cols; ++t) y[t * ldy + i] = _mm512_reduce_add_ps(acc[i][t]);
+}
+
+template <int Rows, int Cols>
+AE_AVX2 void panel_256(const float* w, int64_t k, const float* x, float* y, int64_t ldy) {
+  __m256 acc[Rows][Cols];
+  for (int i = 0; i < Rows; ++i)
+    for (int t = 0; t < Cols; ++t) acc[i][t] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < k; e += 8) {
+    __m256 wv[Rows];
+    for (int i = 0; i < Rows; ++i) wv[i] = _mm256_loadu_ps(w + i * k + e);
+    for (int t = 0; t < Cols; ++t) {
+      const __m256 xv = _mm256_loadu_ps(x + t * k + e);
+      for (int i = 0; i < Rows; ++i) acc[i][t] = _mm256_fmadd_ps(wv[i], xv, acc[i][t]);
+    }
+  }
+  for (int i = 0; i < Rows; ++i)
+    for (int t = 0; t < Cols; ++t) y[t * ldy + i] = hsum(acc[i][t]);
+}
+
+// Every activation row against `Rows` dequantized weight rows (the panel).
+template <int Rows, bool Wide>
+void panel_rows(const float* w, const Activations& a, float* y, int64_t ldy) {
+  constexpr int kCols = Wide ? 6 : 2;
+  int64_t t = 0;
+  for (; t + kCols <= a.rows; t += kCols) {
+    if constexpr (Wide) panel_512<Rows, kCols>(w, a.k, a.f32 + t * a.k, y + t * ldy, ldy);
+    else panel_256<Rows, kCols>(w, a.k, a.f32 + t * a.k, y + t * ldy, ldy);
+  }
+  for (; t < a.rows; ++t) {
+    if constexpr (Wide) panel_512<Rows, 1>(w, a.k, a.f32 + t * a.k, y + t * ldy, ldy);
+    else panel_256<Rows, 1>(w, a.k, a.f32 + t * a.k, y + t * ldy, ldy);
+  }
+}
+
+template <class F, bool KQuant, bool Wide>
+void float_panels(const uint8_t* weights, int64_t row_bytes, int64_t n_begin, int64_t n_end, const Activations& a,
+                  float* y, int64_t ldy) {
+  constexpr int kRows = 4;
+  const int64_t nb = row_bytes / F::kBytes;
+  thread_local std::vector<float> panel;
+  panel.resize(static_cast<size_t>(kRows * a.k));
+  int64_t n = n_begin;
+  for (; n + kRows <= n_end; n += kRows) {
+    for (int i = 0; i < kRows; ++i) dequantize_rows<F, KQuant>(weights + (n + i) * row_bytes, nb, panel.data() + i * a.k);
+    panel_rows<kRows, Wide>(panel.data(), a, y + n, ldy);
+  }
+  for (; n < n_end; ++n) {
+    dequantize_rows<F, KQuant>(weights + n * row_bytes, nb, panel.data());
+    panel_rows<1, Wide>(panel.data(), a, y + n, ldy);
+  }
+}
+
+template <bool Wide>
+void dispatch_panels(const FormatInfo& format, const uint8_t* weights, int64_t row_bytes, int64_t n_begin,
+                     int64_t n_end, const Activations& a, float* y, int64_t ldy) {
+  switch (format.type) {
+    case GgmlType::Q4_0: return float_panels<Q4_0, false, Wide>(weights, row_bytes, n_begin, n_end, a, y, ldy);
+    case GgmlType::Q4_1: return float_panels<Q4_1, false, Wide>(weights, row_bytes, n_begin, n_end, a, y, ldy);
+    case GgmlType::Q5_0: return float_panels<Q5_0, false, Wide>(weights, row_bytes, n_begin, n_end, a, y, ldy);
+    case GgmlType::Q8_0: return float_panels<Q8_0, false, Wide>(weights, row_bytes, n_begin, n_end, a, y, ldy);
+    case GgmlType::Q4_K: return float_panels<Q4_K, true, Wide>(weights, row_bytes, n_begin, n_end, a, y, ldy);
+    case GgmlType::Q5_K: return float_panels<Q5_K, true, Wide>(weights, row_bytes, n_begin, n_end, a, y, ldy);
+    case GgmlType::Q6_K: return float_panels<Q6_K, true, Wide>(weights, row_bytes, n_begin, n_end, a, y, ldy);
+  }
+}
+
 // ------------------------------------------------------------ rows and dispatch
 
 // The kernel of one tile: Kind 0 fp32, 1 int8 at AVX2, 2 int8 at AVX-512 VNNI.
@@ -527,6 +658,16 @@ void avx2_int8_rows(const FormatInfo& format, const uint8_t* weights, int64_t ro
 void avx512_int8_rows(const FormatInfo& format, const uint8_t* weights, int64_t row_bytes, int64_t n_begin,
                       int64_t n_end, const Activations& acts, float* y, int64_t ldy) {
   dispatch<2>(format, weights, row_bytes, n_begin, n_end, acts, y, ldy);
+}
+
+void avx2_float_panels(const FormatInfo& format, const uint8_t* weights, int64_t row_bytes, int64_t n_begin,
+                       int64_t n_end, const Activations& acts, float* y, int64_t ldy) {
+  dispatch_panels<false>(format, weights, row_bytes, n_begin, n_end, acts, y, ldy);
+}
+
+void avx512_float_panels(const FormatInfo& format, const uint8_t* weights, int64_t row_bytes, int64_t n_begin,
+                         int64_t n_end, const Activations& acts, float* y, int64_t ldy) {
+  dispatch_panels<true>(format, weights, row_bytes, n_begin, n_end, acts, y, ldy);
 }
 
 }  // namespace adaptive_export

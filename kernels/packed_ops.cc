@@ -206,7 +206,7 @@ Status* matmul_compute(void* opaque, KernelContext* context) {
   task.acts.rows = m;
   task.acts.k = kernel.packed.k;
   task.acts.f32 = static_cast<const float*>(a.data);
-  if (kernel.mode == ActivationMode::kInt8) {
+  if (kernel.mode == ActivationMode::kInt8 && !uses_float_panels(*kernel.packed.format, kernel.mode, m)) {
     thread_local ActivationStorage storage;
     task.buffers = storage.fit(m, kernel.packed.k);
     if (m > 4) {
