@@ -529,9 +529,19 @@ void panel_rows(const float* w, const Activations& a, float* y, int64_t ldy) {
     if constexpr (Wide) panel_512<Rows, kCols>(w, a.k, a.f32 + t * a.k, y + t * ldy, ldy);
     else panel_256<Rows, kCols>(w, a.k, a.f32 + t * a.k, y + t * ldy, ldy);
   }
-  for (; t < a.rows; ++t) {
-    if constexpr (Wide) panel_512<Rows, 1>(w, a.k, a.f32 + t * a.k, y + t * ldy, ldy);
-    else panel_256<Rows, 1>(w, a.k, a.f32 + t * a.k, y + t * ldy, ldy);
+  const float* x = a.f32 + t * a.k;
+  float* out = y + t * ldy;
+  if constexpr (Wide) {  // the last rows in one call: each call reads the whole panel again
+    switch (a.rows - t) {
+      case 5: return panel_512<Rows, 5>(w, a.k, x, out, ldy);
+      case 4: return panel_512<Rows, 4>(w, a.k, x, out, ldy);
+      case 3: return panel_512<Rows, 3>(w, a.k, x, out, ldy);
+      case 2: return panel_512<Rows, 2>(w, a.k, x, out, ldy);
+      case 1: return panel_512<Rows, 1>(w, a.k, x, out, ldy);
+      default: return;
+    }
+  } else if (a.rows - t == 1) {
+    panel_256<Rows, 1>(w, a.k, x, out, ldy);
   }
 }
 
