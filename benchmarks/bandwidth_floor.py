@@ -31,7 +31,7 @@ from benchmarks.common import bench_parser, cpu_model, parse_and_pin, print_tabl
 
 GIB = 1 << 30
 # ops that read a few rows of a table per token, not the whole table
-_GATHERS = ("Gather", "GatherBlockQuantized", "GatherElements", "GatherND")
+_GATHERS = ("Gather", "GatherBlockQuantized", "GatherPacked", "GatherElements", "GatherND")
 _RESHAPES = ("Reshape", "Unsqueeze", "Squeeze", "Flatten")
 
 

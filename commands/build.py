@@ -71,6 +71,65 @@ def resolve_quantize(choice: str, model: str, backends: tuple[str, ...], flavour
     return "native", source
 
 
+AUTO_PACKED = False  # --native-form auto picks packed once its kernels are measured faster than MatMulNBits
+
+
+def resolve_native_form(requested: str, library_available: bool, types: tuple[str, ...]) -> str:
+    """The weight form of a `--quantize native` bundle: "packed" (the GGUF's rows as stored, read by
+    this package's MatMulPacked/GatherPacked) or "nbits" (ONNX Runtime's MatMulNBits).
+
+    An explicit choice is kept, or refused in one line when it cannot be built: packed needs the
+    compiled op library and GGUF types the kernels read (`types`: the file's quantized tensor types).
+    `auto` chooses nbits for now: both forms compute the same model, and packed becomes the choice
+    (AUTO_PACKED) once its kernels are measured faster than ONNX Runtime's on the packaged models;
+    even then a missing library or an unread type (Q5_1) falls back to nbits, so auto never fails."""
+    from adaptive_export.runtimes.packed_ops import TYPE_IDS, missing_library_error
+
+    unread = sorted({t for t in types if t not in TYPE_IDS})
+    if requested == "packed":
+        if not library_available:
+            raise missing_library_error()
+        if unread:
+            raise UsageError(
+                f"--native-form packed reads the GGUF's rows with this package's kernels, which do not read "
+                f"{unread[0]} (they read {', '.join(TYPE_IDS)})",
+                "build with --native-form nbits (or auto), which converts it to MatMulNBits",
+            )
+        return "packed"
+    if requested == "auto":
+        return "packed" if AUTO_PACKED and library_available and not unread else "nbits"
+    if requested != "nbits":
+        raise UsageError(f"--native-form {requested!r} is unknown", "choose auto, packed or nbits")
+    return "nbits"
+
+
+def check_native_form(options: BuildOptions, quantize: str, native_source: Path | None) -> str:
+    """The bundle's weight form ("nbits" unless --quantize native), the packed form's needs
+    checked before minutes of loading: quantize native, accuracy 1 or 4, the op library."""
+    from adaptive_export.runtimes.packed_ops import ACCURACY_LEVELS, library_path
+
+    if options.native_form == "packed" and quantize != "native":
+        raise UsageError(
+            f"--native-form packed keeps a quantized GGUF's rows, and this build's weights are --quantize {quantize}",
+            "add --quantize native (a quantized .gguf model), or drop --native-form",
+        )
+    if quantize != "native":
+        return "nbits"
+    if options.native_form == "packed" and options.quant_accuracy not in ACCURACY_LEVELS:
+        raise UsageError(
+            f"--native-form packed runs at accuracy level 1 or 4, not {options.quant_accuracy}",
+            "use --quant-accuracy 1 (fp32 activations, exact) or 4 (int8 activations)",
+        )
+    types: tuple[str, ...] = ()
+    if native_source is not None:
+        import gguf
+
+        floats = ("F32", "F16", "BF16", "F64")
+        kinds = {gguf.GGMLQuantizationType(kind).name for kind in read_gguf_header(native_source).tensor_types}
+        types = tuple(sorted(k for k in kinds if k not in floats))
+    return resolve_native_form(options.native_form, library_path() is not None, types)
+
+
 def check_draft_options(options: BuildOptions) -> tuple[tuple[str, str], ...]:
     """The draft sources asked for by their own build options (calibration/drafts/<name>.py BUILD),
     as (source, value), each value checked before minutes of loading."""
@@ -100,6 +159,7 @@ class CheckedBuild:
     native_source: Path | None
     draft_precision: str | None
     draft_builds: tuple[tuple[str, str], ...]  # (source, option value) of the sources asked for by their option
+    native_form: str = "nbits"  # a native bundle's weight form (resolve_native_form)
 
 
 @dataclass
@@ -138,6 +198,7 @@ def check_build_options(options: BuildOptions) -> CheckedBuild:
         from adaptive_export.exporter.quantize import validate_options
 
         validate_options(options.quant_block, options.quant_accuracy)  # before minutes of loading and export
+    native_form = check_native_form(options, quantize, native_source)
     if (options.lora or options.router_threshold) and not options.routers:
         asked = f"--lora {options.lora}" if options.lora else f"--router-threshold {options.router_threshold}"
         raise UsageError(
@@ -148,7 +209,7 @@ def check_build_options(options: BuildOptions) -> CheckedBuild:
         read_prompts(options.calib)  # a bad calibration file fails before minutes of loading
     check_source_options(options, quantize)
     draft_precision = options.draft_precision if precision_asked(options) else None
-    return CheckedBuild(output, quantize, native_source, draft_precision, draft_builds)
+    return CheckedBuild(output, quantize, native_source, draft_precision, draft_builds, native_form)
 
 
 def calibrate_routers(options: BuildOptions, loaded: Any, parts: ModelParts, state: Calibrated) -> None:
@@ -288,7 +349,11 @@ def export_options(options: BuildOptions, checked: CheckedBuild, state: Calibrat
         after_export=after_export_hook(options, checked.draft_precision, state.calibration),
         coreml_precision=options.coreml_precision,
         trt_precision=options.trt_precision,
-        quant_options={"block_size": options.quant_block, "accuracy_level": options.quant_accuracy}
+        quant_options={
+            "block_size": options.quant_block,
+            "accuracy_level": options.quant_accuracy,
+            **({"native_form": "packed"} if checked.native_form == "packed" else {}),  # default manifests unchanged
+        }
         if checked.quantize != "none"
         else {},
     )

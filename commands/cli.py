@@ -298,7 +298,8 @@ def _add_build_speculation_arguments(build: argparse.ArgumentParser) -> None:
         choices=["auto", "none", "native", "int8", "int4"],
         default="auto",
         help="weight precision of the ONNX engines. native: keep a quantized GGUF's own blocks "
-        "(Q4_0/Q4_1/Q4_K/Q5_0/Q5_K/Q6_K/Q8_0) bit for bit as MatMulNBits, no re-quantization; int8/int4: "
+        "(Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0) bit for bit, no re-quantization (as MatMulNBits or as the "
+        "file's rows: see --native-form); int8/int4: "
         "round-to-nearest re-quantization of float weights; none: fp32; auto (default): native for a quantized "
         ".gguf (e.g. smollm2), none otherwise",
     )
@@ -367,8 +368,19 @@ def _add_build_precision_arguments(build: argparse.ArgumentParser) -> None:
         "--quant-accuracy",
         type=int,
         default=4,
-        help="MatMulNBits accuracy_level: 4 = int8 activations (fastest on CPU, default; slightly lossy), "
-        "1 = fp32 activations (with --quantize native: the engines compute exactly the GGUF's model), 0 = unset",
+        help="accuracy_level of the quantized linears (MatMulNBits, MatMulPacked): 4 = int8 activations (fastest "
+        "on CPU, default; slightly lossy), 1 = fp32 activations (with --quantize native: the engines compute "
+        "exactly the GGUF's model), 0 = unset (not with --native-form packed)",
+    )
+    build.add_argument(
+        "--native-form",
+        choices=["auto", "packed", "nbits"],
+        default="auto",
+        help="with --quantize native, how the engines hold the GGUF's blocks. packed: the file's rows verbatim "
+        "(uint8, the GGUF's own bytes) read by this package's MatMulPacked/GatherPacked CPU kernels (domain "
+        "ai.adaptive_export; needs the compiled op library, CPU provider only, --quant-accuracy 1 or 4; Q5_1 "
+        "is not read); nbits: converted, bit exact, to ONNX Runtime's MatMulNBits/GatherBlockQuantized "
+        "(codes, scales and block-sum corrections); auto (default): nbits for now",
     )
     build.add_argument(
         "--prompt-rows",

@@ -57,6 +57,7 @@ class BuildOptions(Options):
     trt_precision: str = "fp16"
     quant_block: int = 32
     quant_accuracy: int = 4
+    native_form: str = "auto"  # --native-form: auto, packed or nbits (commands/build.py resolve_native_form)
     prompt_rows: str = "measure"  # "measure": calibration/prompt_rows.py on the built engines; "rule": the fixed rule
     seed: int = 0
     revision: str | None = None  # with a Hub id MODEL; `model` is then its snapshot's local path

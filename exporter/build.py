@@ -61,7 +61,7 @@ class ExportOptions:
     extra_files: dict[str, bytes] = field(default_factory=dict)
     progress: bool = True
     quantize: str = "none"
-    quant_options: dict[str, int] = field(default_factory=dict)
+    quant_options: dict[str, Any] = field(default_factory=dict)  # block_size, accuracy_level[, native_form]
     # "ort": ONNX Runtime's fused kernels (the fast default); "portable": standard ops, the
     # graphs TensorRT parses (a build with the tensorrt backend is always portable).
     onnx_flavour: str = "ort"
@@ -100,7 +100,7 @@ def export_onnx(
     graphs: list[GraphSpec],
     progress: bool,
     quantize: str = "none",
-    quant_options: dict[str, int] | None = None,
+    quant_options: dict[str, Any] | None = None,
     max_len: int = DEFAULT_MAX_LEN,
     native_source: Path | None = None,
     lazy: LazyWeights | None = None,
@@ -114,6 +114,10 @@ def export_onnx(
     flavour, quant_options = graphs[0].flavour, quant_options or {}
     packed = packed_weights(parts, max_len) if flavour == "ort" else None
     native = _native_weights(parts, quantize, flavour, native_source)
+    if native is not None and native_form(quant_options) == "packed":
+        from adaptive_export.exporter.packed_native import check_packed_types
+
+        check_packed_types(native)  # a type the op library does not read fails before any graph is exported
     engines: dict[str, EngineEntry] = {}
     written: dict[tuple[Any, ...], EngineEntry] = {}
     names = fake_names(parts, packed) if lazy is not None else {}
@@ -185,22 +189,22 @@ def _apply_precision(
     model: onnx.ModelProto,
     graph: GraphSpec,
     quantize: str,
-    quant_options: dict[str, int],
+    quant_options: dict[str, Any],
     native: Any,
     emit: Any = None,
 ) -> onnx.ModelProto:
     """The bundle's weight precision, or a precision draft's: int8/int4 re-quantize the float
     weights (accuracy 4: int8 activations, ORT's fast CPU kernels); native4 is the GGUF's own
-    blocks at accuracy 4, sharing every block initializer with the bundle's engines."""
+    blocks at accuracy 4, sharing every block initializer with the bundle's engines. A native
+    bundle's weight form (`quant_options["native_form"]`) picks MatMulNBits (nbits) or the GGUF's
+    rows as stored (packed) for the bundle's linears and its native4 draft alike."""
     if graph.precision == "native4":
         if native is None:
             raise UsageError(
                 "--draft-precision native4 needs a GGUF-exact bundle (--quantize native)",
                 "build from a quantized .gguf with --quantize native, or use --draft-precision int8|int4",
             )
-        from adaptive_export.exporter.native_quant import apply_native
-
-        apply_native(model, native, 4, emit)
+        _native_rewrite(quant_options)(model, native, 4, emit)
         if graph.draft_vocab:  # the reduced head is no GGUF tensor: int8 at accuracy 4, like a float bundle's draft
             from adaptive_export.exporter.quantize import quantize as quantize_model
 
@@ -211,9 +215,7 @@ def _apply_precision(
 
         return quantize_model(model, graph.precision, block_size=quant_options.get("block_size", 32), accuracy_level=4)
     if native is not None:
-        from adaptive_export.exporter.native_quant import apply_native
-
-        apply_native(model, native, quant_options.get("accuracy_level", 4), emit)
+        _native_rewrite(quant_options)(model, native, quant_options.get("accuracy_level", 4), emit)
         quantize_guess_head(model, quant_options.get("block_size", 32))  # names are canonical: no model weight
         return model
     if quantize != "none":
@@ -221,6 +223,25 @@ def _apply_precision(
 
         return quantize_model(model, quantize, **quant_options)
     return model
+
+
+def native_form(quant_options: dict[str, Any]) -> str:
+    """A native bundle's weight form: "nbits" (MatMulNBits, the default) or "packed" (the GGUF's rows)."""
+    return str(quant_options.get("native_form", "nbits"))
+
+
+def _native_rewrite(quant_options: dict[str, Any]) -> Any:
+    """apply_native or apply_packed, as the bundle's weight form says."""
+    form = native_form(quant_options)
+    if form == "packed":
+        from adaptive_export.exporter.packed_native import apply_packed
+
+        return apply_packed
+    if form != "nbits":
+        raise UsageError(f"native weight form {form!r} is unknown", "choose --native-form nbits or packed")
+    from adaptive_export.exporter.native_quant import apply_native
+
+    return apply_native
 
 
 def quantize_guess_head(model: onnx.ModelProto, block_size: int) -> None:

@@ -25,7 +25,7 @@ _DRAFT_DTYPES = {"int8": "int8", "int4": "int4", "native4": "int4"}  # a precisi
 @dataclass(frozen=True)
 class EnginePrecision:
     """One ONNX engine's weights: `dtype` as the manifest names it, `exact` when every
-    MatMulNBits runs at accuracy level 1 (fp32 activations), `evidence` for the report."""
+    MatMulNBits / MatMulPacked runs at accuracy level 1 (fp32 activations), `evidence` for the report."""
 
     dtype: str
     exact: bool
@@ -50,17 +50,24 @@ def engine_precision(model: Any) -> EnginePrecision:
     the types are in the graph)."""
     import onnx
 
+    from adaptive_export.runtimes.packed_ops import GGML_TYPES, PACKED_DOMAIN, PACKED_OPS
+
     nodes = list(model.graph.node)
-    block = [n for n in nodes if n.op_type in _BLOCK_OPS]
+    block = [n for n in nodes if n.op_type in _BLOCK_OPS and n.domain != PACKED_DOMAIN]
+    # the GGUF's rows as stored (--native-form packed): their grid is the ggml type's
+    packed = [n for n in nodes if n.domain == PACKED_DOMAIN and n.op_type in PACKED_OPS]
     integer = [n for n in nodes if n.op_type in _INTEGER_OPS]
-    bits = {_attribute(n, "bits", 4) for n in block} | ({8} if integer else set())
+    packed_bits = {GGML_TYPES.get(_attribute(n, "packed_type", -1), ("", 0, 0, 4))[3] for n in packed}
+    bits = {_attribute(n, "bits", 4) for n in block} | packed_bits | ({8} if integer else set())
     if bits:
-        accuracy = sorted({_attribute(n, "accuracy_level", 0) for n in block if n.op_type == "MatMulNBits"})
+        linears = [n for n in block if n.op_type == "MatMulNBits"] + [n for n in packed if n.op_type == "MatMulPacked"]
+        accuracy = sorted({_attribute(n, "accuracy_level", 0) for n in linears})
         dtype = "int4" if min(bits) <= 4 else "int8"
         exact = not integer and accuracy == [1]
+        rows = f", {len(packed)} of them over GGUF rows" if packed else ""
         evidence = (
-            f"{len(block)} block-quantized ops (bits {', '.join(map(str, sorted(bits)))}; accuracy level "
-            f"{', '.join(map(str, accuracy)) or '-'}), {len(integer)} integer ops"
+            f"{len(block) + len(packed)} block-quantized ops{rows} (bits {', '.join(map(str, sorted(bits)))}; "
+            f"accuracy level {', '.join(map(str, accuracy)) or '-'}), {len(integer)} integer ops"
         )
         return EnginePrecision(dtype, exact, evidence)
     floats = [i for i in model.graph.initializer if i.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)]

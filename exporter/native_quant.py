@@ -8,6 +8,8 @@ plus `blocksum(x) @ correction` where the format has mins; the tied embedding ta
 by GatherBlockQuantized from the same initializers as the LM head's MatMulNBits, so it is
 stored once. The fp32 reference model is the same file dequantized, so at accuracy level 1
 (fp32 activations) the engines compute what PyTorch computes, within float rounding.
+The other weight form, the file's rows as stored (`--native-form packed`), is
+exporter/packed_native.py; both find the linears through `linear_target` / `embedding_gather`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 from onnx import helper
 
@@ -25,6 +28,8 @@ from adaptive_export.exporter.gguf_native import (
     FLOAT_TYPES,
     FOUR_BIT_TYPES,
     NativeLinear,
+    _linear_shape,
+    _tensor,
     blocksum_nodes,
     gather_block_quantized_nodes,
     hf_to_gguf_tensor_names,
@@ -37,6 +42,7 @@ from adaptive_export.graphs.fused_graph import PackedWeights
 from adaptive_export.graphs.spec import ModelSpec
 from adaptive_export.loading.gguf_tensors import MappedGGUF
 from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.packed_ops import TYPE_IDS, row_bytes
 
 EMBEDDING = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
@@ -100,6 +106,30 @@ class NativeWeights:
         for gguf_name in gguf_names:
             self.reader.release(gguf_name)
         return linear
+
+    def rows(self, name: str) -> list[tuple[str, np.ndarray]]:
+        """The GGUF's rows of one graph initializer as stored, uint8 [n, row_bytes]: one
+        (type name, rows) per run of equal types among the tensors it stacks, transformers' row
+        order applied to whole rows (llama's q/k), each read anew at each call like `linear`."""
+        gguf_names, types = self.sources[name], self.types[name]
+        runs: list[tuple[str, list[np.ndarray]]] = []
+        for gguf_name, type_name in zip(gguf_names, types):
+            tensor = _tensor(self.reader, gguf_name)
+            k, n = _linear_shape(tensor, gguf_name)
+            data = np.asarray(tensor.data).reshape(n, row_bytes(TYPE_IDS[type_name], k))
+            permutation = transformers_row_permutation(self.reader, gguf_name)
+            part = data[permutation] if permutation is not None else data
+            if runs and runs[-1][0] == type_name:
+                runs[-1][1].append(part)
+            else:
+                runs.append((type_name, [part]))
+        out = [
+            (type_name, np.ascontiguousarray(np.concatenate(parts) if len(parts) > 1 else parts[0]))
+            for type_name, parts in runs
+        ]
+        for gguf_name in gguf_names:
+            self.reader.release(gguf_name)
+        return out
 
     def bits_of(self, name: str) -> int:
         return 4 if all(t in FOUR_BIT_TYPES for t in self.types[name]) else 8
@@ -176,6 +206,33 @@ def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
+def linear_target(node: onnx.NodeProto, weights: NativeWeights) -> tuple[str, str] | None:
+    """(activation, weight name) of a float linear the GGUF holds: a MatMul over one of `weights`,
+    or the LM head's Gemm (x @ table^T) over the tied embedding or an untied lm_head; None otherwise.
+    Both weight forms (MatMulNBits here, exporter/packed_native.py's rows) match nodes through this."""
+    if node.op_type == "MatMul" and node.input[1] in weights:
+        return node.input[0], node.input[1]
+    if (
+        node.op_type == "Gemm"
+        and len(node.input) == 2
+        and node.input[1] in (EMBEDDING, LM_HEAD)
+        and _attrs(node) == {"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 1}
+    ):
+        name = LM_HEAD if node.input[1] == LM_HEAD and LM_HEAD in weights else EMBEDDING
+        return (node.input[0], name) if name in weights else None
+    return None
+
+
+def embedding_gather(node: onnx.NodeProto, weights: NativeWeights) -> bool:
+    """Whether `node` gathers rows (axis 0) of the embedding table the GGUF holds quantized."""
+    return (
+        node.op_type == "Gather"
+        and node.input[0] == EMBEDDING
+        and EMBEDDING in weights
+        and _attrs(node).get("axis", 0) == 0
+    )
+
+
 def _replacement(
     node: onnx.NodeProto,
     weights: NativeWeights,
@@ -185,12 +242,7 @@ def _replacement(
     added: list[onnx.TensorProto],
 ) -> bool:
     """Append the native form of `node` to nodes/added; False when the node stays as it is."""
-    if (
-        node.op_type == "Gather"
-        and node.input[0] == EMBEDDING
-        and EMBEDDING in weights
-        and _attrs(node).get("axis", 0) == 0
-    ):
+    if embedding_gather(node, weights):
         earlier = sum(1 for done in nodes if done.op_type == "GatherBlockQuantized")  # the same table gathered before
         scope = f"gather_{earlier + 1}" if earlier else "gather"
         new, inits = gather_block_quantized_nodes(
@@ -199,19 +251,10 @@ def _replacement(
         nodes.extend(new)
         added.extend(inits)
         return True
-    if node.op_type == "MatMul" and node.input[1] in weights:
-        x, name = node.input[0], node.input[1]
-    elif (
-        node.op_type == "Gemm"
-        and len(node.input) == 2
-        and node.input[1] in (EMBEDDING, LM_HEAD)
-        and _attrs(node) == {"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 1}
-    ):
-        x, name = node.input[0], (LM_HEAD if node.input[1] == LM_HEAD and LM_HEAD in weights else EMBEDDING)
-        if name not in weights:
-            return False
-    else:
+    target = linear_target(node, weights)
+    if target is None:
         return False
+    x, name = target
     linear = weights.linear(name)
     prefix = "token_embd" if name == EMBEDDING else name
     blocksum = None

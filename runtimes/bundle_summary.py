@@ -11,6 +11,7 @@ from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.limits import MAX_CALIBRATION_BYTES
 from adaptive_export.runtimes.manifest import GraphEntry
 from adaptive_export.runtimes.manifest_graphs import DRAFT_FIELDS
+from adaptive_export.runtimes.packed_ops import library_path
 
 # One graph's summary: kind, layers (how many), config, exit_layer, precision, each draft
 # source's graph field (DRAFT_FIELDS, by key), draft_vocab.
@@ -44,6 +45,25 @@ class BundleSummary(TypedDict):
     speculation: dict[str, object] | None  # Speculation.to_json()
     prompt_rows: dict[str, int]  # rows per prompt kind as build measured them (empty: the runtime's rule)
     chat_template: bool
+    weight_form: str  # how the onnx engines hold quantized weights (WEIGHT_FORMS), "float32" when they are not
+    packed_ops_library: bool  # whether this installation has the op library packed engines need
+
+
+# the onnx backend's `quantize` (and, native, its recorded form) -> what inspect calls its weights
+WEIGHT_FORMS = {
+    "packed": "packed rows (the GGUF's own bytes, MatMulPacked/GatherPacked)",
+    "nbits": "MatMulNBits (the GGUF's blocks converted)",
+    "int8": "MatMulNBits (int8 re-quantized)",
+    "int4": "MatMulNBits (int4 re-quantized)",
+}
+
+
+def weight_form(bundle: Bundle) -> str:
+    """The onnx engines' weight form as the manifest records it: a WEIGHT_FORMS key, or "float32"."""
+    onnx = bundle.manifest.backends.get("onnx")
+    if onnx is None or onnx.quantize == "none":
+        return "float32"
+    return onnx.native_form or onnx.quantize
 
 
 def calibration_shares(bundle: Bundle) -> dict[str, float | None]:
@@ -111,7 +131,14 @@ def describe(directory: str) -> BundleSummary:
         "speculation": m.speculation.to_json() if m.speculation else None,
         "prompt_rows": dict(m.prompt_rows.rows) if m.prompt_rows else {},
         "chat_template": m.tokenizer.chat is not None,
+        "weight_form": weight_form(bundle),
+        "packed_ops_library": library_path() is not None,
     }
+
+
+def needs_library(info: BundleSummary) -> bool:
+    """Whether the bundle's engines need the op library and this installation lacks it."""
+    return info["weight_form"] == "packed" and not info["packed_ops_library"]
 
 
 def _graph_summary(graph: GraphEntry) -> GraphSummary:
@@ -137,6 +164,9 @@ def render(info: BundleSummary) -> str:
         f"weights {info['weight_bytes'] / 1e6:.1f} MB stored once (x{info['size_ratio']})",
         f"max_len    {info['max_len']} tokens, dtype {info['dtype']}, "
         f"chat template {'yes' if info['chat_template'] else 'no'}",
+        f"weights    {WEIGHT_FORMS.get(info['weight_form'], info['weight_form'])}; packed-row op library "
+        + ("installed" if info["packed_ops_library"] else "not installed")
+        + (" (this bundle needs it: rebuild with --native-form nbits)" if needs_library(info) else ""),
         "routers    "
         + ("yes, threshold " + str(info["router_threshold"]) if info["routers"] else "no (always the full model)"),
         f"backends   {', '.join(f'{b} ({len(g)} engines)' for b, g in info['backends'].items())}",

@@ -13,6 +13,9 @@ accepted only when it looks like what the exporter emits for its graph kind:
   dtype and shape must equal the weight table's;
 - shape-producing ops (ConstantOfShape, Expand, Range) take their sizes only from the graph's
   own shapes and small constants (runtimes/shape_policy.py);
+- the project's ops over GGUF rows (domain ai.adaptive_export, version 1: MatMulPacked,
+  GatherPacked) exactly as the exporter writes them: a ggml type the kernels read, rows that are
+  a uint8 [N, row_bytes(type, K)] weight from the table, accuracy level 1 or 4, two inputs;
 - graph inputs and outputs are exactly the manifest graph entry's `inputs` and
   `outputs`; element types and ranks (and the dimensions the manifest fixes: KV heads,
   head size, hidden size, vocabulary, layer count) follow IO_RULES, keyed by name prefix.
@@ -26,6 +29,7 @@ To allow a new op or a new input: add it to ALLOWED_OPS or IO_RULES (one place e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -33,6 +37,14 @@ from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.bundle import Bundle, read_listed
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest import BackendEntry, EngineEntry, GraphEntry, ModelDims
+from adaptive_export.runtimes.packed_ops import (
+    ACCURACY_LEVELS,
+    GGML_TYPES,
+    PACKED_DOMAIN,
+    PACKED_OPS,
+    PACKED_OPSET,
+    row_bytes,
+)
 from adaptive_export.runtimes.shape_policy import check_shape_ops
 
 # domain -> op types. "" is the default ONNX domain (also spelled "ai.onnx").
@@ -107,6 +119,9 @@ ALLOWED_OPS: dict[str, frozenset[str]] = {
             "FastGelu",
         }
     ),
+    # the project's ops over a GGUF's rows (--native-form packed; runtimes/packed_ops.py), each node
+    # checked against the weight table below (_check_packed_nodes)
+    PACKED_DOMAIN: PACKED_OPS,
 }
 _DOMAIN_ALIASES = {"ai.onnx": ""}
 
@@ -229,6 +244,44 @@ def _tensors_in_attributes(node: Any) -> list[Any]:
     return found
 
 
+@dataclass(frozen=True)
+class CheckedEngine:
+    """An engine's policy-checked bytes and what the backend needs to know of them: the operator
+    domains it imports (the packed ops' library is registered only for an engine importing theirs)
+    and the weights only packed ops read (they read them in place: no prepacked copy)."""
+
+    data: bytes
+    domains: frozenset[str]
+    packed_only: frozenset[str] = frozenset()
+
+    @property
+    def uses_packed_ops(self) -> bool:
+        return PACKED_DOMAIN in self.domains
+
+
+def checked_model(
+    data: bytes,
+    where: str,
+    graph_entry: GraphEntry,
+    engine_entry: EngineEntry,
+    onnx_entry: BackendEntry,
+    model: ModelDims,
+    max_len: int | None = None,
+) -> CheckedEngine:
+    """Parse one engine's bytes (external data is never loaded), refuse anything outside the
+    policy above, and return the bytes to create the session from with what they use."""
+    proto = _parse(data, where)
+    _check_ops(proto, where)
+    check_shape_ops(proto.graph, model, max_len, lambda problem: _refuse(where, problem))
+    _check_external_data(proto.graph, where, engine_entry, onnx_entry)
+    packed_only = _check_packed_nodes(proto.graph, where, onnx_entry)
+    _check_io(proto.graph, where, graph_entry, _dims_of(graph_entry, model, max_len))
+    domains = frozenset(_DOMAIN_ALIASES.get(o.domain, o.domain) for o in proto.opset_import)
+    if any(o.domain == PACKED_DOMAIN and o.version != PACKED_OPSET for o in proto.opset_import):
+        raise _refuse(where, f"it imports {PACKED_DOMAIN!r} at a version other than {PACKED_OPSET}")
+    return CheckedEngine(data, domains, packed_only)
+
+
 def checked_model_bytes(
     data: bytes,
     where: str,
@@ -238,14 +291,63 @@ def checked_model_bytes(
     model: ModelDims,
     max_len: int | None = None,
 ) -> bytes:
-    """Parse one engine's bytes (external data is never loaded), refuse anything outside the
-    policy above, and return the bytes to create the session from."""
-    proto = _parse(data, where)
-    _check_ops(proto, where)
-    check_shape_ops(proto.graph, model, max_len, lambda problem: _refuse(where, problem))
-    _check_external_data(proto.graph, where, engine_entry, onnx_entry)
-    _check_io(proto.graph, where, graph_entry, _dims_of(graph_entry, model, max_len))
-    return data
+    """checked_model's bytes: the engine, refused unless it passes the policy above."""
+    return checked_model(data, where, graph_entry, engine_entry, onnx_entry, model, max_len).data
+
+
+# op type -> (input count, index of the rows input, the attributes it must carry)
+_PACKED_SIGNATURES = {
+    "MatMulPacked": (2, 1, ("packed_type", "K", "N", "accuracy_level")),
+    "GatherPacked": (2, 0, ("packed_type", "K")),
+}
+
+
+def _check_packed_nodes(graph: Any, where: str, onnx_entry: BackendEntry) -> frozenset[str]:
+    """Every MatMulPacked / GatherPacked node exactly as the exporter writes it: its ggml type one
+    the kernels read, its rows a uint8 [N, row_bytes(type, K)] weight from the bundle's table, its
+    accuracy level 1 or 4, its input count exact. Returns the weights only such nodes read."""
+    import onnx
+    from onnx import helper
+
+    external = {init.name for init in graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL}
+    rows_read: set[str] = set()
+    other_reads: set[str] = set()
+    for node in graph.node:
+        if _DOMAIN_ALIASES.get(node.domain, node.domain) != PACKED_DOMAIN:
+            other_reads.update(node.input)
+            continue
+        count, rows_at, needed = _PACKED_SIGNATURES[node.op_type]  # _check_ops allowed only these
+        label = node.name or (node.output[0] if node.output else "?")
+        name = f"{node.op_type} {label!r}"
+        if len(node.input) != count or len(node.output) != 1 or not all(node.input):
+            raise _refuse(
+                where, f"{name} has {len(node.input)} inputs and {len(node.output)} outputs, expected {count} and 1"
+            )
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        unknown = sorted(set(attributes) - set(needed))
+        if unknown or any(not isinstance(attributes.get(a), int) for a in needed):
+            problem = f"attribute {unknown[0]!r} is not one it takes" if unknown else "lacks an integer attribute"
+            raise _refuse(where, f"{name}: {problem} (it takes {', '.join(needed)})")
+        type_id, k = attributes["packed_type"], attributes["K"]
+        if type_id not in GGML_TYPES:
+            raise _refuse(where, f"{name} reads packed_type {type_id}, not a ggml type the kernels read")
+        block = GGML_TYPES[type_id][1]
+        if k <= 0 or k % block:
+            raise _refuse(where, f"{name}: K={k} is not a positive multiple of {GGML_TYPES[type_id][0]}'s {block}")
+        if node.op_type == "MatMulPacked" and attributes["accuracy_level"] not in ACCURACY_LEVELS:
+            raise _refuse(where, f"{name} has accuracy_level {attributes['accuracy_level']}, not 1 or 4")
+        rows = node.input[rows_at]
+        meta = onnx_entry.tensors.get(rows)
+        expected = [attributes["N"] if node.op_type == "MatMulPacked" else None, row_bytes(type_id, k)]
+        if rows not in external or meta is None:
+            raise _refuse(where, f"{name} reads rows {rows!r}, which are not a weight of the bundle's table")
+        shape = list(meta.shape)
+        if meta.dtype != "|u1" or len(shape) != 2 or any(e is not None and a != e for a, e in zip(shape, expected)):
+            shown = [("N" if e is None else e) for e in expected]
+            raise _refuse(where, f"{name} reads {rows!r} as uint8 {shown}, the weight table says {meta.dtype} {shape}")
+        rows_read.add(rows)
+        other_reads.update(n for i, n in enumerate(node.input) if i != rows_at)
+    return frozenset(rows_read - other_reads)
 
 
 def _parse(data: bytes, where: str) -> Any:
@@ -343,12 +445,15 @@ def _check_io(graph: Any, where: str, graph_entry: GraphEntry, dims: dict[str, i
 
 def checked_engine_bytes(bundle: Bundle, graph: str, backend: str = "onnx") -> bytes:
     """The policy-checked bytes of `graph`'s engine in `bundle` (read once, hashed, checked)."""
+    return checked_engine(bundle, graph, backend).data
+
+
+def checked_engine(bundle: Bundle, graph: str, backend: str = "onnx") -> CheckedEngine:
+    """`graph`'s engine in `bundle`, read once, hashed and checked, with the domains it uses."""
     entry = bundle.backend_entry(backend)
     engine = entry.engine(graph)
     if engine.file is None:
         raise UsageError(f"the {backend} backend has no engine file for graph {graph!r}", "rebuild the bundle")
     data = read_listed(bundle, engine.file, limits.MAX_ENGINE_BYTES)
     onnx_entry = bundle.backend_entry("onnx")
-    return checked_model_bytes(
-        data, repr(engine.file), bundle.graph(graph), engine, onnx_entry, bundle.model, bundle.max_len
-    )
+    return checked_model(data, repr(engine.file), bundle.graph(graph), engine, onnx_entry, bundle.model, bundle.max_len)

@@ -166,6 +166,18 @@ class BackendEntry:
         level = options.get("accuracy_level") if isinstance(options, Mapping) else None
         return level if isinstance(level, int) and is_int(level) else None
 
+    @property
+    def native_form(self) -> str | None:
+        """How a `--quantize native` bundle holds the GGUF's blocks, as its build recorded it
+        (`quant_options.native_form`): "packed" (the rows as stored) or "nbits" (MatMulNBits, the
+        default, unrecorded); None when the weights are not native. Informational: the runtime decides
+        what an engine needs from the engine itself (runtimes/graph_policy.py)."""
+        if self.quantize != "native":
+            return None
+        options = self.extra.get("quant_options")
+        form = options.get("native_form") if isinstance(options, Mapping) else None
+        return "packed" if form == "packed" else "nbits"
+
     def engine(self, graph: str) -> EngineEntry:
         engine = self.graphs.get(graph)
         if engine is None:

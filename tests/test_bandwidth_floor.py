@@ -51,3 +51,16 @@ def test_a_table_both_gathered_and_multiplied_is_read_whole() -> None:
         helper.make_node("MatMulNBits", ["x", "tied.qweight"], ["y"], domain="com.microsoft"),
     ]
     assert engine_step_bytes(_graph(nodes, inits)) == (4000, 1)
+
+
+def test_gguf_rows_gathered_by_gather_packed_are_left_out_unless_the_head_reads_them() -> None:
+    # --native-form packed: an untied table only gathered costs its rows; a tied one is read whole by the head
+    untied = [_external("token_embd.packed", 3400), _external("lm_head.weight.packed", 2000)]
+    nodes = [
+        helper.make_node("GatherPacked", ["token_embd.packed", "ids"], ["e"], domain="ai.adaptive_export"),
+        helper.make_node("MatMulPacked", ["x", "lm_head.weight.packed"], ["y"], domain="ai.adaptive_export"),
+    ]
+    assert engine_step_bytes(_graph(nodes, untied)) == (2000, 1)
+    tied = [_external("token_embd.packed", 3400)]
+    nodes[1] = helper.make_node("MatMulPacked", ["x", "token_embd.packed"], ["y"], domain="ai.adaptive_export")
+    assert engine_step_bytes(_graph(nodes, tied)) == (3400, 1)

@@ -85,6 +85,8 @@ OPS = [
     ("com.microsoft", "Attention"),
     ("", "ConstantOfShape"),
     ("ai.onnx.ml", "TreeEnsembleClassifier"),
+    ("ai.adaptive_export", "MatMulPacked"),  # allowed ops, refused here: one input, no weight rows
+    ("ai.adaptive_export", "GatherPacked"),
 ]
 
 

@@ -82,8 +82,13 @@ def realistic_q4_k(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def write_gguf(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> Path:
+def write_gguf(path: Path, tensors: dict[str, tuple[str, np.ndarray]], heads: tuple[int, int] | None = None) -> Path:
+    """A llama-architecture GGUF of these (type, bytes or floats) tensors; `heads` (q, kv) adds the
+    head counts, which make transformers' loader (and ours) permute attn_q/attn_k rows."""
     writer = gguf.GGUFWriter(str(path), "llama")
+    if heads is not None:
+        writer.add_head_count(heads[0])
+        writer.add_head_count_kv(heads[1])
     for name, (type_name, data) in tensors.items():
         if type_name == "F32":
             writer.add_tensor(name, data)

@@ -6,7 +6,9 @@ through `SessionOptions.add_initializer`, which ORT uses in place. (Measured on 
 A session that prepacks holds its own packed copy, so our pages of those weights are then
 released (they come back from the file if ORT still reads them). Quantized engines always
 prepack (MatMulNBits dequantizes per call otherwise); fp32 ones by `prepack` (default: the
-fused full-model engine, see `_default_prepack`).
+fused full-model engine, see `_default_prepack`). The GGUF rows of a `--native-form packed`
+bundle are read in place by the package's MatMulPacked/GatherPacked (no prepacked copy), so their
+pages are kept; the op library is registered for an engine that imports its domain.
 
 KV, portable engines: IO binding feeds the arena's prefix views as inputs and binds the
 new-row outputs straight onto the arena rows, so every row is written once, in place.
@@ -42,10 +44,11 @@ from adaptive_export.runtimes.backends.base import Backend, StepOutputs
 from adaptive_export.runtimes.backends.run_guard import RunGuard, create_session
 from adaptive_export.runtimes.bundle import Bundle, logits_width
 from adaptive_export.runtimes.errors import UsageError
-from adaptive_export.runtimes.graph_policy import checked_engine_bytes
+from adaptive_export.runtimes.graph_policy import checked_engine
 from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.limits import check_threads
 from adaptive_export.runtimes.manifest import GraphEntry, ModelDims
+from adaptive_export.runtimes.packed_ops import require_library
 
 if TYPE_CHECKING:  # names the session types only; imported at run time by _import_ort
     import onnxruntime
@@ -260,13 +263,17 @@ class OnnxRuntimeBackend(Backend):
                 options.add_session_config_entry("session.disable_prepacking", "1")
             for name in initializers:
                 options.add_initializer(name, self._tensor(name))
-            model_bytes = checked_engine_bytes(self.bundle, graph)  # policy-checked; ORT gets bytes, never a path
+            checked = checked_engine(self.bundle, graph)  # policy-checked; ORT gets bytes, never a path
+            model_bytes = checked.data
+            if checked.uses_packed_ops:
+                self._register_packed_ops(options, file)
+            releasable = [n for n in initializers if n not in checked.packed_only]  # packed ops read them in place
             # every external initializer is supplied above; ORT still validates their location against this folder
             options.add_session_config_entry(
                 "session.model_external_initializers_file_folder_path", str(self.bundle.path(file).parent)
             )
             try:
-                with self._releasing(initializers if prepacked else ()):
+                with self._releasing(releasable if prepacked else ()):
                     provider = (self.provider, PROVIDER_OPTIONS.get(self.provider, {}))
                     session = create_session(self.ort, self.guard, model_bytes, options, [provider])
             except Exception as exc:  # ORT raises its own exception types for invalid models
@@ -277,8 +284,28 @@ class OnnxRuntimeBackend(Backend):
             self._refuse_fallback(session, file)
             self._sessions[file] = session
             if prepacked:
-                self._release(initializers)
+                self._release(releasable)
         return session
+
+    def _register_packed_ops(self, options: Any, file: str) -> None:
+        """The package's own op library (MatMulPacked, GatherPacked) for an engine that imports their
+        domain: only the installed package's file (runtimes/packed_ops.py), never a path from a bundle.
+        Its kernels run on the CPU provider only."""
+        if self.provider != PROVIDERS["cpu"]:
+            raise UsageError(
+                f"engine {file!r} uses the GGUF-row ops (MatMulPacked), which run on the CPU only, not {self.provider}",
+                "use --provider cpu, or rebuild the bundle with `--native-form nbits`",
+            )
+        library = require_library()
+        try:
+            options.register_custom_ops_library(str(library))
+        except Exception as exc:  # a library of another build or ONNX Runtime: ORT's own exception types
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise UsageError(
+                f"ONNX Runtime cannot load the package's op library {library.name!r}: {reason}",
+                "reinstall adaptive-export with a C++ compiler present, or rebuild the bundle with "
+                "`--native-form nbits`",
+            ) from exc
 
     def _refuse_fallback(self, session: onnxruntime.InferenceSession, file: str) -> None:
         """ONNX Runtime's Python API retries on the CPU when a GPU provider fails to start (missing
