@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from adaptive_export.runtimes.limits import MAX_STOP_CHARS  # each stop string's length, the runtime's bound
+
 MAX_STOP = 4  # OpenAI's own bound on stop sequences
 MAX_BODY_BYTES = 4 << 20  # a request body; far more text than any bundle's context holds
 
@@ -42,6 +44,11 @@ class _Body(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP:
             raise BadRequest(f"stop holds {len(stops)} strings; at most {MAX_STOP} are allowed", "stop")
+        for index, stop in enumerate(stops):
+            if len(stop) > MAX_STOP_CHARS:
+                where = "stop" if isinstance(self.stop, str) else f"stop[{index}]"
+                message = f"{where} is {len(stop)} characters long; at most {MAX_STOP_CHARS} are allowed"
+                raise BadRequest(message, "stop")
         return stops
 
 

@@ -1,7 +1,8 @@
 """What `serve` does about clients that hold connections without finishing a request (slowloris),
-and about floods of connections: uvicorn alone waits forever for a half-sent request and accepts
-until the process runs out of file descriptors, so this module bounds both at the protocol level
-and logs each such event in one rate-limited line (never a traceback)."""
+that send requests without reading the answers (slow readers), and about floods of connections:
+uvicorn alone waits forever for a half-sent request or for a send buffer to drain, and accepts
+until the process runs out of file descriptors, so this module bounds all three at the protocol
+level and logs each such event in one rate-limited line (never a traceback)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,8 @@ def protocol_class(limits: ConnectionLimits, events: EventLog) -> type[H11Protoc
 
         opened: float = 0.0
         deadline: asyncio.TimerHandle | None = None
+        stalled: float | None = None  # when the send buffer filled (answers not being read), until it drains
+        write_deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
             super().connection_made(transport)  # type: ignore[arg-type]
@@ -96,24 +99,73 @@ def protocol_class(limits: ConnectionLimits, events: EventLog) -> type[H11Protoc
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._unstall()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            """The transport's buffer passed its high-water mark: the client is not reading. It has
+            `read_timeout` to drain it (the write deadline), or the connection is dropped."""
+            super().pause_writing()
+            if self.stalled is None:
+                self.stalled = time.monotonic()
+                self.write_deadline = self.loop.call_later(limits.read_timeout, self._write_timed_out)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._unstall()
+
+        def _unstall(self) -> None:
+            self.stalled = None
+            if self.write_deadline is not None:
+                self.write_deadline.cancel()
+                self.write_deadline = None
+
+        def _write_timed_out(self) -> None:
+            self.write_deadline = None
+            if self.stalled is None or self.transport.is_closing():
+                return
+            events.note(
+                "unread",
+                f"closed a connection from {_peer(self)}: its answers went unread for {limits.read_timeout:g} s "
+                "(--read-timeout)",
+            )
+            self._drop()
+
+        def _drop(self) -> None:
+            """Close without flushing: the buffer is what the client will not read."""
+            self._disarm()
+            self._unstall()
+            self.transport.abort()
 
         def awaiting_headers(self) -> bool:
             """No request in progress: nothing sent yet, part of a request's headers, or kept alive."""
             return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
 
         def _make_room(self) -> bool:
-            idle = [c for c in self.connections if c is not self and isinstance(c, GuardedProtocol)]
-            idle = [c for c in idle if c.awaiting_headers() and not c.transport.is_closing()]
-            if not idle:
+            """Close the idle connection open longest, else the one whose answers have gone unread
+            longest (a client that pipelines requests and never reads keeps its connection busy)."""
+            others = [c for c in self.connections if c is not self and isinstance(c, GuardedProtocol)]
+            others = [c for c in others if not c.transport.is_closing()]
+            idle = [c for c in others if c.awaiting_headers()]
+            if idle:
+                oldest = min(idle, key=lambda c: c.opened)
+                events.note(
+                    "evicted",
+                    f"closed an idle connection from {_peer(oldest)}: over --max-connections "
+                    f"{limits.max_connections}, the one waiting longest without a request made room",
+                )
+                oldest._close(partial_request=False)
+                return True
+            unread = [c for c in others if c.stalled is not None]
+            if not unread:
                 return False
-            oldest = min(idle, key=lambda c: c.opened)
+            stalest = min(unread, key=lambda c: c.stalled or 0.0)
             events.note(
-                "evicted",
-                f"closed an idle connection from {_peer(oldest)}: over --max-connections {limits.max_connections}, "
-                "the one waiting longest without a request made room",
+                "evicted-unread",
+                f"closed a connection from {_peer(stalest)}: over --max-connections {limits.max_connections}, "
+                "the one whose answers went unread longest made room",
             )
-            oldest._close(partial_request=False)
+            stalest._drop()
             return True
 
         def _arm(self) -> None:

@@ -254,20 +254,29 @@ class Interrupts:
 
 def request_interrupt() -> None:
     Interrupts.requested = True
+    hold = os.environ.get(HOLD_VARIABLE)
+    if hold:  # the test seam's acknowledgement: the signal has reached this process's handler
+        with contextlib.suppress(OSError):
+            Path(hold.removeprefix("swallow:") + ".interrupted").touch()
+
+
+HOLD_VARIABLE = "ADAPTIVE_EXPORT_HOLD_BEFORE_COMMIT"
+HOLD_MAX_S = 900  # a forgotten hold file cannot keep a build waiting forever
 
 
 def _hold_before_commit() -> None:
     """Test seam (tests/test_atomic_build.py): ADAPTIVE_EXPORT_HOLD_BEFORE_COMMIT=FILE makes the
     build wait, complete but uncommitted, while FILE exists, so a test can signal it at a
     known point; a value 'swallow:FILE' also swallows KeyboardInterrupt while waiting, as a
-    library catching broad exceptions would."""
-    hold = os.environ.get("ADAPTIVE_EXPORT_HOLD_BEFORE_COMMIT")
+    library catching broad exceptions would. FILE.reached says the build is waiting, and
+    FILE.interrupted that a signal has been recorded (request_interrupt)."""
+    hold = os.environ.get(HOLD_VARIABLE)
     if not hold:
         return
     swallow = hold.startswith("swallow:")
     hold_path = Path(hold.removeprefix("swallow:"))
     (hold_path.parent / (hold_path.name + ".reached")).touch()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HOLD_MAX_S
     while hold_path.exists() and time.monotonic() < deadline:
         try:
             time.sleep(0.02)

@@ -28,6 +28,13 @@ MAX_KEYS = 1 << 16
 MAX_KEY_BYTES = 1 << 16
 MAX_STRING_BYTES = 1 << 24  # a chat template or a token; far above any real one
 MAX_ARRAY_ITEMS = 1 << 24  # any other metadata array
+# every array outside the tokenizer's, together: gguf's reader and transformers turn each item into
+# Python objects (about 200 bytes apiece, measured: one 16 MB uint8 array took a SmolLM2 build from
+# 0.75 GB to 4.0 GB), so their total is bounded here and priced into the build's memory estimate
+MAX_OTHER_ARRAY_ITEMS = 1 << 20  # real files: per-layer head counts, rope sections, a charsmap (~250k)
+MAX_OTHER_ARRAY_BYTES = 1 << 26  # their strings' bytes
+# the fields loading/model.py's model_fields adds beside the HF names, for loading/memory_plan.py
+ARRAY_ITEMS_FIELD, ARRAY_BYTES_FIELD = "gguf_other_array_items", "gguf_other_array_bytes"
 # the tokenizer's arrays, bounded by the vocabulary while the header is read: gguf's reader and
 # transformers decode every item into Python objects (2^22 token strings: 77 s, 3.6 GB)
 TOKEN_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
@@ -50,6 +57,8 @@ HF_FIELDS = {
     "attention.sliding_window": "sliding_window",
     "vocab_size": "vocab_size",
 }
+# what transformers reads as head_dim beside them, per architecture (integrations/ggml.py's mapping)
+ARCH_HF_FIELDS = {"llama": {"rope.dimension_count": "head_dim"}, "mistral": {"rope.dimension_count": "head_dim"}}
 
 
 class _Truncated(Exception):
@@ -75,6 +84,8 @@ class GGUFHeader:
     metadata: dict[str, Any]
     array_lengths: dict[str, int]
     tensors: tuple[TensorLocation, ...]  # in file order
+    other_array_items: int = 0  # items of every array outside the tokenizer's, nested ones included
+    other_array_bytes: int = 0  # ... and their strings' bytes
 
     @property
     def tensor_count(self) -> int:
@@ -95,12 +106,15 @@ class GGUFHeader:
     def hf_fields(self) -> dict[str, Any]:
         """The model's dimensions under HF config names (vocab_size from the token list when absent)."""
         arch = self.metadata.get("general.architecture")
-        fields = {
-            hf: self.metadata[f"{arch}.{key}"] for key, hf in HF_FIELDS.items() if f"{arch}.{key}" in self.metadata
-        }
+        names = HF_FIELDS | ARCH_HF_FIELDS.get(str(arch), {})
+        fields = {hf: self.metadata[f"{arch}.{key}"] for key, hf in names.items() if f"{arch}.{key}" in self.metadata}
         if "vocab_size" not in fields and "tokenizer.ggml.tokens" in self.array_lengths:
             fields["vocab_size"] = self.array_lengths["tokenizer.ggml.tokens"]
         return fields
+
+    def sizing_fields(self) -> dict[str, Any]:
+        """hf_fields and what the arrays outside the tokenizer's add to a load (loading/memory_plan.py)."""
+        return self.hf_fields() | {ARRAY_ITEMS_FIELD: self.other_array_items, ARRAY_BYTES_FIELD: self.other_array_bytes}
 
 
 class _Cursor:
@@ -130,7 +144,27 @@ class _Cursor:
         return self.take(size).decode("utf-8", errors="replace")
 
 
-def _value(cursor: _Cursor, kind: int, key: str, depth: int = 0) -> tuple[Any, int | None]:
+@dataclass
+class _Tally:
+    """What the arrays outside the tokenizer's add up to so far (items, string bytes)."""
+
+    items: int = 0
+    string_bytes: int = 0
+
+    def add(self, key: str, items: int, string_bytes: int = 0) -> None:
+        if key in TOKEN_ARRAYS or key == MERGES:
+            return
+        self.items += items
+        self.string_bytes += string_bytes
+        if self.items > MAX_OTHER_ARRAY_ITEMS or self.string_bytes > MAX_OTHER_ARRAY_BYTES:
+            raise ValueError(
+                f"metadata array {key!r} brings the arrays outside the tokenizer's to {self.items} items and "
+                f"{self.string_bytes} bytes of strings (at most {MAX_OTHER_ARRAY_ITEMS} items and "
+                f"{MAX_OTHER_ARRAY_BYTES} bytes in all)"
+            )
+
+
+def _value(cursor: _Cursor, kind: int, key: str, tally: _Tally, depth: int = 0) -> tuple[Any, int | None]:
     """(scalar value or None for an array, array length or None)."""
     if kind in SCALARS:
         return cursor.number(SCALARS[kind]), None
@@ -142,13 +176,16 @@ def _value(cursor: _Cursor, kind: int, key: str, depth: int = 0) -> tuple[Any, i
     cap = _array_cap(key) if depth == 0 else MAX_ARRAY_ITEMS
     if count > cap:
         raise ValueError(f"metadata array {key!r} has {count} items (at most {cap})")
+    tally.add(key, count)
     if item_kind in SCALARS:
         cursor.skip(count * struct.calcsize(SCALARS[item_kind]))
     elif item_kind == STRING:  # token lists: skipped, not decoded
+        start = cursor.at
         _skip_strings(cursor, count, key)
+        tally.add(key, 0, cursor.at - start - 8 * count)
     else:
         for _ in range(count):
-            _value(cursor, item_kind, key, depth + 1)
+            _value(cursor, item_kind, key, tally, depth + 1)
     return None, count
 
 
@@ -194,14 +231,14 @@ def _check_vocabulary_arrays(
             )
 
 
-def _metadata(cursor: _Cursor, count: int) -> tuple[dict[str, Any], dict[str, int]]:
+def _metadata(cursor: _Cursor, count: int, tally: _Tally) -> tuple[dict[str, Any], dict[str, int]]:
     values: dict[str, Any] = {}
     lengths: dict[str, int] = {}
     for _ in range(count):
         key = cursor.string(MAX_KEY_BYTES, "a metadata key")
         if key in values or key in lengths:
             raise ValueError(f"metadata key {key!r} appears twice")
-        value, length = _value(cursor, cursor.number("<I"), key)
+        value, length = _value(cursor, cursor.number("<I"), key, tally)
         if length is None:
             values[key] = value
         else:
@@ -249,13 +286,14 @@ def _parse(data: mmap.mmap) -> GGUFHeader:
     tensor_count, key_count = cursor.number("<Q"), cursor.number("<Q")
     if tensor_count > limits.MAX_TENSORS or key_count > MAX_KEYS:
         raise ValueError(f"it claims {tensor_count} tensors and {key_count} metadata keys")
-    metadata, lengths = _metadata(cursor, key_count)
+    tally = _Tally()
+    metadata, lengths = _metadata(cursor, key_count, tally)
     alignment = metadata.get("general.alignment", 32)
     if not isinstance(alignment, int) or isinstance(alignment, bool) or not 1 <= alignment <= 1 << 16:
         raise ValueError(f"general.alignment {alignment!r} is not in 1..65536")
     tensors = _tensors(cursor, tensor_count, alignment, len(data))
     _check_vocabulary_arrays(metadata, lengths, tensors)
-    return GGUFHeader(version, metadata, lengths, tensors)
+    return GGUFHeader(version, metadata, lengths, tensors, tally.items, tally.string_bytes)
 
 
 def read_gguf_header(path: Path) -> GGUFHeader:

@@ -17,13 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from adaptive_export.loading.gguf_header import ARRAY_BYTES_FIELD, ARRAY_ITEMS_FIELD
 from adaptive_export.loading.model_checks import fp32_weight_bytes
 from adaptive_export.runtimes import limits
 from adaptive_export.runtimes.errors import UsageError
 
 GiB = 1 << 30
 MiB = 1 << 20
-SKIP_VARIABLE = "ADAPTIVE_EXPORT_SKIP_MEMORY_CHECK"  # "1": start anyway (the estimate is an upper bound)
+SKIP_VARIABLE = limits.SKIP_MEMORY_CHECK_VARIABLE  # "1": start anyway (the estimate is an upper bound)
 
 # measured peak RSS, 2-core Zen 3 (docs/quantization.md): streaming build SmolLM2 0.94 GB,
 # Qwen2.5-Coder-0.5B 1.8 GB, 1.5B see docs; full load 2.4 GB (SmolLM2), 9.1 GB (0.5B)
@@ -41,6 +42,10 @@ BuildPath = Literal["stream", "calibrate", "full"]
 CHECK_BASE = 2000 * MiB
 CHECK_PER_FP32_BYTE = 1.35
 CHECK_PER_ENGINE_BYTE = 1.0
+# a GGUF's metadata arrays outside the tokenizer's (loading/gguf_header.py bounds them): gguf's reader
+# and transformers hold each item as Python objects (measured: 16M uint8 items, +3.25 GB), strings too
+PER_METADATA_ITEM = 256
+PER_METADATA_STRING_BYTE = 4
 
 
 @dataclass(frozen=True)
@@ -56,14 +61,14 @@ def build_need(fields: Mapping[str, Any], path: BuildPath) -> MemoryNeed:
     """A build's peak from the model's dimensions (HF config names) and its path
     (commands/build.py's `build_path`)."""
     table = fields["vocab_size"] * fields["hidden_size"]
-    streamed = STREAM_BASE + STREAM_PER_TABLE_ELEMENT * table
+    streamed = STREAM_BASE + STREAM_PER_TABLE_ELEMENT * table + metadata_bytes(fields)
     if path == "stream":
         return MemoryNeed("the build", streamed, "close other programs or build on a machine with more memory")
     fp32 = fp32_weight_bytes(fields, _head_dim(fields))
     if path == "calibrate":  # calibration holds the fp32 model; the export after it streams
-        peak = max(FULL_BASE + int(CALIBRATE_PER_FP32_BYTE * fp32), streamed)
+        peak = max(FULL_BASE + int(CALIBRATE_PER_FP32_BYTE * fp32) + metadata_bytes(fields), streamed)
         return MemoryNeed("the build", peak, "calibrate on a machine with more memory, or build without calibration")
-    peak = FULL_BASE + int(FULL_PER_FP32_BYTE * fp32)
+    peak = FULL_BASE + int(FULL_PER_FP32_BYTE * fp32) + metadata_bytes(fields)
     fix = (
         "build from the .gguf to ONNX Runtime engines at --quantize auto|native|none, without precision drafts, "
         "draft vocabularies or draft heads: that build streams the weights; or use a machine with more memory"
@@ -75,7 +80,7 @@ def check_need(fields: Mapping[str, Any], engine_bytes: int = 0) -> MemoryNeed:
     """`check`'s peak: transformers' fp32 reference of the model plus the bundle's engines
     (`engine_bytes`: each ONNX engine file's weights, summed over the files)."""
     fp32 = fp32_weight_bytes(fields, _head_dim(fields))
-    peak = CHECK_BASE + int(CHECK_PER_FP32_BYTE * fp32 + CHECK_PER_ENGINE_BYTE * engine_bytes)
+    peak = CHECK_BASE + int(CHECK_PER_FP32_BYTE * fp32 + CHECK_PER_ENGINE_BYTE * engine_bytes) + metadata_bytes(fields)
     what = "check (the fp32 reference model and each engine file's prepacked weights)"
     return MemoryNeed(what, peak, "run check on a machine with more memory")
 
@@ -91,6 +96,12 @@ def engine_file_bytes(manifest: Any) -> int:
         names = engine.initializers or ()
         per_file[engine.file or ""] = sum(backend.tensors[n].bytes for n in names if n in backend.tensors)
     return sum(per_file.values())
+
+
+def metadata_bytes(fields: Mapping[str, Any]) -> int:
+    """What a GGUF's metadata arrays outside the tokenizer's add to a load (0 for config.json models)."""
+    items, string_bytes = fields.get(ARRAY_ITEMS_FIELD) or 0, fields.get(ARRAY_BYTES_FIELD) or 0
+    return PER_METADATA_ITEM * int(items) + PER_METADATA_STRING_BYTE * int(string_bytes)
 
 
 def _head_dim(fields: Mapping[str, Any]) -> int:

@@ -19,7 +19,13 @@ from adaptive_export.loading.gguf_header import map_gguf, read_gguf_header
 from adaptive_export.loading.gguf_parses import one_parse_per_file
 from adaptive_export.loading.gguf_tensors import check_block_scales
 from adaptive_export.loading.hub import HubModel, is_hub_id, resolve_hub_model, snapshot_blob
-from adaptive_export.loading.model_checks import check_config_json, check_dimensions, check_side_files, spec_fields
+from adaptive_export.loading.model_checks import (
+    check_config_json,
+    check_dimensions,
+    check_gguf_tensor_shapes,
+    check_side_files,
+    spec_fields,
+)
 from adaptive_export.loading.packaged import PACKAGED
 from adaptive_export.loading.read_once import read_once
 from adaptive_export.runtimes.errors import UsageError
@@ -133,6 +139,7 @@ def check_model_files(model: str) -> tuple[Path, str | None]:
         if gguf_file:
             header, data = map_gguf(path)
             check_dimensions(header.hf_fields(), model)
+            check_gguf_tensor_shapes(header.hf_fields(), ((t.name, t.dims) for t in header.tensors), model)
             check_block_scales(header, data, path)
             del data  # the mapping closes with its last view
         else:
@@ -151,7 +158,7 @@ def model_fields(model: str) -> dict[str, Any]:
 
     directory, gguf_file = check_model_files(model)
     if gguf_file:
-        return read_gguf_header(snapshot_blob(directory / gguf_file)).hf_fields()
+        return read_gguf_header(snapshot_blob(directory / gguf_file)).sizing_fields()
     config = read_config_json(directory, model, snapshot_blob(directory / "config.json"))
     text = config.get("text_config")
     return {**config, **text} if isinstance(text, dict) else config

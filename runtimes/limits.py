@@ -102,6 +102,17 @@ def available_memory() -> int | None:
     return min(known) if known else None
 
 
+SKIP_MEMORY_CHECK_VARIABLE = "ADAPTIVE_EXPORT_SKIP_MEMORY_CHECK"  # "1": start work the estimate refuses
+
+
+def machine_memory() -> int | None:
+    """The bytes the machine (and this process's cgroup) can still give, without the process's own
+    soft rlimits: what an upper bound such as the engines' arena ceiling is compared with (an
+    address-space limit counts mappings, not memory)."""
+    known = [b for b in (_meminfo_available(), _cgroup_headroom()) if b is not None]
+    return min(known) if known else None
+
+
 def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as handle:

@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ def tokenizers_guard(what: str, fix: str) -> Iterator[None]:
 
 
 _devnull_fd: list[int] = []  # opened once, on the first call
+_FD2_LOCK = threading.RLock()  # held while fd 2 is redirected (rust_stderr_quiet)
 
 
 @contextmanager
@@ -83,7 +85,19 @@ def rust_stderr_quiet(keep_output: bool = False) -> Iterator[None]:
     """Rust's panic hook writes its message (and backtrace) straight to file descriptor 2, which
     would break the one-line error rule, so fd 2 is redirected for the call: to /dev/null for the
     runtime's calls (`tokenizers` writes nothing else there), or with keep_output to a temporary
-    file replayed afterwards unless the call panicked (transformers' warnings at build)."""
+    file replayed afterwards unless the call panicked (transformers' warnings at build).
+
+    fd 2 is one per process, so the save, the redirect and the restore happen under one lock held
+    for the whole call: two threads that interleaved them (A saves fd 2, B saves A's /dev/null, A
+    restores, B restores /dev/null) left fd 2 pointing at /dev/null for the rest of the process.
+    Reentrant: a quieted call may quiet again on its own thread."""
+    with _FD2_LOCK, _redirected_stderr(keep_output):
+        yield
+
+
+@contextmanager
+def _redirected_stderr(keep_output: bool) -> Iterator[None]:
+    """rust_stderr_quiet's redirect, without the lock."""
     try:
         sys.stderr.flush()
         target = tempfile.TemporaryFile() if keep_output else None

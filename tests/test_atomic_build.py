@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,9 @@ import pytest
 from adaptive_export.runtimes import load_bundle
 
 ROOT = Path(__file__).parents[1]
+# Every wait here is on a synchronisation point (a file the build writes, its exit), never on a
+# timer: on a shared, loaded machine a build's steps take any time, and pytest-timeout (600 s per
+# test) is what bounds a hang.
 
 
 def start_build(model: Path, out: Path, *extra: str, preexec=None, hold: str | None = None) -> subprocess.Popen[str]:
@@ -46,25 +50,29 @@ def start_build(model: Path, out: Path, *extra: str, preexec=None, hold: str | N
     )
 
 
-def wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if path.exists():
-            return
+def wait_for(path: Path, proc: subprocess.Popen[str]) -> None:
+    """Block until the build has written `path` (it must still be running meanwhile)."""
+    while not path.exists():
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
-    raise AssertionError(f"the build never reached {path.name}")
 
 
-def wait_for_export(out: Path, proc: subprocess.Popen[str], timeout: float = 180) -> None:
+def wait_for_export(out: Path, proc: subprocess.Popen[str]) -> None:
     """Block until the build has started writing ONNX files into its staging directory."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if list(out.parent.glob(f".{out.name}.partial-*/onnx/*.onnx")):
-            return
+    while not list(out.parent.glob(f".{out.name}.partial-*/onnx/*.onnx")):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
-    raise AssertionError("the build never started exporting")
+
+
+@pytest.fixture()
+def children() -> Iterator[list[subprocess.Popen[str]]]:
+    """Builds a test starts; any still running when it ends (a failed or timed-out wait) are killed."""
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 @pytest.fixture()
@@ -78,24 +86,33 @@ def old_bundle(tiny_bundle: Path, tmp_path: Path) -> tuple[Path, str]:
     "sig,when", [(signal.SIGTERM, "export"), (signal.SIGINT, "export"), (signal.SIGINT, "swallowed")]
 )
 def test_interrupted_build_keeps_old_bundle_and_leaves_nothing(
-    sig: int, when: str, tiny_model_dir: Path, old_bundle: tuple[Path, str], tmp_path: Path
+    sig: int,
+    when: str,
+    tiny_model_dir: Path,
+    old_bundle: tuple[Path, str],
+    tmp_path: Path,
+    children: list[subprocess.Popen[str]],
 ) -> None:
     """export: the signal lands while ONNX files are being written; swallowed: it lands
     when the bundle is complete, in code that swallows KeyboardInterrupt (as a library
     catching broad exceptions would). The hold file keeps the build from committing
-    until the signal has been sent, so neither case depends on timing."""
+    until the build has recorded the signal (hold.interrupted), so neither case depends
+    on timing or on how loaded the machine is."""
     target, manifest = old_bundle
     hold = tmp_path / "hold"
     hold.touch()
     proc = start_build(tiny_model_dir, target, hold=("swallow:" if when == "swallowed" else "") + str(hold))
+    children.append(proc)
     if when == "export":
         wait_for_export(target, proc)
     else:
         wait_for(tmp_path / "hold.reached", proc)
     proc.send_signal(sig)
-    time.sleep(0.5)
+    acknowledged = tmp_path / "hold.interrupted"
+    while not acknowledged.exists() and proc.poll() is None:  # the handler has run (or the build ended)
+        time.sleep(0.02)
     hold.unlink()  # a build that swallowed the interrupt goes on to its commit, which must refuse
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: interrupted")
     assert (target / "manifest.json").read_text() == manifest
@@ -118,15 +135,16 @@ def test_the_error_line_is_not_appended_to_a_live_progress_bar(capsys: pytest.Ca
 
 
 def test_killed_build_keeps_old_bundle_and_next_build_cleans_up(
-    tiny_model_dir: Path, old_bundle: tuple[Path, str], tmp_path: Path
+    tiny_model_dir: Path, old_bundle: tuple[Path, str], tmp_path: Path, children: list[subprocess.Popen[str]]
 ) -> None:
     target, manifest = old_bundle
     hold = tmp_path / "hold"
     hold.touch()  # the build cannot finish before the kill
     proc = start_build(tiny_model_dir, target, hold=str(hold))
+    children.append(proc)
     wait_for_export(target, proc)
     proc.kill()  # SIGKILL: no handler runs
-    proc.communicate(timeout=60)
+    proc.communicate()
     assert proc.returncode == -signal.SIGKILL
     assert (target / "manifest.json").read_text() == manifest
     load_bundle(target)
@@ -146,10 +164,13 @@ def _limit_file_size() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
 
 
-def test_disk_full_during_build_is_a_clear_error(tiny_model_dir: Path, old_bundle: tuple[Path, str]) -> None:
+def test_disk_full_during_build_is_a_clear_error(
+    tiny_model_dir: Path, old_bundle: tuple[Path, str], children: list[subprocess.Popen[str]]
+) -> None:
     target, manifest = old_bundle
     proc = start_build(tiny_model_dir, target, preexec=_limit_file_size)
-    _, err = proc.communicate(timeout=300)
+    children.append(proc)
+    _, err = proc.communicate()
     assert proc.returncode == 2, err
     line = err.strip().splitlines()[-1]
     assert line.startswith("error: writing the bundle failed") and "free disk space" in line, err

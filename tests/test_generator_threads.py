@@ -100,3 +100,39 @@ def test_a_stream_in_another_thread_waits_its_turn(generator: Generator) -> None
     list(first)
     other.join(timeout=30)
     assert done == [alone]
+
+
+# two threads quiet fd 2 in the order that lost it: A redirects, B saves A's /dev/null and redirects,
+# A restores, B restores /dev/null. Each waits for the other's step with a timeout, which only bounds
+# how long a serialized (correct) run takes: it cannot turn a correct run into a failure.
+_INTERLEAVED_QUIET = r"""
+import os, sys, threading
+from adaptive_export.runtimes.tokenizer_policy import rust_stderr_quiet
+before = os.fstat(2)
+a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+def first():
+    with rust_stderr_quiet():
+        a_in.set()
+        b_in.wait(timeout=3)
+    a_out.set()
+def second():
+    a_in.wait()
+    with rust_stderr_quiet():
+        b_in.set()
+        a_out.wait(timeout=3)
+threads = [threading.Thread(target=first), threading.Thread(target=second)]
+for t in threads: t.start()
+for t in threads: t.join()
+after = os.fstat(2)
+print("same" if (before.st_dev, before.st_ino) == (after.st_dev, after.st_ino) else "changed")
+"""
+
+
+def test_stderr_quieting_from_two_threads_restores_fd_2() -> None:
+    """tokenizers' stderr silencing dup2()s fd 2; from two threads (two Generators served at once)
+    it once left fd 2 at /dev/null for the rest of the process, every later traceback lost."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERLEAVED_QUIET], cwd=ROOT, capture_output=True, text=True, timeout=THREADS_TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "same", "fd 2 was left redirected"

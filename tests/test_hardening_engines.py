@@ -15,6 +15,7 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -157,3 +158,26 @@ def test_sigint_during_a_long_engine_run_exits_130_within_2_s(tiny_bundle: Path,
     outcome = finish(proc, started, deadline=interrupted + 2.0)
     assert time.monotonic() - interrupted < 2.0
     assert_one_error_line(outcome, "interrupted", rc=130)
+
+
+def test_a_ceiling_past_the_machine_memory_is_refused_before_the_run(tiny_bundle: Path, tmp_path: Path) -> None:
+    """The arena ceiling follows the manifest's max_len: the tiny bundle claiming 65,536 positions
+    may allocate hundreds of GiB, more than this machine has, and is refused in one line before any
+    session starts (it used to grow until an outside limit or the OOM killer stopped it)."""
+
+    def claim_max_len(data: dict[str, Any]) -> None:
+        data["max_len"] = 1 << 16
+
+    started = time.monotonic()
+    outcome = finish(start_cli(["run", str(make_bad(tiny_bundle, tmp_path, manifest=claim_max_len)), *PROMPT]), started)
+    _assert_bounded(outcome, "may allocate up to", "max_len of 65536", "--max-len")
+
+
+def test_the_ceiling_check_passes_a_bundle_as_built(tiny_bundle: Path) -> None:
+    from adaptive_export.runtimes import limits, load_bundle
+    from adaptive_export.runtimes.backends.run_guard import check_ceiling_fits, engine_memory_ceiling
+
+    manifest = load_bundle(tiny_bundle).manifest
+    check_ceiling_fits(manifest, 1 << 20)
+    available = limits.machine_memory()
+    assert available is None or engine_memory_ceiling(manifest, 1 << 20) < available

@@ -193,11 +193,16 @@ def write_tiny_gguf(path: Path, **overrides: Any) -> Path:
     writer.add_feed_forward_length(values["feed_forward_length"])
     writer.add_layer_norm_rms_eps(values.get("eps", 1e-6))
     writer.add_context_length(128)
+    if "rope_dims" in values:
+        writer.add_rope_dimension_count(values["rope_dims"])
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(values.get("vocab", 50))])
     rng = np.random.default_rng(0)
     writer.add_tensor("token_embd.weight", rng.standard_normal((50, 32)).astype(np.float32))
     writer.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    tensors: dict[str, tuple[int, ...]] = overrides.get("tensors", {})
+    for name, shape in tensors.items():  # numpy order: ggml lists the last dimension first
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -233,6 +238,41 @@ def test_packaged_smollm2_header_passes() -> None:
     header = read_gguf_header(PACKAGED["smollm2"].gguf_path())
     check_dimensions(header.hf_fields(), "smollm2")
     assert header.hf_fields()["num_hidden_layers"] == 30 and header.hf_fields()["vocab_size"] == 49152
+
+
+# metadata whose dimensions the tensors do not have: a dimension line from the header, not a backstop
+# line minutes in (a SmolLM2 file with an MLP width of 1 or rope dimensions 0 took up to 75 s)
+SHAPE_CASES: dict[str, tuple[dict[str, Any], str]] = {
+    "ffn_width_1": ({"feed_forward_length": 1, "tensors": {"blk.0.ffn_up.weight": (64, 32)}}, "blk.0.ffn_up.weight"),
+    "transposed_matrix": ({"tensors": {"blk.0.ffn_down.weight": (64, 32)}}, "blk.0.ffn_down.weight"),
+    "layer_past_the_count": ({"tensors": {"blk.3.attn_norm.weight": (32,)}}, "blk.3.attn_norm.weight"),
+    "rope_dims_0": ({"rope_dims": 0}, "head_dim = 0"),
+    "rope_dims_not_the_head_size": (
+        {"rope_dims": 4, "tensors": {"blk.0.attn_q.weight": (32, 32)}},
+        "blk.0.attn_q.weight",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", SHAPE_CASES, ids=list(SHAPE_CASES))
+def test_gguf_tensors_must_have_the_shapes_their_metadata_gives(tmp_path: Path, case: str) -> None:
+    overrides, word = SHAPE_CASES[case]
+    model = write_tiny_gguf(tmp_path / "shapes.gguf", **overrides)
+    outcome = run_cli_bounded(["build", str(model), "-o", str(tmp_path / "bundle")])
+    assert_one_error_line(outcome, word, "is refused")
+    assert "unexpected" not in outcome.err
+    assert outcome.seconds < LIMIT_S + 8, f"took {outcome.seconds:.1f} s"
+    assert outcome.peak_rss_mb < NESTED_LIMIT_RSS_MB, f"peak RSS {outcome.peak_rss_mb:.0f} MB"
+    assert not (tmp_path / "bundle").exists()
+
+
+def test_gguf_tensors_of_the_right_shapes_pass(tmp_path: Path) -> None:
+    from adaptive_export.loading.model_checks import check_gguf_tensor_shapes
+
+    shapes = {"blk.0.ffn_up.weight": (64, 32), "blk.0.ffn_down.weight": (32, 64), "blk.0.attn_k.weight": (16, 32)}
+    header = read_gguf_header(write_tiny_gguf(tmp_path / "ok.gguf", rope_dims=8, tensors=shapes))
+    assert header.hf_fields()["head_dim"] == 8
+    check_gguf_tensor_shapes(header.hf_fields(), ((t.name, t.dims) for t in header.tensors), "ok")
 
 
 def header_end(path: Path) -> int:
@@ -385,9 +425,16 @@ def _gguf_array(key: str, item_kind: int, count: int, items: bytes) -> bytes:
     return _gguf_kv(key, 9, struct.pack("<IQ", item_kind, count) + items)
 
 
-def raw_gguf(path: Path, arrays: dict[str, int], vocab: int = 50, declared_vocab: int | None = None) -> Path:
+def raw_gguf(
+    path: Path,
+    arrays: dict[str, int],
+    vocab: int = 50,
+    declared_vocab: int | None = None,
+    extra_kvs: tuple[bytes, ...] = (),
+) -> Path:
     """A small llama GGUF (one layer's header fields, embedding of `vocab` rows) whose tokenizer arrays
-    have the given item counts, written byte by byte: gguf's writer takes seconds per million strings."""
+    have the given item counts, written byte by byte: gguf's writer takes seconds per million strings.
+    `extra_kvs`: more metadata entries, as bytes."""
     kvs = [
         _gguf_kv("general.architecture", 8, _gguf_string("llama")),
         *(
@@ -413,6 +460,7 @@ def raw_gguf(path: Path, arrays: dict[str, int], vocab: int = 50, declared_vocab
             kvs.append(_gguf_array(key, 5, count, np.ones(count, np.int32).tobytes()))
         else:  # tokens and merges: strings
             kvs.append(_gguf_array(key, 8, count, _gguf_string("t t") * count))
+    kvs.extend(extra_kvs)
     tensors = [("token_embd.weight", (32, vocab)), ("output_norm.weight", (32,))]
     infos, data, offset = b"", b"", 0
     for name, dims in tensors:
@@ -458,6 +506,42 @@ def test_raw_gguf_with_a_matching_vocabulary_passes_the_header_check(tmp_path: P
     arrays = {"tokenizer.ggml.tokens": 50, "tokenizer.ggml.scores": 50, "tokenizer.ggml.merges": 200}
     header = read_gguf_header(raw_gguf(tmp_path / "ok.gguf", arrays, declared_vocab=50))
     assert header.hf_fields()["vocab_size"] == 50 and header.array_lengths["tokenizer.ggml.merges"] == 200
+
+
+# ---- metadata arrays outside the tokenizer's ------------------------------------------------------
+UINT8 = 0
+
+
+def _bytes_array(key: str, count: int) -> bytes:
+    return _gguf_array(key, UINT8, count, bytes(count))
+
+
+def test_metadata_arrays_outside_the_tokenizer_are_bounded_in_total(tmp_path: Path) -> None:
+    """Two 600k-item uint8 arrays under made-up keys: each under the per-array cap, together over the
+    budget every array outside the tokenizer's shares (gguf's reader and transformers decode each item
+    into Python objects: two 16 MB arrays took a SmolLM2 build to 5.5 GB). Refused from the header,
+    in a bounded child, before any library parses it."""
+    arrays = {"tokenizer.ggml.tokens": 50}
+    extra = (_bytes_array("general.blob_a", 600_000), _bytes_array("general.blob_b", 600_000))
+    model = raw_gguf(tmp_path / "arrays.gguf", arrays, declared_vocab=50, extra_kvs=extra)
+    outcome = run_cli_bounded(["build", str(model), "-o", str(tmp_path / "bundle")])
+    assert_one_error_line(outcome, "general.blob_b", "outside the tokenizer's", "arrays.gguf")
+    assert outcome.seconds < LIMIT_S + 8, f"took {outcome.seconds:.1f} s"
+    assert outcome.peak_rss_mb < NESTED_LIMIT_RSS_MB, f"peak RSS {outcome.peak_rss_mb:.0f} MB"
+    assert not (tmp_path / "bundle").exists()
+
+
+def test_metadata_arrays_within_the_budget_are_priced_into_the_estimate(tmp_path: Path) -> None:
+    """Arrays under the budget pass, and the build's memory estimate grows with their items and bytes."""
+    from adaptive_export.loading.memory_plan import PER_METADATA_ITEM, build_need, check_need
+
+    strings = _gguf_array("general.notes", 8, 1000, _gguf_string("x" * 100) * 1000)
+    extra = (_bytes_array("general.blob", 300_000), strings)
+    header = read_gguf_header(raw_gguf(tmp_path / "ok.gguf", {"tokenizer.ggml.tokens": 50}, extra_kvs=extra))
+    assert (header.other_array_items, header.other_array_bytes) == (301_000, 100_000)
+    fields = header.sizing_fields()
+    for need in (lambda f: build_need(f, "stream"), lambda f: build_need(f, "full"), check_need):
+        assert need(fields).peak_bytes - need(header.hf_fields()).peak_bytes >= PER_METADATA_ITEM * 301_000
 
 
 # ---- side files read whole by transformers ---------------------------------------------------------

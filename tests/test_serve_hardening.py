@@ -166,6 +166,9 @@ def test_a_prompt_just_under_the_byte_bound_is_tokenized_and_refused_by_tokens(g
     assert "tokens and fills the bundle's context (max_len 128)" in answer["error"]["message"]
 
 
+CHAT_FIELDS = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
 @pytest.mark.parametrize(
     "route, body, param",
     [
@@ -179,6 +182,8 @@ def test_a_prompt_just_under_the_byte_bound_is_tokenized_and_refused_by_tokens(g
         ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": " "}]}, "messages"),
         ("completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature"),
         ("completions", {"model": "tiny", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("completions", {"model": "tiny", "prompt": "hi", "stop": "x" * 1025}, "stop"),
+        ("chat/completions", {**CHAT_FIELDS, "stop": ["\n", "y" * 1025]}, "stop"),
     ],
 )
 def test_errors_name_the_request_field_not_the_cli_option(
@@ -191,6 +196,7 @@ def test_errors_name_the_request_field_not_the_cli_option(
     message = answer["error"]["message"]
     assert message.startswith(param) or f" {param}" in message, message
     assert "--" not in message and "-p TEXT" not in message, message
+    assert "64 stop strings" not in message, message  # the runtime's own bounds are not serve's
 
 
 CHAT_BODY = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()

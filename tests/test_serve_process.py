@@ -69,13 +69,20 @@ class Child:
 
 
 @contextlib.contextmanager
-def serve(*args: str) -> Iterator[Child]:
+def serve(*args: str, address_space: int | None = None) -> Iterator[Child]:
+    """`serve` in a child; with `address_space`, under that RLIMIT_AS from before it starts."""
+
+    def bound() -> None:
+        if address_space is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (address_space, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
     proc = subprocess.Popen(
         [sys.executable, "-m", "adaptive_export.commands.cli", *args],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
         cwd=ROOT,
+        preexec_fn=bound,
     )
     lines: list[str] = []
     assert proc.stderr is not None
@@ -231,4 +238,83 @@ def test_a_request_whose_client_leaves_while_queued_never_runs(tiny_bundle: Path
         dropped = child.wait_line("dropped a queued request", seconds=30)
         assert child.stop(signal.SIGINT) == 130
     assert "(1 so far)" in dropped
+    assert "Traceback" not in "".join(child.lines)
+
+
+SERVE_ADDRESS_SPACE = 4 << 30  # the server's RLIMIT_AS: ONNX Runtime's and uvicorn's mappings fit easily
+EVENTUALLY_S = 300  # for what needs to happen at some point: far past its seconds, under the per-test timeout
+
+
+class SlowReader:
+    """A connection that pipelines `GET /v1/models` until it has sent enough and never reads an answer,
+    with a small receive buffer so that the server's sends back up."""
+
+    def __init__(self, port: int, enough: threading.Event) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sock.connect(("127.0.0.1", port))
+        self.sock.setblocking(False)
+        self.requests = f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode() * 200
+        self.thread = threading.Thread(target=self._pump, args=(enough,), daemon=True)
+        self.thread.start()
+
+    def _pump(self, enough: threading.Event) -> None:
+        while not enough.is_set():
+            try:
+                self.sock.send(self.requests)
+            except BlockingIOError:
+                enough.wait(0.05)
+            except OSError:  # dropped by the server
+                return
+
+    def close(self) -> None:
+        self.thread.join()
+        self.sock.close()
+
+
+def fresh_status(port: int) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request("GET", "/v1/models")
+        response = connection.getresponse()
+        response.read()
+        return response.status
+    except (ConnectionError, http.client.HTTPException):
+        return 0  # refused on the way in
+    finally:
+        connection.close()
+
+
+def peak_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+
+
+def test_clients_that_never_read_their_answers_do_not_lock_others_out(tiny_bundle: Path) -> None:
+    """As many connections as --max-connections pipeline requests and read nothing: their answers fill
+    the buffers, the connections stay busy, and every fresh client used to get 503 for as long as
+    they stayed. Now each is dropped once its answers have gone unread for --read-timeout (its write
+    deadline), and meanwhile the one unread longest makes room for a newcomer. The test waits on the
+    server's own line, not on a timer: how fast the buffers fill depends on the machine."""
+    port = free_port()
+    flags = ("--port", str(port), "--max-connections", "4", "--read-timeout", "2")
+    with serve("serve", str(tiny_bundle), *flags, address_space=SERVE_ADDRESS_SPACE) as child:
+        child.wait_line("serving tiny on http://127.0.0.1")
+        enough = threading.Event()
+        readers = [SlowReader(port, enough) for _ in range(4)]
+        try:
+            child.wait_line("answers went unread", seconds=EVENTUALLY_S)
+            enough.set()
+            deadline = time.monotonic() + EVENTUALLY_S
+            while fresh_status(port) != 200:
+                assert time.monotonic() < deadline, "fresh clients were still refused"
+            statuses = [fresh_status(port) for _ in range(3)]
+            rss = peak_rss_mb(child.proc.pid)
+            assert child.stop(signal.SIGINT) == 130
+        finally:
+            enough.set()
+            for reader in readers:
+                reader.close()
+    assert statuses == [200] * 3, statuses
+    assert rss < 2048, f"peak RSS {rss:.0f} MB"
     assert "Traceback" not in "".join(child.lines)

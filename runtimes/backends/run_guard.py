@@ -56,6 +56,23 @@ def engine_memory_ceiling(manifest: Manifest, weight_bytes: int) -> int:
     return 2 * weight_bytes + arena + activations + limits.ENGINE_MEMORY_MARGIN
 
 
+def check_ceiling_fits(manifest: Manifest, weight_bytes: int) -> None:
+    """Refuse a bundle whose arena ceiling exceeds the machine's available memory, before any session:
+    the ceiling follows the manifest's max_len, so a bundle that claims 65,536 positions would let
+    ONNX Runtime grow until the OOM killer stops the process, with no error line. Set
+    ADAPTIVE_EXPORT_SKIP_MEMORY_CHECK=1 to run anyway (the ceiling is an upper bound)."""
+    if os.environ.get(limits.SKIP_MEMORY_CHECK_VARIABLE) == "1":
+        return
+    ceiling, available = engine_memory_ceiling(manifest, weight_bytes), limits.machine_memory()
+    if available is not None and ceiling > available:
+        raise UsageError(
+            f"the bundle's engines may allocate up to {ceiling / 2**30:.1f} GiB at its max_len of "
+            f"{manifest.max_len}, and this machine has {available / 2**30:.1f} GiB available",
+            "rebuild the bundle with a smaller --max-len, or run it on a machine with more free memory "
+            f"(or set {limits.SKIP_MEMORY_CHECK_VARIABLE}=1 to start anyway)",
+        )
+
+
 def first_run_seconds(manifest: Manifest, weight_bytes: int, tokens: int) -> float:
     """The time bound of a session's first run: its FLOPs counted pessimistically (every weight
     used per token, attention over max_len) at WORST_CASE_FLOPS, never under the floor."""
@@ -136,6 +153,7 @@ class RunGuard:
     """One backend's runs: each gets RunOptions with a deadline; errors become one-line UsageErrors."""
 
     def __init__(self, ort: Any, manifest: Manifest, weight_bytes: int) -> None:
+        check_ceiling_fits(manifest, weight_bytes)
         self.ort, self.manifest, self.weight_bytes = ort, manifest, weight_bytes
         self.first: dict[str, _FirstRun] = {}
         _WATCHDOG.start()
