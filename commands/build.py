@@ -7,6 +7,7 @@ own typed options from the command's BuildOptions.
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -71,21 +72,39 @@ def resolve_quantize(choice: str, model: str, backends: tuple[str, ...], flavour
     return "native", source
 
 
-AUTO_PACKED = False  # --native-form auto picks packed once its kernels are measured faster than MatMulNBits
+# Bits a weight takes in MatMulNBits' form of each GGUF type (exporter/gguf_native.py): codes at 4 or
+# 8 bits, an fp32 scale per block of 32 (16 for Q6_K), and an fp32 correction per 32 for formats
+# with mins. The packed form reads the GGUF's own bits (its block bytes).
+NBITS_BITS = {"Q4_0": 5.0, "Q4_1": 6.0, "Q4_K": 6.0, "Q5_0": 9.0, "Q8_0": 9.0, "Q5_K": 10.0, "Q6_K": 10.0}
+# auto picks packed where its rows are at most this share of MatMulNBits' bytes: a decode step
+# streams its weights, so that is where the kernels' smaller reads pay. Measured on a 2-core Xeon
+# (AVX-512 VNNI), 2026-12-02: Qwen2.5-Coder 1.5B/0.5B (0.71/0.70 of the bytes) decode at 0.80/0.90x
+# MatMulNBits' step; SmolLM2's Q4_1 (0.86) at 1.12x, where ONNX Runtime's kernels compute faster.
+AUTO_PACKED_BYTES = 0.8
 
 
-def resolve_native_form(requested: str, library_available: bool, types: tuple[str, ...]) -> str:
+def packed_share(tensors: list[tuple[str, int]]) -> float:
+    """Bytes of the packed rows over MatMulNBits' bytes for (type, elements) of the quantized tensors."""
+    from adaptive_export.runtimes.packed_ops import GGML_TYPES, TYPE_IDS
+
+    packed = sum(n * GGML_TYPES[TYPE_IDS[t]][2] / GGML_TYPES[TYPE_IDS[t]][1] for t, n in tensors)
+    nbits = sum(n * NBITS_BITS[t] / 8 for t, n in tensors)
+    return packed / nbits if nbits else 1.0
+
+
+def resolve_native_form(requested: str, library_available: bool, tensors: list[tuple[str, int]]) -> str:
     """The weight form of a `--quantize native` bundle: "packed" (the GGUF's rows as stored, read by
     this package's MatMulPacked/GatherPacked) or "nbits" (ONNX Runtime's MatMulNBits).
 
     An explicit choice is kept, or refused in one line when it cannot be built: packed needs the
-    compiled op library and GGUF types the kernels read (`types`: the file's quantized tensor types).
-    `auto` chooses nbits for now: both forms compute the same model, and packed becomes the choice
-    (AUTO_PACKED) once its kernels are measured faster than ONNX Runtime's on the packaged models;
-    even then a missing library or an unread type (Q5_1) falls back to nbits, so auto never fails."""
+    compiled op library and GGUF types the kernels read (`tensors`: (type, elements) of the file's
+    quantized tensors). `auto` chooses packed where its rows are at most AUTO_PACKED_BYTES of
+    MatMulNBits' bytes (K-quant files such as Q4_K_M), nbits otherwise, and nbits whenever the
+    library is missing or a type is unread (Q5_1): both forms compute the same model, and auto
+    never fails."""
     from adaptive_export.runtimes.packed_ops import TYPE_IDS, missing_library_error
 
-    unread = sorted({t for t in types if t not in TYPE_IDS})
+    unread = sorted({t for t, _ in tensors if t not in TYPE_IDS})
     if requested == "packed":
         if not library_available:
             raise missing_library_error()
@@ -97,7 +116,8 @@ def resolve_native_form(requested: str, library_available: bool, types: tuple[st
             )
         return "packed"
     if requested == "auto":
-        return "packed" if AUTO_PACKED and library_available and not unread else "nbits"
+        fits = library_available and not unread and bool(tensors)
+        return "packed" if fits and packed_share(tensors) <= AUTO_PACKED_BYTES else "nbits"
     if requested != "nbits":
         raise UsageError(f"--native-form {requested!r} is unknown", "choose auto, packed or nbits")
     return "nbits"
@@ -120,14 +140,16 @@ def check_native_form(options: BuildOptions, quantize: str, native_source: Path 
             f"--native-form packed runs at accuracy level 1 or 4, not {options.quant_accuracy}",
             "use --quant-accuracy 1 (fp32 activations, exact) or 4 (int8 activations)",
         )
-    types: tuple[str, ...] = ()
+    tensors: list[tuple[str, int]] = []
     if native_source is not None:
         import gguf
 
         floats = ("F32", "F16", "BF16", "F64")
-        kinds = {gguf.GGMLQuantizationType(kind).name for kind in read_gguf_header(native_source).tensor_types}
-        types = tuple(sorted(k for k in kinds if k not in floats))
-    return resolve_native_form(options.native_form, library_path() is not None, types)
+        for tensor in read_gguf_header(native_source).tensors:
+            kind = gguf.GGMLQuantizationType(tensor.kind).name
+            if kind not in floats:
+                tensors.append((kind, math.prod(tensor.dims)))
+    return resolve_native_form(options.native_form, library_path() is not None, tensors)
 
 
 def check_draft_options(options: BuildOptions) -> tuple[tuple[str, str], ...]:

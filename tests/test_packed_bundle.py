@@ -35,7 +35,8 @@ synthetic = test_gguf_native.synthetic  # the synthetic GGUF fixture (every form
 ROOT = Path(__file__).parents[1]
 DOMAIN = packed_ops.PACKED_DOMAIN
 needs_op_library = pytest.mark.skipif(
-    packed_ops.library_path() is None, reason="this installation was built without the op library"
+    packed_ops.library_path() is None,
+    reason="built without the op library: pip install -e . with a C++ compiler builds it",
 )
 READ_TYPES = list(packed_ops.TYPE_IDS)  # Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K
 
@@ -359,19 +360,25 @@ def test_the_policy_refuses_packed_nodes_the_exporter_never_writes(op: str, chan
 # ----------------------------------------------------------------- build options
 
 
-def test_auto_chooses_nbits_for_now_and_packed_is_refused_where_it_cannot_be_built() -> None:
-    from adaptive_export.commands.build import resolve_native_form
+def test_auto_chooses_packed_where_its_rows_read_fewer_bytes_and_packed_is_refused_where_it_cannot_be_built() -> None:
+    from adaptive_export.commands.build import AUTO_PACKED_BYTES, packed_share, resolve_native_form
 
+    q4_k_m = [("Q4_K", 1536 * 8960 * 30), ("Q6_K", 1536 * 8960 * 8), ("Q5_0", 896 * 4864 * 4)]
+    q4_1 = [("Q4_1", 576 * 1536 * 90), ("Q8_0", 576 * 49152)]
+    assert packed_share(q4_k_m) <= AUTO_PACKED_BYTES < packed_share(q4_1)
+    assert resolve_native_form("auto", True, q4_k_m) == "packed"
     for available in (True, False):
-        assert resolve_native_form("auto", available, ("Q4_1", "Q8_0")) == "nbits"
-        assert resolve_native_form("auto", available, ("Q5_1",)) == "nbits"
-        assert resolve_native_form("nbits", available, ("Q5_1",)) == "nbits"
-    assert resolve_native_form("packed", True, ("Q4_K", "Q6_K")) == "packed"
+        assert resolve_native_form("auto", available, q4_1) == "nbits"
+        assert resolve_native_form("auto", available, [("Q5_1", 1024)]) == "nbits"
+        assert resolve_native_form("nbits", available, [("Q5_1", 1024)]) == "nbits"
+    assert resolve_native_form("auto", False, q4_k_m) == "nbits"  # no library: the portable form
+    assert resolve_native_form("auto", True, q4_k_m + [("Q5_1", 1024)]) == "nbits"
+    assert resolve_native_form("packed", True, [("Q4_1", 1024)]) == "packed"
     with pytest.raises(UsageError, match="built without them") as missing:
-        resolve_native_form("packed", False, ("Q4_1",))
+        resolve_native_form("packed", False, [("Q4_1", 1024)])
     assert "--native-form nbits" in str(missing.value) and "reinstall" in str(missing.value)
     with pytest.raises(UsageError, match="Q5_1"):
-        resolve_native_form("packed", True, ("Q4_1", "Q5_1"))
+        resolve_native_form("packed", True, [("Q4_1", 1024), ("Q5_1", 1024)])
 
 
 def one_line_refusal(capsys: pytest.CaptureFixture[str], argv: list[str], *fragments: str) -> str:

@@ -28,7 +28,10 @@ from tests.test_gguf_native import FP16_FIELDS, random_blocks  # noqa: E402
 ROOT = Path(__file__).parents[1]
 FORMATS = [name for _, (name, *_) in sorted(packed_ops.GGML_TYPES.items())]
 LIBRARY = packed_ops.library_path()
-needs_library = pytest.mark.skipif(LIBRARY is None, reason="the package was built without its C++ op library")
+needs_library = pytest.mark.skipif(
+    LIBRARY is None,
+    reason="the package was built without its C++ op library (pip install -e . with a C++ compiler builds it)",
+)
 
 
 def matmul_model(type_id: int, k: int, n: int, accuracy: int, **extra: object) -> bytes:
@@ -154,7 +157,7 @@ def run_child(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 def test_library_is_the_installed_package_file() -> None:
     if LIBRARY is None:
         assert os.environ.get("CI") != "true", "CI builds the package with a compiler: the op library must exist"
-        pytest.skip("the package was built without its C++ op library")
+        pytest.skip("the package was built without its C++ op library (pip install -e . with a C++ compiler builds it)")
     import importlib.util
 
     package = importlib.util.find_spec("adaptive_export.kernels")
