@@ -7,13 +7,14 @@ in one run: what `--native-form packed` changes where users decode.
 Each bundle runs every prompt as a user would, one `adaptive-export run --json` process per
 prompt, with `--mode ar` (plain steps) and with the default `--mode auto`; llama-server (when
 --server is given: benchmarks/llama_server.py) runs the same prompts plain and with its
-`--spec-type ngram-mod`. Contenders are interleaved prompt by prompt. Prints median TPOT and
+`--spec-type ngram-mod`, one server at a time after the bundles. Prints median TPOT and
 prefill per contender, each bundle run's peak RSS (/usr/bin/time),
 the ratio to llama.cpp plain, and whether the default run's tokens equal `--mode ar`'s.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -21,7 +22,7 @@ import sys
 from typing import Any
 
 from benchmarks.common import bench_parser, cpu_model, parse_and_pin, print_table
-from benchmarks.llama_server import PROMPT_SETS, complete, free_port, start_server
+from benchmarks.llama_server import PROMPT_SETS, complete, free_port, peak_rss_mb, start_server
 
 
 def run_bundle(bundle: str, prompt: str, tokens: int, threads: int, mode: str) -> tuple[dict[str, Any], float]:
@@ -51,33 +52,30 @@ def main() -> None:
     prefill: dict[str, list[float]] = {}
     rss: dict[str, float] = {}
     same: dict[str, int] = {}
-    servers: dict[str, tuple[Any, int]] = {}
-    if args.server:
-        for label, spec in (("llama.cpp", ""), ("llama.cpp ngram-mod", "ngram-mod")):
-            port = free_port()
-            server_args = type("A", (), {"server": args.server, "model": args.model, "threads": args.threads})()
-            server_args.spec, server_args.draft = spec, ""
-            servers[label] = (start_server(server_args, port), port)
+    for prompt in prompts:
+        for name, bundle in bundles.items():
+            plain, peak_plain = run_bundle(bundle, prompt, args.tokens, args.threads, "ar")
+            default, peak_default = run_bundle(bundle, prompt, args.tokens, args.threads, "auto")
+            for label, result, peak in ((f"{name} ar", plain, peak_plain), (f"{name} default", default, peak_default)):
+                tpot.setdefault(label, []).append(result["stats"]["tpot_ms"])
+                prefill.setdefault(label, []).append(result["stats"]["prefill_ms"])
+                rss[label] = max(rss.get(label, 0.0), peak)
+            same[name] = same.get(name, 0) + (plain["tokens"] == default["tokens"])
+    for label, spec in (("llama.cpp", ""), ("llama.cpp ngram-mod", "ngram-mod")) if args.server else ():
+        # one server at a time: an idle llama-server's threads would share the cores with the timed one
+        port = free_port()
+        server_args = argparse.Namespace(
+            server=args.server, model=args.model, threads=args.threads, spec=spec, draft=""
+        )
+        server = start_server(server_args, port)
+        try:
             complete(port, prompts[0], 8)
-    try:
-        for prompt in prompts:
-            for label, (_, port) in servers.items():
+            for prompt in prompts:
                 timings = complete(port, prompt, args.tokens)
                 tpot.setdefault(label, []).append(timings["predicted_per_token_ms"])
                 prefill.setdefault(label, []).append(timings["prompt_ms"])
-            for name, bundle in bundles.items():
-                plain, peak_plain = run_bundle(bundle, prompt, args.tokens, args.threads, "ar")
-                default, peak_default = run_bundle(bundle, prompt, args.tokens, args.threads, "auto")
-                for label, result, peak in (
-                    (f"{name} ar", plain, peak_plain),
-                    (f"{name} default", default, peak_default),
-                ):
-                    tpot.setdefault(label, []).append(result["stats"]["tpot_ms"])
-                    prefill.setdefault(label, []).append(result["stats"]["prefill_ms"])
-                    rss[label] = max(rss.get(label, 0.0), peak)
-                same[name] = same.get(name, 0) + (plain["tokens"] == default["tokens"])
-    finally:
-        for server, _ in servers.values():
+            rss[label] = peak_rss_mb(server.pid)
+        finally:
             server.terminate()
             server.wait(timeout=60)
     base = statistics.median(tpot["llama.cpp"]) if "llama.cpp" in tpot else None

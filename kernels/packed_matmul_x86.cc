@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "packed_matmul_isa.h"
@@ -563,20 +564,6 @@ void float_panels(const uint8_t* weights, int64_t row_bytes, int64_t n_begin, in
   }
 }
 
-template <bool Wide>
-void dispatch_panels(const FormatInfo& format, const uint8_t* weights, int64_t row_bytes, int64_t n_begin,
-                     int64_t n_end, const Activations& a, float* y, int64_t ldy) {
-  switch (format.type) {
-    case GgmlType::Q4_0: return float_panels<Q4_0, false, Wide>(weights, row_bytes, n_begin, n_end, a, y, ldy);
-    case GgmlType::Q4_1: return float_panels<Q4_1, false, Wide>(weights, row_bytes, n_begin, n_end, a, y, ldy);
-    case GgmlType::Q5_0: return float_panels<Q5_0, false, Wide>(weights, row_bytes, n_begin, n_end, a, y, ldy);
-    case GgmlType::Q8_0: return float_panels<Q8_0, false, Wide>(weights, row_bytes, n_begin, n_end, a, y, ldy);
-    case GgmlType::Q4_K: return float_panels<Q4_K, true, Wide>(weights, row_bytes, n_begin, n_end, a, y, ldy);
-    case GgmlType::Q5_K: return float_panels<Q5_K, true, Wide>(weights, row_bytes, n_begin, n_end, a, y, ldy);
-    case GgmlType::Q6_K: return float_panels<Q6_K, true, Wide>(weights, row_bytes, n_begin, n_end, a, y, ldy);
-  }
-}
-
 // ------------------------------------------------------------ rows and dispatch
 
 // The kernel of one tile: Kind 0 fp32, 1 int8 at AVX2, 2 int8 at AVX-512 VNNI.
@@ -627,18 +614,35 @@ void rows(const uint8_t* weights, int64_t row_bytes, int64_t n_begin, int64_t n_
   }
 }
 
+// Calls visit(Format{}, is_k_quant) with the kernels' type of `type`: every dispatcher below is
+// one line of it.
+template <class Visit>
+void visit_format(GgmlType type, Visit&& visit) {
+  switch (type) {
+    case GgmlType::Q4_0: return visit(Q4_0{}, std::false_type{});
+    case GgmlType::Q4_1: return visit(Q4_1{}, std::false_type{});
+    case GgmlType::Q5_0: return visit(Q5_0{}, std::false_type{});
+    case GgmlType::Q8_0: return visit(Q8_0{}, std::false_type{});
+    case GgmlType::Q4_K: return visit(Q4_K{}, std::true_type{});
+    case GgmlType::Q5_K: return visit(Q5_K{}, std::true_type{});
+    case GgmlType::Q6_K: return visit(Q6_K{}, std::true_type{});
+  }
+}
+
 template <int Kind>
 void dispatch(const FormatInfo& format, const uint8_t* weights, int64_t row_bytes, int64_t n_begin, int64_t n_end,
               const Activations& a, float* y, int64_t ldy) {
-  switch (format.type) {
-    case GgmlType::Q4_0: return rows<Q4_0, Kind, false>(weights, row_bytes, n_begin, n_end, a, y, ldy);
-    case GgmlType::Q4_1: return rows<Q4_1, Kind, false>(weights, row_bytes, n_begin, n_end, a, y, ldy);
-    case GgmlType::Q5_0: return rows<Q5_0, Kind, false>(weights, row_bytes, n_begin, n_end, a, y, ldy);
-    case GgmlType::Q8_0: return rows<Q8_0, Kind, false>(weights, row_bytes, n_begin, n_end, a, y, ldy);
-    case GgmlType::Q4_K: return rows<Q4_K, Kind, true>(weights, row_bytes, n_begin, n_end, a, y, ldy);
-    case GgmlType::Q5_K: return rows<Q5_K, Kind, true>(weights, row_bytes, n_begin, n_end, a, y, ldy);
-    case GgmlType::Q6_K: return rows<Q6_K, Kind, true>(weights, row_bytes, n_begin, n_end, a, y, ldy);
-  }
+  visit_format(format.type, [&](auto f, auto k) {
+    rows<decltype(f), Kind, decltype(k)::value>(weights, row_bytes, n_begin, n_end, a, y, ldy);
+  });
+}
+
+template <bool Wide>
+void dispatch_panels(const FormatInfo& format, const uint8_t* weights, int64_t row_bytes, int64_t n_begin,
+                     int64_t n_end, const Activations& a, float* y, int64_t ldy) {
+  visit_format(format.type, [&](auto f, auto k) {
+    float_panels<decltype(f), decltype(k)::value, Wide>(weights, row_bytes, n_begin, n_end, a, y, ldy);
+  });
 }
 
 }  // namespace
