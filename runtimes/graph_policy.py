@@ -10,7 +10,8 @@ accepted only when it looks like what the exporter emits for its graph kind:
 - no tensor anywhere (initializers, Constant attributes) holds external data, except the
   initializers the runtime supplies itself from the bundle's weights file (the engine's
   `initializers` list in the manifest) whose `location` is that file's name; their ONNX
-  dtype and shape must equal the weight table's;
+  dtype and shape must equal the weight table's, and their `offset` and `length` the table's
+  byte range (the runtime binds the table's bytes: the engine's reference must name the same);
 - shape-producing ops (ConstantOfShape, Expand, Range) take their sizes only from the graph's
   own shapes and small constants (runtimes/shape_policy.py);
 - the project's ops over GGUF rows (domain ai.adaptive_export, version 1: MatMulPacked,
@@ -409,6 +410,14 @@ def _check_external_data(graph: Any, where: str, engine_entry: EngineEntry, onnx
                 where, f"initializer {init.name!r} refers to {info.get('location')!r}, not the bundle's weights file"
             )
         meta = onnx_entry.tensors[init.name]
+        # the runtime binds the table's bytes (backends/onnxruntime_backend.py `_tensor`); the engine's own
+        # reference must name the same bytes, or what a check reads from the engine is not what runs
+        if (info.get("offset", "0"), info.get("length")) != (str(meta.offset), str(meta.bytes)):
+            raise _refuse(
+                where,
+                f"initializer {init.name!r} refers to bytes {info.get('offset', '0')}+{info.get('length', '?')} of "
+                f"the weights file, the weight table (what the runtime binds) to {meta.offset}+{meta.bytes}",
+            )
         if _ONNX_OF_DTYPE[meta.dtype] != init.data_type or list(init.dims) != list(meta.shape):
             raise _refuse(
                 where,

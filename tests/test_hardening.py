@@ -417,6 +417,25 @@ def test_shape_that_does_not_match_its_bytes_is_refused(
     expect_usage(["run", str(bad), "-p", "hi"], capsys, "is not", "bytes")
 
 
+def test_a_weight_table_entry_naming_other_bytes_than_the_engine_is_refused(tiny_bundle: Path, tmp_path: Path) -> None:
+    """The runtime binds each weight at the table's offset: a table pointed at a copy appended to the
+    weights file (the engine file untouched) is refused in one line naming the tensor, in a bounded child."""
+    weights = tmp_path / "bad" / "onnx" / "weights.bin"
+
+    def manifest(m: dict[str, Any]) -> None:
+        meta = _weights_meta(m, "lm_head.weight")
+        copy = bytearray(weights.read_bytes()[meta["offset"] : meta["offset"] + meta["bytes"]])
+        copy[:4] = b"\x00\x00\x80\x7f"  # a different first weight: what the copy lets a bundle change
+        with weights.open("ab") as handle:
+            meta["offset"] = handle.tell()
+            handle.write(bytes(copy))
+        m["backends"]["onnx"]["weight_bytes"] = weights.stat().st_size
+
+    bad = make_bad(tiny_bundle, tmp_path, manifest=manifest)
+    rc, _, err = run_isolated(["run", str(bad), "-p", "hi", "--max-new-tokens", "2"])
+    assert_one_line(rc, err, "'lm_head.weight'", "the weight table (what the runtime binds)")
+
+
 @pytest.mark.parametrize("temperature", ["0", "0.8"])
 def test_nan_logits_are_a_usage_error(
     temperature: str, tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
