@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def linear_session(nodes: list, inits: list, k: int, threads: int) -> Any:
-    """An ONNX Runtime session of a one-linear graph x [1, T, k] -> y."""
+def linear_session(nodes: list, inits: list, k: int, threads: int, packed_ops: bool = False) -> Any:
+    """An ONNX Runtime session of a one-linear graph x [1, T, k] -> y (with `packed_ops`, the
+    package's MatMulPacked/GatherPacked domain imported and its op library registered)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
@@ -47,9 +48,15 @@ def linear_session(nodes: list, inits: list, k: int, threads: int) -> Any:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
         initializer=gn.unique_initializers(inits),
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(gn.MS_DOMAIN, 1)])
-    model.ir_version = 10
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(gn.MS_DOMAIN, 1)]
     options = ort.SessionOptions()
+    if packed_ops:
+        from adaptive_export.runtimes.packed_ops import PACKED_DOMAIN, require_library
+
+        opsets.append(helper.make_opsetid(PACKED_DOMAIN, 1))
+        options.register_custom_ops_library(str(require_library()))
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 10
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import bench_parser, cpu_model, parse_and_pin, print_table
+from benchmarks.gguf_native_linear import linear_session
 
 
 def build_parser() -> Any:
@@ -39,29 +40,6 @@ def largest_tensor_per_type(reader: Any) -> dict[str, Any]:
             if name not in best or int(np.prod(tensor.shape)) > int(np.prod(best[name].shape)):
                 best[name] = tensor
     return best
-
-
-def session(nodes: list, inits: list, k: int, threads: int) -> Any:
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
-
-    from adaptive_export.exporter import gguf_native as gn
-    from adaptive_export.runtimes.packed_ops import PACKED_DOMAIN, require_library
-
-    graph = helper.make_graph(
-        nodes,
-        "linear",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        initializer=gn.unique_initializers(inits),
-    )
-    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(gn.MS_DOMAIN, 1), helper.make_opsetid(PACKED_DOMAIN, 1)]
-    model = helper.make_model(graph, opset_imports=opsets)
-    model.ir_version = 10
-    options = ort.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-    options.register_custom_ops_library(str(require_library()))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def forms(reader: Any, tensor: Any, level: int) -> dict[str, tuple[list, list, int]]:
@@ -123,7 +101,9 @@ def main() -> None:
         k, n = (int(s) for s in tensor.shape)
         for level in (4, 1):
             built = forms(reader, tensor, level)
-            sessions = {name: session(nodes, inits, k, args.threads) for name, (nodes, inits, _) in built.items()}
+            sessions = {
+                name: linear_session(nodes, inits, k, args.threads, True) for name, (nodes, inits, _) in built.items()
+            }
             for t in rows_list:
                 x = rng.standard_normal((1, t, k)).astype(np.float32)
                 ms = time_interleaved(sessions, x, args.seconds, args.rounds)
