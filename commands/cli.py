@@ -760,6 +760,27 @@ def _interrupted() -> bool:
     return Signals.requested or bool(bundle_writer and bundle_writer.Interrupts.requested)
 
 
+class _LineTrackingStderr:
+    """The CLI's stderr, remembering whether its last write ended a line. A signal can land
+    inside a progress bar's close(), after the bar's text and before its newline; the error
+    line must still start a line of its own. Everything but write() is the real stream's."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.at_line_start = True
+
+    def write(self, text: str) -> int:
+        if text:
+            self.at_line_start = False  # an interrupt mid-write leaves "not at a line start": one blank line at worst
+        written = self._stream.write(text)
+        if text:
+            self.at_line_start = text.endswith(("\n", "\r"))
+        return written
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def _error_line(text: str) -> None:
     """Print the one-line error on a line of its own. A progress bar redraws its line without a
     newline, and the bar of a loop that an exception left is closed only when its frame is freed,
@@ -767,6 +788,8 @@ def _error_line(text: str) -> None:
     progress = sys.modules.get("tqdm")
     for bar in list(getattr(progress.tqdm, "_instances", ()) if progress else ()):
         bar.close()
+    if not getattr(sys.stderr, "at_line_start", True):
+        text = "\n" + text
     print(text, file=sys.stderr)
 
 
@@ -810,6 +833,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     owns_signals = argv is None and threading.current_thread() is threading.main_thread()  # not in-process callers
     if owns_signals:
         defer_signals()  # already done at import when this process is the command; idempotent
+        if not isinstance(sys.stderr, _LineTrackingStderr):
+            sys.stderr = _LineTrackingStderr(sys.stderr)
     from adaptive_export.runtimes.errors import UsageError
 
     try:

@@ -134,6 +134,23 @@ def test_the_error_line_is_not_appended_to_a_live_progress_bar(capsys: pytest.Ca
     assert err.splitlines()[-1].startswith("error: interrupted"), err
 
 
+def test_the_error_line_starts_a_line_after_a_bar_whose_close_was_interrupted(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal can land inside a bar's close(), after its text and before its newline (the bar is
+    then no longer live): CI once read `export ONNX: 100%|...| 2/2 [...]error: interrupted`."""
+    import sys
+
+    from adaptive_export.commands import cli
+
+    monkeypatch.setattr(sys, "stderr", cli._LineTrackingStderr(sys.stderr))
+    sys.stderr.write("\rexport ONNX: 100%|##########| 2/2 [00:02<00:00,  1.01s/graph]")  # what close() drew
+    assert cli._report_interrupt() == 130
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("error: interrupted"), err
+    assert err.endswith("]\nerror: interrupted. Fix: run the command again (no partial bundle was left)\n"), err
+
+
 def test_killed_build_keeps_old_bundle_and_next_build_cleans_up(
     tiny_model_dir: Path, old_bundle: tuple[Path, str], tmp_path: Path, children: list[subprocess.Popen[str]]
 ) -> None:
