@@ -1,5 +1,5 @@
 """How fast exact prompt-lookup speculation could ever be on one bundle and CPU: the bound behind
-issue #37's edit-prompt targets (docs/speculation.md, "What prompt lookup can reach").
+issue #37's edit-prompt targets (docs/prompt-lookup.md, "What prompt lookup can reach").
 
     python -m benchmarks.lookup_ceiling --bundle bundles/qwen-coder-0.5b [--prompts 16] [--tokens 160] [--save F]
     python -m benchmarks.lookup_ceiling --replay F    # the policies again over saved runs, no decoding

@@ -1,4 +1,4 @@
-"""Trained draft exit (docs/speculation.md "Trained draft exit"): per exit E and block form, the
+"""Trained draft exit (docs/early-exit.md "Trained draft exit"): per exit E and block form, the
 untrained exit's and the trained draft's held-out agreement, training minutes (wall and CPU)
 and tokens; then, for the shipped head, a bundle built with `--draft-head FILE`: draft ms per
 token, verify ms at T=k+1, tokens per round, expected and measured speed-up over plain decoding.

@@ -6,7 +6,7 @@ parameters (graphs.adaptive.ExitAdapter at a large rank, or GatedExitAdapter), t
 norm, and the LM head's rows of the N token ids the teacher writes most often (VocabTrim), so a
 draft step pays about E layers + one layer.
 
-Recipe (docs/speculation.md "Trained draft exit"):
+Recipe (docs/early-exit.md "Trained draft exit"):
 - text: calibration/draft_data.py (the model's own requests and answers, stdlib docstrings),
   whole documents held out;
 - the frozen backbone runs ONCE per document, teacher-forced: h_E per exit and the full model's

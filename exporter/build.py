@@ -247,7 +247,7 @@ def _native_rewrite(quant_options: dict[str, Any]) -> Any:
 def quantize_guess_head(model: onnx.ModelProto, block_size: int) -> None:
     """A GGUF-exact graph's guessing head (an EAGLE head's block and trimmed rows: no GGUF tensor)
     as 4-bit blocks like the model's own linears: it is read on every decode pass, and as a
-    lossless draft its precision moves only its acceptance (measured in docs/speculation.md)."""
+    lossless draft its precision moves only its acceptance (measured in docs/eagle.md)."""
     from adaptive_export.exporter.quantize import quantize_weights
     from adaptive_export.graphs.span_graph import GUESS_PREFIX
 

@@ -327,7 +327,7 @@ PAIRED_DRAFTS = PairedDrafts()
 def decoder_for(mode: Mode, rows: int, paired: bool = False, kind: str = "") -> Decoder:
     """The decoder of a request: the table's entry for its mode and rows. Beside a draft bundle
     (`paired`) spec drafts with it, and auto on every prompt but an edit one, where prompt lookup
-    and the bundle's own head paid more (the 1.5B: 43.6 against 56.2 ms, docs/speculation.md)."""
+    and the bundle's own head paid more (the 1.5B: 43.6 against 56.2 ms, docs/draft-bundle.md)."""
     if paired and (mode is Mode.SPEC or (mode is Mode.AUTO and kind != "edit")):
         return PAIRED_DRAFTS
     return DECODERS[(mode, rows >= 2)]

@@ -14,7 +14,7 @@ the last one's opening (a system prompt) reuses them.
 
 It is a run-time pairing, not a technique a build puts into a bundle: no manifest field, no graph
 piece, no calibration module (runtimes/draft_registry.py lists those). Opt-in because it holds a
-second bundle's weights and arena: +41% peak RSS for the 0.5B beside the 1.5B (docs/speculation.md).
+second bundle's weights and arena: +41% peak RSS for the 0.5B beside the 1.5B (docs/draft-bundle.md).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from adaptive_export.runtimes.sampling import Sampler
 from adaptive_export.runtimes.text import TextCodec
 
 # At most this many drafts a round, ended early after a draft whose own top-1 probability is below
-# DRAFT_STOP_BELOW: the 0.5B for the 1.5B, chat prompts, 2-core Zen 4 (docs/speculation.md): a fixed
+# DRAFT_STOP_BELOW: the 0.5B for the 1.5B, chat prompts, 2-core Zen 4 (docs/draft-bundle.md): a fixed
 # k = 3 took 46.6 ms a token, stopped rounds of up to 4-8 took 41.0-42.7, k = 6 below 0.6 the least.
 DRAFT_MODEL_K = 6
 DRAFT_STOP_BELOW = 0.6

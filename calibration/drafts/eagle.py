@@ -1,4 +1,4 @@
-"""The EAGLE head's calibration (Li et al. 2024, k = 1; docs/speculation.md "The EAGLE head"): its
+"""The EAGLE head's calibration (Li et al. 2024, k = 1; docs/eagle.md): its
 build option (`BUILD`, `--eagle-head N`), its training, and its measure (`MEASURE`). Torch is
 imported where used: the command line reads `BUILD`'s option without it.
 

@@ -58,7 +58,7 @@ class GrowingLookup(PromptLookup):
     a round's drafts are all accepted; then twice as many, up to the `k` it was made with, but more
     than one only from a match of SURE_NGRAM tokens; back to one at the first rejection. On two-row
     bundles, where a one-draft round costs what a plain step does, it never drafts more than the
-    last round earned (docs/speculation.md, "What prompt lookup can reach")."""
+    last round earned (docs/prompt-lookup.md, "What prompt lookup can reach")."""
 
     def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int) -> None:
         super().__init__(backend, config, model, k)
