@@ -1,15 +1,17 @@
-"""Which rows each kind of prompt decodes on, measured by `build` on the built engines (issue #37).
+"""Which rows and decoder each kind of prompt decodes with, measured by `build` on the built engines.
 
-Two-row passes speculate exactly (prompt lookup, growing its drafts, or an EAGLE head's guess) and
-keep `--mode ar`'s tokens; whether they pay depends on what a pass of T rows costs against T=1 on
-this CPU (T=2: 1.05 on Zen 4 with AVX-512 VNNI, 1.16-1.27 on Zen 3) and on how much of the answer
-the drafts guess, which differs by model and by kind of prompt. So the build decodes the prompts of
-samples/policy_prompts.jsonl (apart from the held-out benchmark sets) with the default run's
-two-row decoder, counts its verify passes by rows, prices them with the engine's own pass costs,
-and keeps two rows for a kind only where they cost at most TWO_ROWS_PAY one-row steps per token.
-Counting and timing apart keeps the choice stable under a neighbour's load: greedy pass counts are
-deterministic, and the pass costs are interleaved medians. The runtime reads the rows from the
-manifest's `prompt_rows` (runtimes/decode_policy.py).
+Two-row passes speculate exactly and keep `--mode ar`'s tokens, in two ways: `--mode ar`'s floor
+rounds (every pass T=2 over the pending token and a free guess: prompt lookup's next token or an
+EAGLE head's) and the default's growing lookup (drafts growing from the tokens, passes up to
+GROWING_MOST + 1 rows). Whether either pays depends on what a pass of T rows costs against T=1 on
+this CPU (T=2: 1.05 on Zen 4 with AVX-512 VNNI, 1.16-1.27 on Zen 3 with MatMulNBits) and on how
+much of the answer the guesses get right, which differs by model and by kind of prompt. So the
+build decodes the prompts of samples/policy_prompts.jsonl (apart from the held-out benchmark sets)
+with both decoders, counts their passes by rows, prices them with the engine's own pass costs and
+chooses per kind (runtimes/rows_choice.py). Counting and timing apart keeps the choice stable
+under a neighbour's load (greedy counts are deterministic, the pass costs interleaved medians), and
+lets a machine other than this one make it again with its own pass costs (runtimes/rows_recheck.py).
+The manifest's `prompt_rows` records the choice, the counts and this machine.
 """
 
 from __future__ import annotations
@@ -20,58 +22,54 @@ from typing import Any
 
 from tqdm import tqdm
 
-from adaptive_export.calibration.verify_cost import VerifyCosts, time_decode_passes
+from adaptive_export.calibration.verify_cost import time_decode_passes
 from adaptive_export.loading.prompts import read_prompts
 from adaptive_export.runtimes.bundle import load_bundle
 from adaptive_export.runtimes.decode_policy import prompt_kind
 from adaptive_export.runtimes.drafting.prompt_lookup import GROWING_MOST
 from adaptive_export.runtimes.generate import GenerationResult, Generator
+from adaptive_export.runtimes.machine import MachineId, this_machine
 from adaptive_export.runtimes.manifest_prompt_rows import PROMPT_KINDS
+from adaptive_export.runtimes.pass_costs import VerifyCosts
+from adaptive_export.runtimes.rows_choice import GROWING_PAYS, TWO_ROWS_PAY, KindChoice, KindCounts, choose
 
 POLICY_PROMPTS = Path(__file__).resolve().parents[1] / "samples" / "policy_prompts.jsonl"
-TWO_ROWS_PAY = 0.95  # two rows must save 5% per token: a one-shot run's noise band (issue #37)
 NEW_TOKENS = 64  # per prompt: an edit answer's preamble and the start of the code it copies
 MIN_NEW_TOKENS = 16  # a prompt measured with fewer (a small --max-len) would say little
 
 
 @dataclass(frozen=True)
-class KindCost:
-    """One kind's two-row decoding: its verify passes by rows, over the tokens they emitted, priced
-    in one-row steps per token (below 1: two rows pay)."""
-
-    kind: str
-    prompts: int
-    tokens: int
-    passes: dict[int, int]
-    cost_per_token: float
-
-
-@dataclass(frozen=True)
 class PromptRowsChoice:
-    """The rows per kind and what decided them: the manifest's `prompt_rows`."""
+    """The choice per kind and what decided it: the manifest's `prompt_rows`."""
 
-    rows: dict[str, int]
+    choices: list[KindChoice]
+    counts: list[KindCounts]
     costs: VerifyCosts
-    kinds: list[KindCost]
+    machine: MachineId
+
+    @property
+    def rows(self) -> dict[str, int]:
+        return {c.kind: c.rows for c in self.choices}
 
     def to_json(self) -> dict[str, Any]:
+        decoders = {c.kind: c.decoder for c in self.choices if c.rows == 2}
         measured = {
             "pass_cost": {str(t): self.costs.cost(t - 1) for t in sorted(self.costs.pass_ms)},
-            "cost_per_token": {k.kind: k.cost_per_token for k in self.kinds},
-            "prompts": {k.kind: k.prompts for k in self.kinds},
-            "tokens": {k.kind: k.tokens for k in self.kinds},
+            "cost_per_token": {c.kind: c.growing_cost for c in self.choices},
+            "floor_cost_per_token": {c.kind: c.floor_cost for c in self.choices},
+            "prompts": {k.kind: k.prompts for k in self.counts},
+            "tokens": {k.kind: k.tokens for k in self.counts},
+            "floor_tokens": {k.kind: k.floor_tokens for k in self.counts},
+            "passes": {k.kind: {"growing": _keyed(k.growing), "floor": _keyed(k.floor)} for k in self.counts},
             "two_rows_pay_below": TWO_ROWS_PAY,
+            "growing_pays_below": GROWING_PAYS,
+            "machine": self.machine.to_json(),
         }
-        return {**self.rows, "measured": measured}
+        return {**self.rows, "decoders": decoders, "measured": measured}
 
 
-def pass_cost(costs: VerifyCosts, rows: int) -> float:
-    """A pass of `rows` rows in T=1 passes; wider than timed (no default decoder makes one):
-    extended by the last measured step."""
-    widest = max(costs.pass_ms)
-    if rows <= widest:
-        return costs.cost(rows - 1)
-    return costs.cost(widest - 1) + (rows - widest) * (costs.cost(widest - 1) - costs.cost(widest - 2))
+def _keyed(passes: dict[int, int]) -> dict[str, int]:
+    return {str(rows): count for rows, count in sorted(passes.items())}
 
 
 def passes_by_rows(results: list[GenerationResult]) -> dict[int, int]:
@@ -83,27 +81,28 @@ def passes_by_rows(results: list[GenerationResult]) -> dict[int, int]:
     return dict(sorted(passes.items()))
 
 
-def kind_cost(kind: str, results: list[GenerationResult], costs: VerifyCosts) -> KindCost:
-    """Price one kind's two-row runs: every verify pass at its measured cost, over the tokens the
-    passes emitted (the first token comes from prefill on either path)."""
-    passes = passes_by_rows(results)
-    tokens = sum(max(0, result.stats.new_tokens - 1) for result in results)
-    priced = sum(count * pass_cost(costs, rows) for rows, count in passes.items())
-    cost = round(priced / tokens, 3) if tokens else 1.0
-    return KindCost(kind, len(results), tokens, passes, cost)
+def emitted(results: list[GenerationResult]) -> int:
+    """Tokens the decode passes emitted (the first comes from prefill on every path)."""
+    return sum(max(0, result.stats.new_tokens - 1) for result in results)
 
 
-def decode_fitting(generator: Generator, texts: list[str], new_tokens: int, bar: tqdm) -> list[GenerationResult]:
-    """Each prompt decoded by the generator, up to new_tokens; a prompt the arena cannot hold with
-    MIN_NEW_TOKENS of answer (a small --max-len) is left out."""
-    results = []
-    for text in texts:
-        ids = generator.codec.encode(text)
-        room = generator.bundle.max_len - len(ids)
-        if room >= MIN_NEW_TOKENS:
-            results.append(generator.generate(ids, max_new_tokens=min(new_tokens, room)))
-        bar.update()
-    return results
+def decode_fitting(generator: Generator, ids: list[list[int]], new_tokens: int, mode: str) -> list[GenerationResult]:
+    """Each prompt decoded up to new_tokens under `mode` (its rows are the generator's)."""
+    room = generator.bundle.max_len
+    return [generator.generate(p, max_new_tokens=min(new_tokens, room - len(p)), mode=mode) for p in ids]
+
+
+def kind_counts(generator: Generator, kind: str, ids: list[list[int]], new_tokens: int) -> KindCounts:
+    """One kind's passes under the default's two-row decoder and under `--mode ar`'s."""
+    growing = decode_fitting(generator, ids, new_tokens, "auto")
+    floor = decode_fitting(generator, ids, new_tokens, "ar")  # near-ties may end it elsewhere: its own count
+    return KindCounts(kind, len(ids), emitted(growing), passes_by_rows(growing), passes_by_rows(floor), emitted(floor))
+
+
+def fitting_ids(generator: Generator, texts: list[str]) -> list[list[int]]:
+    """The prompts' ids; a prompt the arena cannot hold with MIN_NEW_TOKENS of answer is left out."""
+    ids = [generator.codec.encode(text) for text in texts]
+    return [p for p in ids if generator.bundle.max_len - len(p) >= MIN_NEW_TOKENS]
 
 
 def calibrate_prompt_rows(
@@ -114,16 +113,16 @@ def calibrate_prompt_rows(
     progress: bool = True,
 ) -> PromptRowsChoice:
     """Time the decode engine's passes up to growing lookup's widest (its drafts + 1), decode each
-    prompt on two rows as the default run would, and choose each kind's rows."""
+    kind's prompts on two rows with both decoders, and choose each kind's decoder."""
     texts = prompts if prompts is not None else read_prompts(str(POLICY_PROMPTS))
     generator = Generator(load_bundle(bundle_dir, verify="size"), decode_rows=2, threads=threads)
     costs = time_decode_passes(generator, GROWING_MOST)
-    by_kind: dict[str, list[GenerationResult]] = {}
-    with tqdm(total=len(texts), desc="measure prompt rows", unit="prompt", disable=not progress) as bar:
+    counts = []
+    with tqdm(total=len(PROMPT_KINDS), desc="measure prompt rows", unit="kind", disable=not progress) as bar:
         for kind in PROMPT_KINDS:
-            results = decode_fitting(generator, [t for t in texts if prompt_kind(t) == kind], new_tokens, bar)
-            if results:
-                by_kind[kind] = results
-    kinds = [kind_cost(kind, results, costs) for kind, results in by_kind.items()]
-    rows = {k.kind: 2 if k.cost_per_token <= TWO_ROWS_PAY else 1 for k in kinds}  # no tokens: cost 1.0
-    return PromptRowsChoice(rows, costs, kinds)
+            ids = fitting_ids(generator, [t for t in texts if prompt_kind(t) == kind])
+            if ids:
+                counts.append(kind_counts(generator, kind, ids, new_tokens))
+            bar.update()
+    choices = [choose(k, costs.of_rows) for k in counts]
+    return PromptRowsChoice(choices, counts, costs, this_machine(threads))

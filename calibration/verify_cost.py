@@ -12,54 +12,17 @@ calibration.json's `speculation.verify_cost` (docs/speculation.md).
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from adaptive_export.runtimes.bundle import load_bundle
 from adaptive_export.runtimes.generate import Generator
+from adaptive_export.runtimes.pass_costs import VerifyCosts, time_passes
 
 MAX_VERIFY_DRAFTS = 8  # k = 1..8: a T = k + 1 pass each
 REPEATS = 9  # passes per width; the median is kept
-PREFIX_TOKENS = 64  # a typical chat prompt plus some generated tokens
 CALIBRATION_KEY = "verify_cost"  # calibration.json: speculation.verify_cost
-
-
-@dataclass(frozen=True)
-class VerifyCosts:
-    """Median milliseconds of the decode engine's pass per width T, and what they make of a
-    verify pass of k drafts: `cost(k)` = ms(T = k + 1) / ms(T = 1)."""
-
-    engine: str
-    prefix_tokens: int
-    repeats: int
-    pass_ms: Mapping[int, float]  # T -> median ms
-
-    def cost(self, k: int) -> float:
-        return round(self.pass_ms[k + 1] / self.pass_ms[1], 3)
-
-    def costs(self) -> dict[str, float]:
-        """Verify cost per draft length k, in T=1 passes (keys are strings, as in the manifest)."""
-        return {str(k): self.cost(k) for k in sorted(self.pass_ms) if k >= 1 and k + 1 in self.pass_ms}
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "engine": self.engine,
-            "prefix_tokens": self.prefix_tokens,
-            "repeats": self.repeats,
-            "pass_ms": {str(t): ms for t, ms in sorted(self.pass_ms.items())},
-            "cost": self.costs(),
-        }
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> VerifyCosts:
-        pass_ms = {int(t): float(ms) for t, ms in obj["pass_ms"].items()}
-        return cls(str(obj["engine"]), int(obj["prefix_tokens"]), int(obj["repeats"]), pass_ms)
 
 
 def measure_verify_costs(
@@ -72,24 +35,8 @@ def measure_verify_costs(
 
 def time_decode_passes(generator: Generator, max_k: int = MAX_VERIFY_DRAFTS, repeats: int = REPEATS) -> VerifyCosts:
     """The generator's full-configuration decode engine timed at T = 1 .. max_k + 1 (its arena is
-    overwritten). The widths are interleaved within each repetition, so a neighbour's load on a
-    shared machine shifts every width alike instead of whichever width happened to run then."""
-    backend, arena, bundle = generator.backend, generator.arena, generator.bundle
-    engine = bundle.config("full").decode
-    prefix = max(1, min(PREFIX_TOKENS, bundle.max_len - 2 * (max_k + 1)))
-    backend.run("prefill", np.ones((1, prefix), dtype=np.int64), arena, 0)
-    widths = range(1, max_k + 2)
-    inputs = {t: np.ones((1, t), dtype=np.int64) for t in widths}
-    samples: dict[int, list[float]] = {t: [] for t in widths}
-    for t in widths:  # warm-up: first-run allocations and kernel selection per shape
-        backend.run(engine, inputs[t], arena, prefix)
-    for _ in range(repeats):
-        for t in widths:
-            started = time.perf_counter()
-            backend.run(engine, inputs[t], arena, prefix)
-            samples[t].append((time.perf_counter() - started) * 1e3)
-    pass_ms = {t: round(statistics.median(ms), 4) for t, ms in samples.items()}
-    return VerifyCosts(engine, prefix, repeats, pass_ms)
+    overwritten; runtimes/pass_costs.py)."""
+    return time_passes(generator.backend, generator.arena, generator.bundle, range(1, max_k + 2), repeats)
 
 
 def recorded_verify_costs(speculation: Mapping[str, Any]) -> VerifyCosts | None:

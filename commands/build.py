@@ -350,7 +350,10 @@ def prompt_rows_hook(root: Path, manifest: dict[str, Any]) -> None:
 
     choice = calibrate_prompt_rows(root)
     manifest["prompt_rows"] = choice.to_json()
-    shown = ", ".join(f"{k.kind} {choice.rows[k.kind]} ({k.cost_per_token:.2f} steps/token)" for k in choice.kinds)
+    shown = ", ".join(
+        f"{c.kind} {c.rows} ({c.decoder}; growing {c.growing_cost:.2f}, floor {c.floor_cost:.2f} steps/token)"
+        for c in choice.choices
+    )
     print(f"decode rows per prompt kind: {shown}")
 
 

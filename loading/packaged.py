@@ -33,6 +33,7 @@ from typing import Any
 
 from adaptive_export.runtimes.bundle import sha256_of
 from adaptive_export.runtimes.errors import UsageError
+from adaptive_export.runtimes.user_cache import user_cache_dir
 
 CHUNK = 1 << 20
 _VERIFIED: set[Path] = (
@@ -49,10 +50,8 @@ def package_dirs(package: str) -> list[Path]:
 
 
 def cache_dir() -> Path:
-    """Where assembled files live: $ADAPTIVE_EXPORT_CACHE, else $XDG_CACHE_HOME/adaptive-export."""
-    if os.environ.get("ADAPTIVE_EXPORT_CACHE"):
-        return Path(os.environ["ADAPTIVE_EXPORT_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "adaptive-export"
+    """Where assembled files live: the user's cache folder (runtimes/user_cache.py)."""
+    return user_cache_dir()
 
 
 @dataclass(frozen=True)

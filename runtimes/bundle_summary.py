@@ -10,7 +10,9 @@ from adaptive_export.runtimes.bundle import Bundle, load_bundle, parse_manifest,
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.limits import MAX_CALIBRATION_BYTES
 from adaptive_export.runtimes.manifest import GraphEntry
+from adaptive_export.runtimes.manifest_fields import is_number
 from adaptive_export.runtimes.manifest_graphs import DRAFT_FIELDS
+from adaptive_export.runtimes.manifest_prompt_rows import PromptRows
 from adaptive_export.runtimes.packed_ops import library_path
 
 # One graph's summary: kind, layers (how many), config, exit_layer, precision, each draft
@@ -44,6 +46,9 @@ class BundleSummary(TypedDict):
     router_threshold: float
     speculation: dict[str, object] | None  # Speculation.to_json()
     prompt_rows: dict[str, int]  # rows per prompt kind as build measured them (empty: the runtime's rule)
+    prompt_decoders: dict[str, str]  # per measured kind: plain, floor or growing (runtimes/rows_choice.py)
+    prompt_rows_costs: dict[str, dict[str, float]]  # per kind: steps per token of each two-row decoder
+    prompt_rows_machine: str  # where build timed the passes ("" in older bundles)
     chat_template: bool
     weight_form: str  # how the onnx engines hold quantized weights (WEIGHT_FORMS), "float32" when they are not
     packed_ops_library: bool  # whether this installation has the op library packed engines need
@@ -130,10 +135,41 @@ def describe(directory: str) -> BundleSummary:
         "router_threshold": m.router_threshold,
         "speculation": m.speculation.to_json() if m.speculation else None,
         "prompt_rows": dict(m.prompt_rows.rows) if m.prompt_rows else {},
+        "prompt_decoders": {kind: m.prompt_rows.decoder_of(kind) for kind in m.prompt_rows.rows}
+        if m.prompt_rows
+        else {},
+        "prompt_rows_costs": _rows_costs(m.prompt_rows),
+        "prompt_rows_machine": m.prompt_rows.machine.describe() if m.prompt_rows and m.prompt_rows.machine else "",
         "chat_template": m.tokenizer.chat is not None,
         "weight_form": weight_form(bundle),
         "packed_ops_library": library_path() is not None,
     }
+
+
+def _rows_costs(rows: PromptRows | None) -> dict[str, dict[str, float]]:
+    """Each counted kind's growing and floor cost per token, as build priced them."""
+    if rows is None or rows.counts is None or rows.machine is None:
+        return {}
+    measured = rows.extra.get("measured", {})
+    growing, floor = measured.get("cost_per_token", {}), measured.get("floor_cost_per_token", {})
+    return {
+        kind: {"growing": float(growing[kind]), "floor": float(floor[kind])}
+        for kind in rows.counts
+        if is_number(growing.get(kind)) and is_number(floor.get(kind))
+    }
+
+
+def _rows_line(info: BundleSummary) -> str:
+    """`edit 2 (growing: 0.80, floor 0.85 steps/token), chat 1 (plain: ...); measured on CPU`."""
+    if not info["prompt_rows"]:
+        return "not measured (the runtime's rule)"
+    parts = []
+    for kind, rows in info["prompt_rows"].items():
+        costs = info["prompt_rows_costs"].get(kind)
+        priced = f"; growing {costs['growing']:.2f}, floor {costs['floor']:.2f} steps/token" if costs else ""
+        parts.append(f"{kind} {rows} ({info['prompt_decoders'].get(kind, 'growing')}{priced})")
+    where = info["prompt_rows_machine"]
+    return ", ".join(parts) + (f"; measured on {where}, made again on another machine" if where else "")
 
 
 def needs_library(info: BundleSummary) -> bool:
@@ -188,8 +224,7 @@ def render(info: BundleSummary) -> str:
             )
     spec = info["speculation"]
     lines.append(f"speculation {json.dumps(spec) if spec else 'none'}")
-    rows = ", ".join(f"{kind} {n}" for kind, n in info["prompt_rows"].items()) or "not measured (the runtime's rule)"
-    lines.append(f"decode rows per prompt kind: {rows}")
+    lines.append(f"decode rows per prompt kind: {_rows_line(info)}")
     lines.append("graphs:")
     for name, g in info["graphs"].items():
         extras = [

@@ -41,6 +41,7 @@ class DecodePolicy:
     name: str
     kind: str = ""
     calibrated: bool = False
+    measured_on: str = ""  # where the calibrated choice's pass costs were timed (runtimes/rows_recheck.py)
 
     def to_json(self) -> dict[str, Any]:
         """The policy as `run --json` and the server's stats report it."""
@@ -49,6 +50,7 @@ class DecodePolicy:
             "policy": self.name,
             "prompt_kind": self.kind,
             "policy_calibrated": self.calibrated,
+            "policy_measured_on": self.measured_on,
         }
 
 
@@ -62,16 +64,23 @@ def prompt_kind(prompt: str) -> str:
     return "edit" if code_chars(prompt) >= MIN_CODE_CHARS else "chat"
 
 
-def prompt_policy(prompt: str, guessing: bool = False, measured: PromptRows | None = None) -> DecodePolicy:
-    """The policy a prompt gets when neither the caller nor the bundle fixes the rows: the rows
-    `build` measured for the prompt's kind where it did, else the fixed rule. `guessing`: the
-    bundle's decode graph guesses the next token itself (an EAGLE head, runtimes/drafting/eagle.py),
-    so every floor round of two rows drafts its guess ("head" where no code block would be copied)."""
+def prompt_policy(
+    prompt: str, guessing: bool = False, measured: PromptRows | None = None, measured_on: str = ""
+) -> DecodePolicy:
+    """The policy a prompt gets when neither the caller nor the bundle fixes the rows: the rows and
+    decoder `build` measured for the prompt's kind where it did (made again for this machine:
+    runtimes/rows_recheck.py), else the fixed rule. `guessing`: the bundle's decode graph guesses
+    the next token itself (an EAGLE head, runtimes/drafting/eagle.py), so every floor round of two
+    rows drafts its guess ("head" where no code block would be copied). "floor": two rows where
+    growing lookup measured no cheaper than `--mode ar`'s floor rounds, which the default then runs."""
     kind = prompt_kind(prompt)
     rows = measured.of(kind) if measured is not None else None
     calibrated = rows is not None
+    where = measured_on if calibrated else ""
     if rows is None:
         rows = 2 if kind == "edit" or guessing else 1
     if rows == 1:
-        return DecodePolicy(1, "plain", kind, calibrated)
-    return DecodePolicy(2, "head" if guessing and kind == "chat" else "lookup", kind, calibrated)
+        return DecodePolicy(1, "plain", kind, calibrated, where)
+    if measured is not None and calibrated and measured.decoder_of(kind) == "floor":
+        return DecodePolicy(2, "floor", kind, calibrated, where)
+    return DecodePolicy(2, "head" if guessing and kind == "chat" else "lookup", kind, calibrated, where)

@@ -324,10 +324,14 @@ DECODERS: dict[tuple[Mode, bool], Decoder] = {
 PAIRED_DRAFTS = PairedDrafts()
 
 
-def decoder_for(mode: Mode, rows: int, paired: bool = False, kind: str = "") -> Decoder:
+def decoder_for(mode: Mode, rows: int, paired: bool = False, kind: str = "", floor: bool = False) -> Decoder:
     """The decoder of a request: the table's entry for its mode and rows. Beside a draft bundle
     (`paired`) spec drafts with it, and auto on every prompt but an edit one, where prompt lookup
-    and the bundle's own head paid more (the 1.5B: 43.6 against 56.2 ms, docs/draft-bundle.md)."""
+    and the bundle's own head paid more (the 1.5B: 43.6 against 56.2 ms, docs/draft-bundle.md).
+    `floor`: growing lookup measured no cheaper than floor rounds for this kind of prompt on this
+    machine (runtimes/rows_choice.py), so auto on two rows runs `--mode ar`'s rounds."""
     if paired and (mode is Mode.SPEC or (mode is Mode.AUTO and kind != "edit")):
         return PAIRED_DRAFTS
+    if floor and mode is Mode.AUTO and rows >= 2:
+        return DECODERS[(Mode.AR, True)]
     return DECODERS[(mode, rows >= 2)]

@@ -32,6 +32,7 @@ from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_decode_rows
 from adaptive_export.runtimes.manifest import ConfigEntry
+from adaptive_export.runtimes.rows_recheck import RowsOnThisMachine, rows_here
 from adaptive_export.runtimes.sampling import Sampler, SamplingParams, make_sampler
 from adaptive_export.runtimes.selection import choose_config
 from adaptive_export.runtimes.sequence import SequenceState
@@ -245,6 +246,7 @@ class Generator:
             draft = DraftModel.load(draft_bundle, self.bundle, self.codec, backend, verify, **own)
         self.decoding = DecodeContext(self.bundle, self.backend, draft_model=draft)  # what the decoders read
         self._turn = _Turn()
+        self._rows_on_this_machine: RowsOnThisMachine | None = None
 
     # ---- public API -------------------------------------------------------------------
     def generate(
@@ -314,7 +316,8 @@ class Generator:
         mode = decoding.parsed_mode
         policy = self._policy(prompt, prompt_ids, mode)
         paired = self.decoding.draft_model is not None
-        decoder = decoder_for(mode, policy.rows, paired, policy.kind).resolve(self.decoding, policy.rows)
+        floor = policy.name == "floor"
+        decoder = decoder_for(mode, policy.rows, paired, policy.kind, floor).resolve(self.decoding, policy.rows)
         return GenerationRequest(
             prompt_ids, max_new_tokens, sampling, stop_strings, decoding, decoder, should_stop, policy
         )
@@ -333,11 +336,20 @@ class Generator:
             return DecodePolicy(1, "fixed")
         text = self._text(prompt, prompt_ids)
         guessing = self.bundle.graph(self.bundle.config("full").decode).guesses
-        policy = prompt_policy(text, guessing, self.bundle.manifest.prompt_rows)
+        here = self._rows_here()
+        policy = prompt_policy(text, guessing, here.rows, here.measured_on)
         if not paired:
             return policy
         name = "draft_model" if policy.kind == "chat" else policy.name if policy.rows >= 2 else "lookup"
         return DecodePolicy(max(policy.rows, 2), name, policy.kind, policy.calibrated)
+
+    def _rows_here(self) -> RowsOnThisMachine:
+        """The build's per-kind choice, made again with this machine's pass costs where the bundle
+        was built elsewhere (once per Generator, before the first request's prefill: it runs passes)."""
+        if self._rows_on_this_machine is None:
+            threads = getattr(self.backend, "threads", 0)
+            self._rows_on_this_machine = rows_here(self.bundle, self.backend, self.arena, threads)
+        return self._rows_on_this_machine
 
     def _text(self, prompt: str | Sequence[int], prompt_ids: list[int]) -> str:
         """The prompt as text (ids decoded), for the policy that reads it."""

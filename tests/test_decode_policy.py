@@ -87,8 +87,10 @@ def test_build_measures_the_rows_and_the_default_run_follows_them(
     measured = section["measured"]
     assert measured["prompts"] == {"edit": 4, "chat": 4} and set(measured["pass_cost"]) == {"1", "2", "3", "4"}
     for kind, prompt in (("edit", EDIT), ("chat", CHAT)):
-        pays = measured["cost_per_token"][kind] <= TWO_ROWS_PAY
-        assert section[kind] == (2 if pays else 1)
+        growing, floor = measured["cost_per_token"][kind], measured["floor_cost_per_token"][kind]
+        assert section[kind] == (2 if min(growing, floor) <= TWO_ROWS_PAY else 1)
+        if section[kind] == 2:
+            assert section["decoders"][kind] == ("growing" if growing <= floor else "floor")
         default, ar = (run_json(capsys, bundle, prompt, *m) for m in ((), ("--mode", "ar")))
         stats = default["stats"]
         assert (stats["prompt_kind"], stats["policy_calibrated"], stats["decode_rows"]) == (kind, True, section[kind])
