@@ -169,7 +169,7 @@ def _rows_line(info: BundleSummary) -> str:
         priced = f"; growing {costs['growing']:.2f}, floor {costs['floor']:.2f} steps/token" if costs else ""
         parts.append(f"{kind} {rows} ({info['prompt_decoders'].get(kind, 'growing')}{priced})")
     where = info["prompt_rows_machine"]
-    return ", ".join(parts) + (f"; measured on {where}, made again on another machine" if where else "")
+    return ", ".join(parts) + (f"; measured on {where} (re-timed where run on another machine)" if where else "")
 
 
 def needs_library(info: BundleSummary) -> bool:

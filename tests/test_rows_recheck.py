@@ -24,6 +24,7 @@ from adaptive_export.runtimes.manifest_prompt_rows import PromptRows
 from adaptive_export.runtimes.pass_costs import VerifyCosts
 from adaptive_export.runtimes.rows_choice import KindCounts, choose
 from adaptive_export.runtimes.rows_recheck import rechosen
+from tests.conftest import needs_smollm2
 from tests.test_decode_policy import CHAT, EDIT
 from tests.test_hardening import resign
 
@@ -97,7 +98,7 @@ def test_a_hostile_measurement_is_refused_in_one_line(change: Any, problem: str)
 
 
 # ---- on built engines ----------------------------------------------------------------------
-def slow_two_rows(engine: Path) -> None:
+def slow_two_rows(engine: Path, chain: int = SLOW_CHAIN) -> None:
     """Add to a decode engine a side branch that multiplies min(T - 1, 15) rows through a chain of
     SLOW_CHAIN [SLOW_SIDE, SLOW_SIDE] products, folded into the logits times zero: the answers are
     unchanged, a one-row pass does no extra work, and a two-row pass costs many one-row passes."""
@@ -124,9 +125,9 @@ def slow_two_rows(engine: Path) -> None:
         helper.make_node("Concat", ["slow_count", "slow_width"], ["slow_shape"], axis=0),
         helper.make_node("Expand", ["slow_row", "slow_shape"], ["slow_0"]),
     ]
-    nodes += [helper.make_node("MatMul", [f"slow_{n}", "slow_side"], [f"slow_{n + 1}"]) for n in range(SLOW_CHAIN)]
+    nodes += [helper.make_node("MatMul", [f"slow_{n}", "slow_side"], [f"slow_{n + 1}"]) for n in range(chain)]
     nodes += [
-        helper.make_node("ReduceSum", [f"slow_{SLOW_CHAIN}"], ["slow_sum"], keepdims=0),
+        helper.make_node("ReduceSum", [f"slow_{chain}"], ["slow_sum"], keepdims=0),
         helper.make_node("Mul", ["slow_sum", "slow_zero"], ["slow_nothing"]),
         helper.make_node("Add", [fast_logits, "slow_nothing"], [logits]),
     ]
@@ -140,11 +141,11 @@ def decode_engine(bundle: Path) -> Path:
     return bundle / manifest["backends"]["onnx"]["graphs"][decode]["file"]
 
 
-def moved_elsewhere(bundle: Path, target: Path, slow: bool) -> Path:
+def moved_elsewhere(bundle: Path, target: Path, slow: bool, chain: int = SLOW_CHAIN) -> Path:
     """A copy of the bundle whose manifest says it was measured on another machine (re-signed)."""
     shutil.copytree(bundle, target)
     if slow:
-        slow_two_rows(decode_engine(target))
+        slow_two_rows(decode_engine(target), chain)
     manifest = json.loads((target / "manifest.json").read_text())
     manifest["prompt_rows"]["measured"]["machine"] = dict(ELSEWHERE)
     resign(target, manifest)
@@ -219,3 +220,22 @@ def test_the_build_measures_such_a_source_and_keeps_plain_steps(measured_bundle:
     choice = calibrate_prompt_rows(slow, progress=False)
     assert choice.rows == {"edit": 1, "chat": 1}, [(c.kind, c.growing_cost, c.floor_cost) for c in choice.choices]
     assert choice.costs.cost(1) > 2  # the side branch is what a two-row pass pays
+
+
+@needs_smollm2
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_on_smollm2_a_slowed_two_row_pass_decodes_plainly_with_ars_tokens(
+    capsys: pytest.CaptureFixture[str], smol_default_bundle: Path, tmp_path: Path, user_cache: Path
+) -> None:
+    """The packaged model's default bundle, its decode engine slowed at two rows and more, run as
+    if built elsewhere: its first run times the passes, and every kind then decodes plainly."""
+    slow = moved_elsewhere(smol_default_bundle, tmp_path / "slow", slow=True, chain=4 * SLOW_CHAIN)
+    for prompt in (EDIT, CHAT):
+        default, ar = run_json(capsys, slow, prompt), run_json(capsys, slow, prompt, "--mode", "ar")
+        stats = default["stats"]
+        assert (stats["policy"], stats["decode_rows"]) == ("plain", 1), stats
+        assert stats["policy_measured_on"].startswith("this machine")
+        assert default["tokens"] == ar["tokens"]
+    section = json.loads((smol_default_bundle / "manifest.json").read_text())["prompt_rows"]
+    assert 2 in (section["edit"], section["chat"])  # as built, two rows paid for some kind
