@@ -17,7 +17,6 @@ bookkeeping see the same cache. Rows the device lacks (e.g. a host arena filled 
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.graph_policy import checked_engine_bytes
 from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.manifest import Manifest
+from adaptive_export.runtimes.user_cache import user_cache_dir
 
 OPT_DRAFT_TOKENS = 4
 
@@ -64,7 +64,7 @@ def engine_cache_dir() -> Path:
     props = _check(cudart.cudaGetDeviceProperties(0))
     gpu = props.name.decode() if isinstance(props.name, bytes) else str(props.name)
     key = f"{gpu.replace(' ', '_')}-sm{props.major}{props.minor}-trt{trt.__version__}"
-    root = Path(os.environ.get("ADAPTIVE_EXPORT_CACHE", Path.home() / ".cache" / "adaptive-export")) / "tensorrt" / key
+    root = user_cache_dir() / "tensorrt" / key
     root.mkdir(parents=True, exist_ok=True)
     return root
 
