@@ -95,6 +95,7 @@ def test_lean_bundle_equals_the_full_load_bundle(tmp_path: Path) -> None:
     assert_streamed_equals_full(tmp_path, "--max-len", "256", lean_share=0.5)
 
 
+@pytest.mark.heavy
 def test_a_calibrated_build_streams_its_export(tmp_path: Path) -> None:
     """A build that calibrates on the fp32 model (here early exit at layer 20, draft length 3) lets
     the model go and streams its export: the same bundle as the full load, draft and verify graphs
@@ -102,6 +103,7 @@ def test_a_calibrated_build_streams_its_export(tmp_path: Path) -> None:
     assert_streamed_equals_full(tmp_path, "--max-len", "256", "--speculate", "20:3", lean_share=0.6)
 
 
+@pytest.mark.heavy
 def test_a_build_with_a_head_file_streams_its_export(tmp_path: Path) -> None:
     """An EAGLE head from a file (what `build` of a packaged model takes from samples/heads/) needs
     no fp32 model: its trimmed LM head rows are read from the .gguf row by row, and the bundle

@@ -96,6 +96,7 @@ def test_traces_whose_blocks_differ_are_refused(tmp_path: Path) -> None:
 @needs_smollm2
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.heavy
 def test_smollm2_graphs_are_written_as_their_whole_traces() -> None:
     """The real 30-layer stack, over fake weights as check's rebuild traces it."""
     from adaptive_export.loading.lean_model import load_lean_model
@@ -110,6 +111,7 @@ def test_smollm2_graphs_are_written_as_their_whole_traces() -> None:
 @needs_smollm2
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
+@pytest.mark.heavy
 def test_smollm2_cold_portable_check_passes_and_a_tamper_is_reported_from_whole_traces(
     tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:

@@ -22,7 +22,13 @@ NEW_TOKENS = 24
 MATCH_FLOOR = {"eval_prompts.jsonl": 0.31, "spec_prompts.jsonl": 0.27}
 
 
-@pytest.mark.parametrize("prompt_file", ["eval_prompts.jsonl", "spec_prompts.jsonl"], ids=["held-out", "spec"])
+@pytest.mark.parametrize(
+    "prompt_file",
+    [
+        pytest.param("eval_prompts.jsonl", id="held-out"),
+        pytest.param("spec_prompts.jsonl", id="spec", marks=pytest.mark.heavy),
+    ],
+)
 def test_pipelined_is_lossless(smol_bundle: Path, prompt_file: str) -> None:
     generator = Generator(smol_bundle)
     prompts = read_prompts(str(ROOT / "samples" / prompt_file))

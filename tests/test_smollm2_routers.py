@@ -14,7 +14,7 @@ from adaptive_export.runtimes import Generator
 from tests.conftest import build_smollm2, cli, needs_smollm2
 
 # routers trained on the real model, then every configuration's check: minutes on 2 cores
-pytestmark = [needs_smollm2, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [needs_smollm2, pytest.mark.slow, pytest.mark.heavy, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).parents[1]
 
 
