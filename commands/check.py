@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from adaptive_export.commands import EXIT_MISMATCH, EXIT_OK
@@ -18,7 +19,8 @@ MAX_TOLERANCE = 100.0  # `check --tolerance`: a larger factor would no longer ga
 def ensure_check_fits(model: str | None, bundle: str) -> None:
     """check's fp32 reference and the bundle's engines must fit in memory: refused before the
     reference loads, not killed while it does."""
-    from adaptive_export.loading.memory_plan import check_need, engine_file_bytes, ensure_fits
+    from adaptive_export.exporter.check_structure import rebuild_streams
+    from adaptive_export.loading.memory_plan import build_need, check_need, engine_file_bytes, ensure_fits
     from adaptive_export.loading.model import model_fields
     from adaptive_export.loading.model_checks import SIZING_KEYS
     from adaptive_export.runtimes.bundle import load_bundle
@@ -27,7 +29,10 @@ def ensure_check_fits(model: str | None, bundle: str) -> None:
         return  # check itself says the reference is required
     fields = model_fields(model)
     if all(fields.get(key) is not None for key in SIZING_KEYS):
-        ensure_fits(check_need(fields, engine_file_bytes(load_bundle(bundle).manifest)))
+        loaded = load_bundle(bundle)
+        rebuild = build_need(fields, "stream" if rebuild_streams(loaded, model) else "full")
+        rebuild = replace(rebuild, what="check's rebuild of the engines from --model")
+        ensure_fits(max(check_need(fields, engine_file_bytes(loaded.manifest)), rebuild, key=lambda n: n.peak_bytes))
 
 
 def cmd_check(options: CheckOptions) -> int:
@@ -62,6 +67,7 @@ def cmd_check(options: CheckOptions) -> int:
             options.tolerance,
             expect_precision=options.expect_precision,
             provider=options.provider,
+            allow_unrebuilt=options.allow_unrebuilt,
         )
     try:
         write_report(report, options.report, options.junit)

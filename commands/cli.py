@@ -597,6 +597,14 @@ def _add_check_command(sub: Any) -> None:
         help="fail unless the engines are this precision (read from their ops and initializers; default: "
         "whatever they are, the manifest's dtype having to agree)",
     )
+    check.add_argument(
+        "--allow-unrebuilt",
+        action="append",
+        metavar="ENGINE",
+        help="accept these engines (comma-separated, repeatable) although no rebuild from --model makes them: "
+        "they are then checked by behaviour only. By default every engine is compared node for node and "
+        "byte for byte with the one the model's build makes, and one that is not fails",
+    )
     check.add_argument("--report", default=None, help="write the JSON report here")
     check.add_argument("--junit", default=None, help="write JUnit XML here (one test case per engine and check)")
     check.add_argument(

@@ -116,6 +116,12 @@ class CheckOptions(Options):
     tolerance: float = 1.0
     expect_precision: str | None = None  # fp32, int8, int4 or gguf: what the engines must be
     provider: str = "cpu"  # ONNX Runtime's execution provider for the engines
+    allow_unrebuilt: tuple[str, ...] = ()  # engines accepted without a structural comparison
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **converted: Any) -> CheckOptions:
+        names = (name.strip() for value in args.allow_unrebuilt or () for name in value.split(","))
+        return super().from_args(args, allow_unrebuilt=tuple(name for name in names if name))
 
 
 @dataclass(frozen=True)

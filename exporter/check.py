@@ -26,7 +26,7 @@ import contextlib
 import json
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -695,13 +695,13 @@ def bundle_rows(bundle: Bundle, precision: BundlePrecision, expected: str | None
     return rows
 
 
-def structure_check(bundle: Bundle, model: str | None) -> list[CheckResult]:
+def structure_check(bundle: Bundle, model: str | None, allow_unrebuilt: Collection[str] = ()) -> list[CheckResult]:
     """The engines against those the model defines, node for node and byte for byte (exporter/check_structure.py)."""
     from adaptive_export.exporter.check_structure import structure_rows
 
     if model is None:
         return []  # load_parts says the reference is required
-    rows = structure_rows(bundle, model)
+    rows = structure_rows(bundle, model, allow_unrebuilt)
     return [
         CheckResult("onnx", r.engine, "structure", r.passed, r.executed, seconds=r.seconds, detail=r.detail)
         for r in rows
@@ -725,6 +725,7 @@ def run_check(
     progress: bool = True,
     expect_precision: str | None = None,
     provider: str = "cpu",
+    allow_unrebuilt: Collection[str] = (),
 ) -> CheckReport:
     """Load the bundle and the reference the user named once, then check what the engines are,
     the tokenizer, and every backend against it. Nothing is taken from the bundle on trust."""
@@ -737,7 +738,8 @@ def run_check(
     # the rebuild and the reference load one model: its config and tokenizer are read, and a .gguf
     # parsed, once (two parses of Gemma 3's 262k-token vocabulary cost 47 s of a 167 s check, Zen 3)
     with model_headers_read_once(), one_parse_per_file():
-        structure = structure_check(bundle, model)  # before the fp32 reference loads: one model in memory at a time
+        # before the fp32 reference loads: one model in memory at a time
+        structure = structure_check(bundle, model, allow_unrebuilt)
         loaded, parts = load_parts(bundle, model)
     precision = bundle_precision(bundle)
     report = CheckReport(bundle=str(bundle_dir), model=loaded.source, provider=provider)

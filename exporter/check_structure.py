@@ -2,19 +2,19 @@
 
 Behavioural checks sample: a few token ids, three prompts, positions below ~60. A tampered
 engine that computes the right thing there and something else elsewhere (rotary tables
-rewritten past position 128, a branch on one token id) passes them. So `check` rebuilds the
-engines from `--model` with the bundle's recorded build options (the streaming build of
-exporter/lean_export.py: seconds to a minute, no fp32 model held) and compares them with the
-bundle's, node for node (ops, domains, attributes, wiring), graph input and output for input and
-output, and initializer for initializer (name, type, shape and every byte: GGUF-exact blocks
-exactly, derived tables such as the rotary caches in full). A row names the first node or tensor
-that differs. What no model defines (trained routers, adapters, draft heads) has no rebuilt
-engine: those graphs are listed as not rebuilt, and the behavioural checks cover them. The one
-exception is a guessing head inside the plain decode graph (an EAGLE head, which `build` of a
-packaged model includes by default): the rebuild takes its trained table and ids from the
-bundle's own head file (listed with a checksum like every file), so every other node and tensor
-of that graph is still compared with what the model defines; a head tampered in both places only
-changes guesses, which verification makes lossless.
+rewritten past position 128, a branch on one token id, an extra engine a configuration names)
+passes them. So `check` rebuilds every engine from `--model`, with the plan the manifest
+describes (configurations, routers, draft pieces) and its recorded build options (streamed from
+a .gguf where the build streams: no fp32 model held), and compares them with the bundle's, node
+for node (ops, domains, attributes, wiring), graph input and output for input and output, and
+initializer for initializer (name, type, shape and every byte: GGUF-exact blocks exactly, derived
+tables such as the rotary caches in full). A row names the first node or tensor that differs.
+
+What no model defines (trained routers, skip and exit adapters, draft tables) the rebuild takes
+from the bundle's own listed files, so every other node and tensor is still compared; those
+trained tensors are gated by the behavioural and quality checks. The manifest's words choose
+what is rebuilt, never whether: an engine no rebuild makes fails, unless `--allow-unrebuilt`
+names it, and the configurations must name the engines the model's build names.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from adaptive_export.exporter.repeated_layers import GraphNames, bare_value, rea
 from adaptive_export.runtimes.bundle import Bundle
 from adaptive_export.runtimes.errors import UsageError
 
-REBUILT_QUANTIZE = ("native", "none")  # what the streaming build makes; int8/int4 re-quantize a float model
+LEAN_QUANTIZE = ("native", "none")  # what the streaming build writes; int8/int4 re-quantize the float model
 
 
 @dataclass(frozen=True)
@@ -46,134 +46,180 @@ class StructureRow:
     seconds: float
 
 
-def structure_rows(bundle: Bundle, model: str) -> list[StructureRow]:
-    """One row per onnx engine: equal to the rebuilt engine, or the first difference; rows that say
-    why an engine was not rebuilt."""
+def structure_rows(bundle: Bundle, model: str, allow_unrebuilt: Collection[str] = ()) -> list[StructureRow]:
+    """One row per onnx engine: equal to the rebuilt engine, or the first difference; an engine no
+    rebuild makes fails unless `allow_unrebuilt` names it (then its row says it was not compared)."""
     started = time.perf_counter()
+    _check_allowed(bundle, allow_unrebuilt)
     reason = _not_rebuildable(bundle, model)
-    if reason is None and not _plain_graphs_in(bundle):
-        reason = "every graph carries calibrated parts (routers, drafts, prompt tokens): checked by behaviour"
     if reason is not None:
-        return [StructureRow("all", True, False, f"engines not rebuilt: {reason}", 0.0)]
+        return list(_unrebuilt_rows(sorted(bundle.manifest.graphs), reason, allow_unrebuilt))
     with tempfile.TemporaryDirectory(prefix="adaptive-export-check-") as folder:
         rebuilt = _rebuild(bundle, model, Path(folder) / "bundle", repeat_layers=True)
-        rows = list(_compare_engines(bundle, rebuilt, time.perf_counter() - started))
+        rows = list(_compare_bundles(bundle, rebuilt, allow_unrebuilt, time.perf_counter() - started))
         if all(row.passed for row in rows) or bundle.manifest.backends["onnx"].flavour != "portable":
             return rows
         # a difference is reported from whole traces: graphs written from short ones are only a shortcut
         rebuilt = _rebuild(bundle, model, Path(folder) / "traced", repeat_layers=False)
-        return list(_compare_engines(bundle, rebuilt, time.perf_counter() - started))
+        return list(_compare_bundles(bundle, rebuilt, allow_unrebuilt, time.perf_counter() - started))
+
+
+def _check_allowed(bundle: Bundle, allow_unrebuilt: Collection[str]) -> None:
+    unknown = sorted(set(allow_unrebuilt) - set(bundle.manifest.graphs))
+    if unknown:
+        raise UsageError(
+            f"--allow-unrebuilt names {_shown(unknown[0])}, which is no graph of the bundle",
+            f"name one of its graphs ({', '.join(sorted(bundle.manifest.graphs)[:8])})",
+        )
 
 
 def _not_rebuildable(bundle: Bundle, model: str) -> str | None:
+    """Why no engine of the bundle can be rebuilt from `model`, or None. The manifest's words
+    choose what is rebuilt, never whether: a word that does not describe the engines rebuilds
+    other engines, and the comparison fails."""
     from adaptive_export.loading.model import check_model_files
 
     onnx_entry = bundle.manifest.backends.get("onnx")
     if onnx_entry is None:
         return "the bundle has no onnx engines"
-    if onnx_entry.quantize not in REBUILT_QUANTIZE:
-        return (
-            f"--quantize {onnx_entry.quantize} re-quantizes a float model; the streaming build rebuilds native and none"
-        )
     _, gguf_file = check_model_files(model)
-    if gguf_file is None:
-        return "the reference is not a .gguf (the streaming build reads .gguf files)"
+    if onnx_entry.quantize == "native" and gguf_file is None:
+        return "a GGUF-exact bundle is rebuilt from its .gguf, and the reference is not one"
     return None
 
 
-def _plain_graphs_in(bundle: Bundle) -> bool:
-    """Whether any of the bundle's graphs is one a plain build makes (decided from the manifest,
-    before minutes of rebuilding a bundle with nothing to compare)."""
-    from adaptive_export.exporter.build import flavoured
-    from adaptive_export.exporter.graph_entry import manifest_graph
-
-    flavour = bundle.manifest.backends["onnx"].flavour
-    plain = flavoured(_plain_plan(bundle, bundle.num_layers).graphs(), flavour)
-    return any(g.name in bundle.manifest.graphs and bundle.graph(g.name) == manifest_graph(g) for g in plain)
-
-
-@dataclass(frozen=True)
-class _Head:
-    """The bundle's guessing head, as its own files hold it: table [5 x width, hidden], ids."""
-
-    table: Any
-    ids: Any
+def _unrebuilt_rows(names: list[str], reason: str, allowed: Collection[str]) -> Iterator[StructureRow]:
+    for name in names:
+        if name in allowed:
+            detail = f"not compared ({reason}): --allow-unrebuilt accepts it, checked by behaviour only"
+            yield StructureRow(name, True, False, detail, 0.0)
+        else:
+            detail = f"no engine was rebuilt to compare it with ({reason}); --allow-unrebuilt {name} accepts that"
+            yield StructureRow(name, False, False, detail, 0.0)
 
 
-def _bundle_head(bundle: Bundle) -> _Head | None:
-    """The EAGLE head the bundle's plain decode graph guesses with, from its head file, or None."""
-    import torch
+def bundle_plan(bundle: Bundle) -> Any:
+    """The build plan the manifest describes (configurations, routers, each draft source's graph
+    piece), read from its graph entries: what the rebuild makes. A manifest whose graphs no one
+    plan makes gets the rebuild of one plan, and the engines it does not make fail."""
+    from adaptive_export.graphs.drafts.early_exit import NAME as EXIT
+    from adaptive_export.graphs.drafts.early_exit import ExitPlan
+    from adaptive_export.graphs.drafts.precision import NAME as PRECISION
+    from adaptive_export.graphs.plan import FULL_CONFIG, BuildPlan, SkipConfig
 
-    from adaptive_export.loading.artifacts import load_draft_table
-    from adaptive_export.runtimes.drafting.eagle import FIELD, Eagle
-
-    assert Eagle.table is not None
-    decode = bundle.manifest.graphs.get("decode_full")
-    ids = bundle.draft_vocab_ids
-    if decode is None or not decode.draft_field(FIELD) or ids is None:
-        return None
-    table = load_draft_table(Eagle.table, bundle.root / Eagle.table.file, bundle.model.hidden_size)
-    if table.shape[0] != 5 * decode.draft_field(FIELD):  # a hostile file whose checksum was re-signed
-        raise UsageError(
-            f"the bundle's {Eagle.table.file} holds a head of width {table.shape[0] // 5}, its decode graph "
-            f"guesses with width {decode.draft_field(FIELD)}",
-            "rebuild the bundle: its head file does not belong to its engines",
-        )
-    return _Head(table, torch.from_numpy(ids.astype(np.int64)))
-
-
-def _plain_plan(bundle: Bundle, num_layers: int) -> Any:
-    """The plain build's plan, with the bundle's guessing head where its decode graph has one
-    (width and vocabulary from the manifest: no file is read to decide what to rebuild)."""
-    from adaptive_export.graphs.plan import BuildPlan
-    from adaptive_export.runtimes.drafting.eagle import FIELD
-
-    plan = BuildPlan(num_layers=num_layers)
-    decode = bundle.manifest.graphs.get("decode_full")
-    width = decode.draft_field(FIELD) if decode is not None else 0
-    if width and bundle.manifest.draft_vocab is not None:
-        plan.draft_fields[FIELD] = width
-        plan.draft_vocab = bundle.manifest.draft_vocab.size
+    manifest = bundle.manifest
+    graphs = [bundle.graph(name) for name in manifest.graphs]
+    configs = [SkipConfig(c.id, tuple(c.kept), bundle.graph(c.decode).skip_adapters) for c in manifest.configs]
+    routers = any(g.kind == "prefill" and g.router_scores for g in graphs)
+    plan = BuildPlan(num_layers=bundle.num_layers, configs=configs, routers=routers)
+    exits = sorted({(g.exit_layer or 0, g.exit_adapter, g.draft_vocab) for g in graphs if g.kind == "draft"})
+    if exits:
+        layer, adapter, vocab = exits[0]
+        plan.drafts[EXIT] = ExitPlan(layer, 1, adapter, vocab)  # the draft length is no part of a graph
+    precisions = sorted({g.precision for g in graphs if g.precision is not None})
+    if precisions:
+        plan.drafts[PRECISION] = precisions[0]
+    full = next((c for c in manifest.configs if c.id == FULL_CONFIG), None)
+    if full is not None:
+        plan.draft_fields.update(bundle.graph(full.decode).draft_fields)
+    plan.draft_vocab = manifest.draft_vocab.size if manifest.draft_vocab is not None else 0
     return plan
 
 
 def _rebuild(bundle: Bundle, model: str, out: Path, repeat_layers: bool) -> Bundle:
-    """The plain plan's engines (with the bundle's own guessing head, if any), built from the
-    model with the bundle's recorded options; `repeat_layers`: see ExportOptions."""
+    """The manifest's plan, built from the model with the bundle's recorded options and its own
+    trained parts (routers, adapters, draft tables: what no model defines; every other node and
+    tensor comes from the model). Streamed from a .gguf where the build streams; `repeat_layers`:
+    see ExportOptions."""
     from adaptive_export.exporter.build import ExportOptions, build_bundle
     from adaptive_export.graphs.span_graph import ModelParts
+    from adaptive_export.loading.artifacts import add_trained_parts, check_reference_dims
     from adaptive_export.loading.lean_model import draft_vocab_rows, load_lean_model
+    from adaptive_export.loading.model import load_model
     from adaptive_export.runtimes.bundle import load_bundle
-    from adaptive_export.runtimes.drafting.eagle import FIELD
 
     onnx_entry = bundle.manifest.backends["onnx"]
-    loaded = load_lean_model(model)
-    assert loaded.weights is not None
+    lean = rebuild_streams(bundle, model)
+    loaded = load_lean_model(model) if lean else load_model(model)
+    check_reference_dims(bundle, loaded)
     parts = ModelParts(loaded.hf_model, loaded.spec)
-    head = _bundle_head(bundle)
-    if head is not None:
-        parts.draft_tables[FIELD], parts.draft_vocab = head.table, head.ids
-        parts.draft_heads[int(head.ids.numel())] = draft_vocab_rows(loaded, head.ids)
+    add_trained_parts(bundle, parts)
+    _check_head_width(bundle, parts)
+    if lean and parts.draft_vocab is not None:  # the fake LM head cannot be indexed: its rows from the file
+        parts.draft_heads[int(parts.draft_vocab.numel())] = draft_vocab_rows(loaded, parts.draft_vocab)
     options = ExportOptions(
         output=out,
         max_len=bundle.max_len,
         quantize=onnx_entry.quantize,
         quant_options=dict(onnx_entry.extra.get("quant_options") or {}),
         onnx_flavour=onnx_entry.flavour,
-        native_source=loaded.weights.path if onnx_entry.quantize == "native" else None,
+        native_source=_gguf_path(model) if onnx_entry.quantize == "native" else None,
         progress=False,
         repeat_layers=repeat_layers,
     )
-    build_bundle(loaded, _plain_plan(bundle, loaded.spec.num_layers), options, parts)
+    build_bundle(loaded, bundle_plan(bundle), options, parts)
     return load_bundle(out)
 
 
-def _compare_engines(bundle: Bundle, rebuilt: Bundle, seconds: float) -> Iterator[StructureRow]:
+def rebuild_streams(bundle: Bundle, model: str) -> bool:
+    """Whether the rebuild streams the weights from a .gguf (the build's lean path) or loads the
+    fp32 model (re-quantization and precision drafts read float weights)."""
+    from adaptive_export.loading.model import check_model_files
+
+    onnx_entry = bundle.manifest.backends.get("onnx")
+    _, gguf_file = check_model_files(model)
+    floats = any(bundle.graph(name).precision is not None for name in bundle.manifest.graphs)
+    return onnx_entry is not None and gguf_file is not None and onnx_entry.quantize in LEAN_QUANTIZE and not floats
+
+
+def _gguf_path(model: str) -> Path | None:
+    """The reference's .gguf file, whose blocks a GGUF-exact rebuild keeps (None: not a .gguf)."""
+    from adaptive_export.loading.model import check_model_files
+
+    directory, gguf_file = check_model_files(model)
+    return directory / gguf_file if gguf_file is not None else None
+
+
+def _check_head_width(bundle: Bundle, parts: Any) -> None:
+    """The EAGLE table the bundle ships fits the width its decode graph declares (a hostile file
+    whose checksum was re-signed fails in one line, not inside the export)."""
+    from adaptive_export.runtimes.drafting.eagle import FIELD
+
+    table = parts.draft_tables.get(FIELD)
+    decode = bundle.manifest.graphs.get("decode_full")
+    width = decode.draft_field(FIELD) if decode is not None else 0
+    if table is not None and width and table.shape[0] != 5 * width:
+        raise UsageError(
+            f"the bundle's head file holds a head of width {table.shape[0] // 5}, its decode graph guesses "
+            f"with width {width}",
+            "rebuild the bundle: its head file does not belong to its engines",
+        )
+
+
+def _compare_bundles(
+    bundle: Bundle, rebuilt: Bundle, allowed: Collection[str], seconds: float
+) -> Iterator[StructureRow]:
+    """Each engine's row, then the configurations: the engines each names by role, as the rebuild names them."""
+    yield from _compare_engines(bundle, rebuilt, allowed, seconds)
+    ours = [c.to_json() for c in bundle.manifest.configs]
+    theirs = [c.to_json() for c in rebuilt.manifest.configs]
+    if ours == theirs:
+        yield StructureRow("configs", True, True, "each configuration names the engines the model's build names", 0.0)
+    else:
+        first = next((a for a, b in zip(ours, theirs) if a != b), ours[len(theirs)] if len(ours) > len(theirs) else {})
+        shown = _shown(str(first.get("id", "")))
+        detail = f"configuration {shown} names other engines or layers than the model's build"
+        yield StructureRow("configs", False, True, detail, 0.0)
+
+
+def _compare_engines(
+    bundle: Bundle, rebuilt: Bundle, allowed: Collection[str], seconds: float
+) -> Iterator[StructureRow]:
     ours, theirs = bundle.manifest.backends["onnx"], rebuilt.manifest.backends["onnx"]
-    not_rebuilt, compared = [], {}
+    compared: dict[tuple[str, str], str | None] = {}
     for name, engine in ours.graphs.items():
         if name not in theirs.graphs or bundle.graph(name) != rebuilt.graph(name):
-            not_rebuilt.append(name)
+            yield from _unrebuilt_rows([name], "the model's build makes no such graph", allowed)
             continue
         pair = (engine.file, theirs.graphs[name].file)  # graphs that are one model share a file
         if pair not in compared:
@@ -182,9 +228,6 @@ def _compare_engines(bundle: Bundle, rebuilt: Bundle, seconds: float) -> Iterato
         yield StructureRow(
             name, difference is None, True, difference or "equal to the engine the model defines", seconds
         )
-    if not_rebuilt:
-        detail = f"no plain build makes {', '.join(sorted(not_rebuilt))} (routers, drafts): checked by behaviour"
-        yield StructureRow("others", True, False, detail, 0.0)
 
 
 def engine_difference(bundle: Bundle, file: str, rebuilt: Bundle, rebuilt_file: str) -> str | None:

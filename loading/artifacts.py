@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from adaptive_export.graphs.adaptive import DraftHead, ExitAdapter, GatedExitAdapter, Routers
 from adaptive_export.graphs.span_graph import ModelParts
 from adaptive_export.loading.warning_filters import library_call_warnings_hidden
@@ -255,31 +257,41 @@ def load_parts(bundle: Bundle, model: str | None) -> tuple[Any, ModelParts]:
         )
     with library_call_warnings_hidden():  # transformers' deprecation notices while loading are not our output
         loaded = load_model(model)
+    check_reference_dims(bundle, loaded)
+    parts = ModelParts(loaded.hf_model, loaded.spec)
+    add_trained_parts(bundle, parts)
+    return loaded, parts
+
+
+def check_reference_dims(bundle: Bundle, loaded: Any) -> None:
+    """The reference the user named has the bundle's dimensions, or one error line."""
     recorded_dims = bundle.model.to_json()
     if loaded.spec.to_json() != {k: recorded_dims.get(k) for k in loaded.spec.to_json()}:
         raise UsageError(
             f"model {loaded.source!r} does not match the bundle's dimensions",
             "pass the model the bundle was built from with --model",
         )
-    parts = ModelParts(loaded.hf_model, loaded.spec)
+
+
+def add_trained_parts(bundle: Bundle, parts: ModelParts) -> None:
+    """The bundle's own trained parts (routers, skip and exit adapters, draft tables, the draft
+    vocabulary) into `parts`: what no model defines, read from the bundle's listed files only."""
+    spec = parts.spec
     if ROUTERS_FILE in bundle.manifest.files:  # only listed (checksummed) files are opened
-        parts.routers = load_routers(bundle.path(ROUTERS_FILE), loaded.spec.num_layers, loaded.spec.hidden_size)
+        parts.routers = load_routers(bundle.path(ROUTERS_FILE), spec.num_layers, spec.hidden_size)
     if SKIP_ADAPTERS_FILE in bundle.manifest.files:
         parts.skip_adapters = load_skip_adapters(
-            bundle.path(SKIP_ADAPTERS_FILE), loaded.spec.hidden_size, loaded.spec.rms_norm_eps, loaded.spec.num_layers
+            bundle.path(SKIP_ADAPTERS_FILE), spec.hidden_size, spec.rms_norm_eps, spec.num_layers
         )
     _check_skip_adapters_cover(bundle, parts)
     if ADAPTERS_FILE in bundle.manifest.files:
         parts.exit_adapters = load_adapters(
-            bundle.path(ADAPTERS_FILE), loaded.spec.hidden_size, loaded.spec.rms_norm_eps, loaded.spec.num_layers
+            bundle.path(ADAPTERS_FILE), spec.hidden_size, spec.rms_norm_eps, spec.num_layers
         )
     for name, source in SOURCES.items():  # a draft source's trained table, when the bundle ships one
         if source.table is not None and source.table.file in bundle.manifest.files:
-            parts.draft_tables[name] = load_draft_table(
-                source.table, bundle.path(source.table.file), loaded.spec.hidden_size
-            )
+            parts.draft_tables[name] = load_draft_table(source.table, bundle.path(source.table.file), spec.hidden_size)
     if bundle.draft_vocab_ids is not None:
         import torch
 
-        parts.draft_vocab = torch.from_numpy(bundle.draft_vocab_ids.copy())
-    return loaded, parts
+        parts.draft_vocab = torch.from_numpy(bundle.draft_vocab_ids.astype(np.int64))  # as the build holds them

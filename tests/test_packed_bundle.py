@@ -496,7 +496,9 @@ class TestSmolLM2Packed:
         parity = [r for r in data["results"] if r["check"] == "parity"]
         assert parity and all(r["tolerance"] is not None and r["max_abs"] <= r["tolerance"] for r in parity)
         structure = [r for r in data["results"] if r["check"] == "structure"]  # rebuilt packed, compared equal
-        assert {r["engine"] for r in structure} == {"prefill", "decode_full"} and all(r["passed"] for r in structure)
+        assert {r["engine"] for r in structure} == {"prefill", "decode_full", "configs"} and all(
+            r["passed"] for r in structure
+        )
 
     def test_inspect_shows_the_weight_form(self, smol_packed_bundle: Path) -> None:
         proc = cli("inspect", str(smol_packed_bundle))

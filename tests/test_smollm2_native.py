@@ -127,7 +127,7 @@ def test_default_build_is_gguf_exact_at_accuracy_4(smol_default_bundle: Path, tm
     gate = [r for r in results if r["check"] == "quality[mean]"]
     assert len(gate) == 1 and gate[0]["passed"], gate
     structure = [r for r in results if r["check"] == "structure"]  # equal to the engines the model defines
-    assert {r["engine"] for r in structure} == {"prefill", "decode_full"}, structure
+    assert {r["engine"] for r in structure} == {"prefill", "decode_full", "configs"}, structure
     assert all(r["passed"] and r["executed"] for r in structure), structure
     # run's default (auto) decodes this chat prompt on the rows the build measured for chat: plainly
     # on one row (an accuracy-4 verify pass does not reproduce T=1 steps), exact lookup on two (its
