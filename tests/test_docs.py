@@ -17,7 +17,7 @@ README_MAX_LINES = 200
 README_MAX_COLUMNS = 100
 DOCS_MAX_BYTES = 150_000
 # the README's test command, which .ci/run runs
-TEST_COMMAND = ". .venv/bin/activate && python -m pytest -q --durations=25 tests"
+TEST_COMMAND = ". .venv/bin/activate && python -m pytest -q -n 2 --dist loadfile --durations=25 tests"
 
 PROCESS_WORDS = re.compile(r"stop [0-9]+", re.IGNORECASE)
 # words about how the work was organised, in the user pages only (code says "session" of ONNX Runtime)
