@@ -735,13 +735,13 @@ def run_check(
     from adaptive_export.runtimes.bundle import load_bundle
 
     bundle = load_bundle(bundle_dir)
+    precision = bundle_precision(bundle)  # reads every engine through the graph policy: a refused one is bad input
     # the rebuild and the reference load one model: its config and tokenizer are read, and a .gguf
     # parsed, once (two parses of Gemma 3's 262k-token vocabulary cost 47 s of a 167 s check, Zen 3)
     with model_headers_read_once(), one_parse_per_file():
         # before the fp32 reference loads: one model in memory at a time
         structure = structure_check(bundle, model, allow_unrebuilt)
         loaded, parts = load_parts(bundle, model)
-    precision = bundle_precision(bundle)
     report = CheckReport(bundle=str(bundle_dir), model=loaded.source, provider=provider)
     report.results += structure + bundle_rows(bundle, precision, expect_precision, loaded)
     settings = CheckSettings(tuple(prompts or BUILTIN_PROMPTS), new_tokens, scale_tol, progress, provider)
