@@ -77,13 +77,10 @@ def _not_rebuildable(bundle: Bundle, model: str) -> str | None:
     """Why no engine of the bundle can be rebuilt from `model`, or None. The manifest's words
     choose what is rebuilt, never whether: a word that does not describe the engines rebuilds
     other engines, and the comparison fails."""
-    from adaptive_export.loading.model import check_model_files
-
     onnx_entry = bundle.manifest.backends.get("onnx")
     if onnx_entry is None:
         return "the bundle has no onnx engines"
-    _, gguf_file = check_model_files(model)
-    if onnx_entry.quantize == "native" and gguf_file is None:
+    if onnx_entry.quantize == "native" and _gguf_path(model) is None:
         return "a GGUF-exact bundle is rebuilt from its .gguf, and the reference is not one"
     return None
 
@@ -164,12 +161,10 @@ def _rebuild(bundle: Bundle, model: str, out: Path, repeat_layers: bool) -> Bund
 def rebuild_streams(bundle: Bundle, model: str) -> bool:
     """Whether the rebuild streams the weights from a .gguf (the build's lean path) or loads the
     fp32 model (re-quantization and precision drafts read float weights)."""
-    from adaptive_export.loading.model import check_model_files
-
     onnx_entry = bundle.manifest.backends.get("onnx")
-    _, gguf_file = check_model_files(model)
     floats = any(bundle.graph(name).precision is not None for name in bundle.manifest.graphs)
-    return onnx_entry is not None and gguf_file is not None and onnx_entry.quantize in LEAN_QUANTIZE and not floats
+    lean_weights = onnx_entry is not None and onnx_entry.quantize in LEAN_QUANTIZE and not floats
+    return lean_weights and _gguf_path(model) is not None
 
 
 def _gguf_path(model: str) -> Path | None:
