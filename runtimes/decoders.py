@@ -31,15 +31,22 @@ import numpy as np
 
 from adaptive_export.runtimes.backends import Backend
 from adaptive_export.runtimes.bundle import Bundle
-from adaptive_export.runtimes.draft_model import DRAFT_MODEL_K, DraftModel, DraftModelSource
-from adaptive_export.runtimes.drafting import FREE_SOURCE, SOURCES
+from adaptive_export.runtimes.draft_model import DRAFT_MODEL_K, DraftModel
+from adaptive_export.runtimes.drafting import FREE_SOURCE, SOURCES, DraftChain, SourceEnv, make_chain
 from adaptive_export.runtimes.drafting.prompt_lookup import GROWING_MOST
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.manifest import ConfigEntry
 from adaptive_export.runtimes.pipelined import PipelinedDecoder, check_stages
 from adaptive_export.runtimes.sampling import Sampler
 from adaptive_export.runtimes.sequence import SequenceState
-from adaptive_export.runtimes.speculative import DraftWarmup, SpeculativeRunner, default_source, speculation_available
+from adaptive_export.runtimes.speculative import (
+    DraftWarmup,
+    SpeculativeRunner,
+    default_source,
+    draft_length,
+    requested_chain,
+    speculation_available,
+)
 
 TokenStream = collections.abc.Generator[int, None, None]  # tokens after the first; closing it ends the decoder
 
@@ -94,6 +101,15 @@ class DecodeContext:
     backend: Backend
     warmups: dict[str, DraftWarmup] = field(default_factory=dict)  # draft engine -> its background creation
     draft_model: DraftModel | None = None  # `--draft-bundle`: a smaller bundle that drafts (runtimes/draft_model.py)
+
+    def chain(
+        self, config: ConfigEntry, names: tuple[str, ...], k: int | None, rows: int, name: str | None = None
+    ) -> DraftChain:
+        """The named sources for this configuration, each drafting k a round (None: its calibrated
+        length); on two rows or more with the floor guess asked last. `name`: what stats call it."""
+        env = SourceEnv(self.backend, config, self.bundle.model, self.draft_model)
+        lengths = {name: k or draft_length(self.bundle, name, None) for name in names}
+        return make_chain(env, names, lengths, rows >= 2, name)
 
     def warm(self, graphs: list[str]) -> list[DraftWarmup]:
         """Start creating these engines' sessions in the background (once per engine); the warm-ups to wait for."""
@@ -166,8 +182,7 @@ class FloorRounds(_Rounds):
     prompt_rows = True
 
     def runner(self, context: DecodeContext, seq: SequenceState, args: DecodeArgs) -> SpeculativeRunner:
-        rows = args.rows
-        return SpeculativeRunner(context.bundle, context.backend, seq.config, FREE_SOURCE, 1, decode_rows=rows)
+        return SpeculativeRunner(context.bundle, context.chain(seq.config, FLOOR_CHAIN, 1, args.rows, FREE_SOURCE))
 
 
 class Speculative(_Rounds):
@@ -184,17 +199,12 @@ class Speculative(_Rounds):
             )
 
     def warm(self, context: DecodeContext, args: DecodeArgs) -> list[DraftWarmup]:
-        return warm_source(context, args.draft or default_source(context.bundle, context.bundle.config("full")))
+        names = requested_chain(context.bundle, context.bundle.config("full"), args.draft)
+        return [warmup for name in names for warmup in warm_source(context, name)]
 
     def runner(self, context: DecodeContext, seq: SequenceState, args: DecodeArgs) -> SpeculativeRunner:
-        return SpeculativeRunner(
-            context.bundle,
-            context.backend,
-            seq.config,
-            args.draft,
-            args.draft_len,
-            decode_rows=args.rows,
-        )
+        names = requested_chain(context.bundle, seq.config, args.draft)
+        return SpeculativeRunner(context.bundle, context.chain(seq.config, names, args.draft_len, args.rows))
 
 
 class GatedSpeculative(_Rounds):
@@ -234,13 +244,9 @@ class GatedSpeculative(_Rounds):
         rows, bundle = args.rows, context.bundle
         calibrated = calibrated_source_pays(bundle, seq.config, rows) and speculation_available(bundle, seq.config)
         if not calibrated and rows >= 2 and args.draft_len is None:  # prompt lookup, growing from floor rounds
-            return SpeculativeRunner(
-                bundle, context.backend, seq.config, FREE_SOURCE, GROWING_MOST, decode_rows=rows, growing=True
-            )
-        source = None if calibrated else FREE_SOURCE  # None: the calibrated source, still gated
-        return SpeculativeRunner(
-            bundle, context.backend, seq.config, source, args.draft_len, gated=True, decode_rows=rows
-        )
+            return SpeculativeRunner(bundle, context.chain(seq.config, GROWING_CHAIN, GROWING_MOST, rows, FREE_SOURCE))
+        names = (default_source(bundle, seq.config),) if calibrated else (FREE_SOURCE,)
+        return SpeculativeRunner(bundle, context.chain(seq.config, names, args.draft_len, rows), gated=True)
 
 
 class PairedDrafts(_Rounds):
@@ -256,10 +262,8 @@ class PairedDrafts(_Rounds):
             raise UsageError(f"--draft {args.draft} and --draft-bundle both name a draft source", "drop one of them")
 
     def runner(self, context: DecodeContext, seq: SequenceState, args: DecodeArgs) -> SpeculativeRunner:
-        assert context.draft_model is not None  # decoder_for picks this decoder only beside a draft bundle
-        k = args.draft_len or DRAFT_MODEL_K
-        drafter = DraftModelSource(context.backend, seq.config, context.bundle.model, k, context.draft_model)
-        return SpeculativeRunner(context.bundle, context.backend, seq.config, decode_rows=args.rows, drafter=drafter)
+        chain = context.chain(seq.config, PAIRED_CHAIN, args.draft_len or DRAFT_MODEL_K, args.rows, "draft_model")
+        return SpeculativeRunner(context.bundle, chain)
 
 
 class Pipelined(Decoder):
@@ -309,6 +313,12 @@ def warm_source(context: DecodeContext, name: str) -> list[DraftWarmup]:
         return []
     return context.warm([full.engines[role] for role in source.engines])
 
+
+# The chains the policies run (each a list of source names, asked in order; runtimes/drafting/chain.py);
+# stats name them as before the chains (prompt_lookup, draft_model), `rounds_by_source` per link
+FLOOR_CHAIN = (FREE_SOURCE,)  # `--mode ar` on two rows: one lookup draft a round, else the floor's guess
+GROWING_CHAIN = ("growing_lookup",)  # auto on two rows without a calibrated source
+PAIRED_CHAIN = ("sure_lookup", "draft_model")  # a draft bundle: a long match copies, else the bundle drafts
 
 PLAIN_STEPS = PlainSteps()
 # the one table: (mode, two rows or more) -> decoder

@@ -4,16 +4,16 @@ The draft bundle (Qwen2.5-Coder-0.5B's for the 1.5B) runs its own engines on its
 reads only the target's tokens, never its KV: before each round it catches its arena up with the
 tokens the target emitted since (the last draft and the bonus token after a round that accepted
 everything, one corrected token otherwise), then writes k drafts with T=1 steps. It reads a
-window of the context (the prompt's last DRAFT_WINDOW tokens onward), and a round that prompt
-lookup can fill with a sure match copies instead of drafting. The target's
-decode engine verifies [pending, d1, .., dk] in one pass (a bonus row: a round emits accepted + 1
-tokens), so greedy output is the target's own; sampling keeps the draft's logits for the
-rejection rule. The two bundles must name every token alike (`check_pairing`), else drafts would
-be other tokens. The draft arena keeps the rows of the last request too, so a prompt that repeats
-the last one's opening (a system prompt) reuses them.
+window of the context (the prompt's last DRAFT_WINDOW tokens onward). Its draft source
+(runtimes/drafting/draft_model.py) is verified by the target's decode engine over
+[pending, d1, .., dk] in one pass (a bonus row: a round emits accepted + 1 tokens), so greedy
+output is the target's own; sampling keeps the draft's logits for the rejection rule. The two
+bundles must name every token alike (`check_pairing`), else drafts would be other tokens. The
+draft arena keeps the rows of the last request too, so a prompt that repeats the last one's
+opening (a system prompt) reuses them.
 
-It is a run-time pairing, not a technique a build puts into a bundle: no manifest field, no graph
-piece, no calibration module (runtimes/draft_registry.py lists those). Opt-in because it holds a
+It is a run-time pairing, not a technique a build puts into a bundle: a run-time source (no
+manifest field, graph piece or calibration module; runtimes/draft_registry.py lists those). Opt-in because it holds a
 second bundle's weights and arena: +41% peak RSS for the 0.5B beside the 1.5B (docs/draft-bundle.md).
 """
 
@@ -24,13 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from adaptive_export.runtimes.backends import Backend, StepOutputs, make_backend
+from adaptive_export.runtimes.backends import Backend, make_backend
 from adaptive_export.runtimes.bundle import Bundle, load_bundle
-from adaptive_export.runtimes.drafting.base import DraftSource, Proposal, decode_engine_verify, engine_drafts
-from adaptive_export.runtimes.drafting.prompt_lookup import GROWING_MAX_NGRAM, SURE_NGRAM, lookup_match
+from adaptive_export.runtimes.drafting.base import Proposal, engine_drafts
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.kv_arena import KVArena
-from adaptive_export.runtimes.manifest import ConfigEntry, ModelDims
 from adaptive_export.runtimes.sampling import Sampler
 from adaptive_export.runtimes.text import TextCodec
 
@@ -41,7 +39,7 @@ DRAFT_MODEL_K = 6
 DRAFT_STOP_BELOW = 0.6
 # The draft prefills at most the last this-many tokens of a prompt: a draft needs no more to guess
 # the next few, and the 0.5B's prefill of a 300-token edit prompt cost 10 ms of the 1.5B's TPOT over
-# a 64-token answer. Copies from earlier in the prompt are prompt lookup's (`DraftModelSource.propose`).
+# a 64-token answer. Copies from earlier in the prompt are `sure_lookup`'s, the link before it.
 DRAFT_WINDOW = 64
 MAX_CATCH_UP_ROWS = 64  # a longer catch-up (a new prompt after a shared opening) starts a new window instead
 PAIRING_FIX = "pass a draft bundle built from a model with the same tokenizer (Qwen2.5-Coder-0.5B for the 1.5B)"
@@ -133,28 +131,3 @@ class DraftModel:
             self.skipped, self.written = context[:skip], []
             view = context[skip:]
         return view, kept
-
-
-class DraftModelSource(DraftSource):
-    """Rounds of a draft model's tokens, verified with the bonus row by the target's decode engine.
-    A round whose context ends in an n-gram of SURE_NGRAM tokens or more seen before copies the k
-    tokens that followed it instead: free (no draft step; the draft catches up next time), and what
-    edit answers mostly are (the 1.5B's edit prompts: 39.8 against 53.3 ms a token without it)."""
-
-    name = "draft_model"
-    bonus = True
-
-    def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int, draft: DraftModel) -> None:
-        super().__init__(backend, config, model, k)
-        self.draft = draft
-
-    def propose(
-        self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
-    ) -> Proposal:
-        copied, n = lookup_match(context, k, GROWING_MAX_NGRAM)
-        if n >= SURE_NGRAM and len(copied) == k:
-            return Proposal(copied)
-        return self.draft.draft(context, k, sampler)
-
-    def verify(self, pending: int, proposal: Proposal, start: int, arena: KVArena) -> StepOutputs:
-        return decode_engine_verify(self.backend, self.config, pending, proposal.tokens, start, arena)

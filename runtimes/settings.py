@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from adaptive_export.runtimes.decoders import Mode
-from adaptive_export.runtimes.drafting import draft_source
+from adaptive_export.runtimes.drafting import chain_names
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.limits import check_draft_len
 
@@ -19,7 +19,7 @@ class DecodingSettings:
 
     config: str = "auto"  # "auto": the routers pick at prefill; else a configuration id from `inspect`
     mode: str = "auto"  # a runtimes/decoders.py Mode: auto chooses at prefill and keeps ar's tokens
-    draft: str | None = None  # the draft source of spec/auto (None: the one calibration chose)
+    draft: str | None = None  # spec's draft source, or sources joined by commas (None: calibration's)
     draft_len: int | None = None  # drafts per round (None: the source's calibrated length)
 
     def __post_init__(self) -> None:
@@ -27,9 +27,7 @@ class DecodingSettings:
             raise UsageError(f"config {self.config!r} is not a configuration id", "pass 'auto' or an id from `inspect`")
         object.__setattr__(self, "mode", Mode.parse(self.mode).value)  # a Mode member is taken as its name
         if self.draft is not None:
-            draft_source(
-                self.draft if isinstance(self.draft, str) else repr(self.draft)
-            )  # one line for an unknown name
+            chain_names(self.draft if isinstance(self.draft, str) else repr(self.draft))  # one line for an unknown name
         object.__setattr__(self, "draft_len", check_draft_len(self.draft_len))
 
     @property

@@ -41,17 +41,15 @@ from adaptive_export.runtimes.backends import Backend
 from adaptive_export.runtimes.bundle import Bundle
 from adaptive_export.runtimes.drafting import (
     FREE_SOURCE,
-    PLAIN,
     SOURCES,
-    DraftSource,
+    DraftChain,
     Proposal,
+    RoundOutcome,
+    chain_names,
     draft_source,
-    lookup_ngram,
 )
-from adaptive_export.runtimes.drafting.prompt_lookup import GrowingLookup, PromptLookup
 from adaptive_export.runtimes.errors import UsageError
 from adaptive_export.runtimes.gate import DraftingGate
-from adaptive_export.runtimes.kv_arena import KVArena
 from adaptive_export.runtimes.manifest import ConfigEntry
 from adaptive_export.runtimes.sampling import Sampler
 from adaptive_export.runtimes.sequence import SequenceState
@@ -68,28 +66,22 @@ def default_verify_cost(k: int) -> float:
     return DEFAULT_VERIFY_COSTS.get(k, DEFAULT_VERIFY_COSTS[4] + 0.35 * (k - 4))
 
 
-def speculation_available(bundle: Bundle, config: ConfigEntry, source: str | None = None) -> bool:
-    """Whether the configuration has the engines the source needs (prompt lookup needs none)."""
-    found = SOURCES.get(source or default_source(bundle, config))
-    return found is not None and found.available(config)
+def requested_chain(bundle: Bundle, config: ConfigEntry, draft: str | None) -> tuple[str, ...]:
+    """The sources a `--draft` value names, in order (None: the calibrated source alone)."""
+    return chain_names(draft) if draft else (default_source(bundle, config),)
+
+
+def speculation_available(bundle: Bundle, config: ConfigEntry, draft: str | None = None) -> bool:
+    """Whether the configuration has the engines every source of the chain needs (prompt lookup
+    needs none); `draft`: a `--draft` value (None: the calibrated source)."""
+    names = requested_chain(bundle, config, draft)
+    return all(draft_source(name).available(config) for name in names)
 
 
 def min_decode_rows(bundle: Bundle) -> int:
     """Rows every decode pass of this bundle runs (manifest `speculation.min_decode_rows`; 1 without)."""
     speculation = bundle.manifest.speculation
     return speculation.min_decode_rows if speculation is not None else 1
-
-
-class FloorGuess(PromptLookup):
-    """A floor round's one guess: prompt lookup's next token, else the last pass's in-graph guess
-    (a bundle with an EAGLE head: runtimes/drafting/eagle.py), else `pending` again (a repeat is as
-    good a guess as any); verified by the decode engine over [pending, guess] (runtimes/drafting/prompt_lookup.py)."""
-
-    def propose(
-        self, pending: int, context: list[int], k: int, start: int, arena: KVArena, sampler: Sampler
-    ) -> Proposal:
-        guess = self.guess_for(start)
-        return Proposal(lookup_ngram(context, 1) or [pending if guess is None else guess])
 
 
 def default_source(bundle: Bundle, config: ConfigEntry) -> str:
@@ -127,36 +119,30 @@ class DraftWarmup:
 
 @dataclass(frozen=True)
 class Round:
-    """One round as it happened: what was proposed, the verdict, the tokens it emits, its seconds."""
+    """One round as it happened: what was proposed and by which source (None: a plain step), the
+    verdict, the tokens it emits, its seconds."""
 
     proposal: Proposal
     verdict: Verdict
     emitted: list[int]
     draft_s: float
     verify_s: float
-    floor: bool = False  # a floor round: the source had no drafts, a free guess took their place
+    drafter: str | None = None
+    floor: bool = False  # a floor round: no source had drafts, the floor's free guess took their place
 
 
 def speculative_round(
-    drafter: DraftSource,
-    state: SequenceState,
-    context: list[int],
-    k: int,
-    sampler: Sampler,
-    floor: DraftSource | None = None,
+    chain: DraftChain, state: SequenceState, context: list[int], budget: int, sampler: Sampler, drafting: bool = True
 ) -> Round:
-    """Draft up to k tokens (k = 0: a plain step), verify them in one pass, apply the acceptance
-    rule, crop the arena to the inputs whose KV is now valid. Where the source has no drafts and a
-    `floor` is given, the floor's guess is verified instead of a one-row pass. Emits nothing itself:
-    the caller makes each emitted token `pending` in turn."""
+    """Ask the chain for drafts (its drafting sources only when `drafting`; the floor always),
+    verify the first proposal in one pass, apply the acceptance rule, crop the arena to the inputs
+    whose KV is now valid, and tell every source the outcome. Emits nothing itself: the caller
+    makes each emitted token `pending` in turn."""
     arena, start = state.arena, state.arena.length
     started = time.perf_counter()
-    proposal = drafter.propose(state.pending, context, k, start, arena, sampler) if k >= 1 else PLAIN
-    verifier = drafter
-    if proposal.plain and floor is not None:
-        proposal, verifier = floor.propose(state.pending, context, 1, start, arena, sampler), floor
+    source, proposal = chain.propose(state.pending, context, budget, start, arena, sampler, drafting)
     drafted = time.perf_counter()
-    outputs = verifier.verify(state.pending, proposal, start, arena)
+    outputs = chain.verify(source, state.pending, proposal, start, arena)
     verified = time.perf_counter()
     verdict = judge(proposal.tokens, proposal.rows, outputs.logits[0], sampler)
     # crop: the inputs pending, d1..d(accepted) now have valid KV in every kept layer
@@ -164,12 +150,13 @@ def speculative_round(
     guess = None  # the pass's guess after the token it emitted last: the row that chose that token guessed it
     if outputs.guesses is not None and verdict.token is not None:
         guess = int(outputs.guesses[0, verdict.accepted])
-        if not 0 <= guess < drafter.backend.bundle.model.vocab_size:  # an engine's output is untrusted input
+        if not 0 <= guess < chain.env.model.vocab_size:  # an engine's output is untrusted input
             guess = None
-    for source in (drafter, floor) if floor is not None else (drafter,):
-        source.observe_guess(arena.length, guess)
     emitted = proposal.tokens[: verdict.accepted] + ([verdict.token] if verdict.token is not None else [])
-    return Round(proposal, verdict, emitted, drafted - started, verified - drafted, verifier is not drafter)
+    name = source.name if source is not None else None
+    chain.accept(RoundOutcome(name, proposal, verdict.accepted, tuple(emitted), arena.length, guess))
+    floor = source is not None and source.floor
+    return Round(proposal, verdict, emitted, drafted - started, verified - drafted, name, floor)
 
 
 @dataclass
@@ -184,9 +171,16 @@ class RoundCounts:
     floor_rounds: int = 0
     floor_accepted: int = 0  # floor guesses that were the model's token
     passes: dict[int, int] = field(default_factory=dict)  # verify passes by rows T (build prices them)
+    # per drafting source of a chain: [rounds it drafted, drafts, accepted]
+    by_source: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, done: Round) -> None:
         self.rounds += 1
+        if done.drafter is not None and not done.floor:
+            tally = self.by_source.setdefault(done.drafter, [0, 0, 0])
+            tally[0] += 1
+            tally[1] += len(done.proposal.tokens)
+            tally[2] += done.verdict.accepted
         rows = 1 + len(done.proposal.tokens) + done.proposal.extra_inputs
         self.passes[rows] = self.passes.get(rows, 0) + 1
         if done.floor:
@@ -219,92 +213,74 @@ class SpeculationReport:
     floor_rounds: int  # rounds verified as [pending, guess] where a one-row pass would have been (min_decode_rows 2)
     floor_accepted: int
     passes_by_rows: dict[str, int]  # verify passes by rows T
+    rounds_by_source: dict[str, dict[str, int]]  # per source of the chain: rounds it drafted, drafts, accepted
+
+
+def draft_length(bundle: Bundle, name: str, draft_len: int | None) -> int:
+    """A source's drafts per round: asked for, else calibrated, else DEFAULT_LOOKUP_K."""
+    k = int(draft_len or bundle.manifest.calibrated(name).draft_len or DEFAULT_LOOKUP_K)
+    if k < 1:
+        raise UsageError(f"draft length {k} is not positive", "use a draft length of 1 or more")
+    return k
+
+
+def drafting_gate(bundle: Bundle, backend: Backend, chain: DraftChain) -> DraftingGate | None:
+    """`--mode auto`'s gate over a gateable chain, priced by its first source's calibration: a
+    drafting round is k draft steps and one T=k+1 pass, a plain one a T=1 step (T=2 with a floor)."""
+    if not chain.gateable:
+        return None
+    first = chain.drafting[0]
+    calibrated = bundle.manifest.calibrated(first.name)
+    prepacked = chain.env.config.decode in getattr(backend, "prepack", ())  # ORT: T > 1 passes much cheaper
+    costs = calibrated.verify_costs(prepacked)
+    draft_cost = float(calibrated.draft_cost or 0.0)  # a draft engine's T=1 step in T=1 decode passes (lookup: none)
+    round_passes = first.k * draft_cost + float(costs.get(str(first.k), default_verify_cost(first.k)))
+    floored = any(source.floor for source in chain.sources)
+    plain_passes = float(costs.get("1", default_verify_cost(1))) if floored else 1.0
+    return DraftingGate(round_passes, chain.free_proposals, plain_passes)
 
 
 class SpeculativeRunner:
-    """Runs rounds of draft + verify, yielding each emitted token; the consumer stops it by closing it."""
+    """Runs rounds of a draft chain, yielding each emitted token; the consumer stops it by closing it."""
 
     def __init__(
-        self,
-        bundle: Bundle,
-        backend: Backend,
-        config: ConfigEntry,
-        source: str | None = None,
-        draft_len: int | None = None,
-        gated: bool = False,
-        warmups: Sequence[DraftWarmup] = (),
-        decode_rows: int = 1,
-        growing: bool = False,
-        drafter: DraftSource | None = None,
+        self, bundle: Bundle, chain: DraftChain, gated: bool = False, warmups: Sequence[DraftWarmup] = ()
     ) -> None:
-        """`growing`: prompt lookup's drafts follow its own acceptance, up to the draft length
-        (runtimes/drafting/prompt_lookup.py GrowingLookup), instead of k every round. `drafter`: a
-        source made by the caller, outside the registry (runtimes/draft_model.py), drafting ungated."""
+        """`gated`: `--mode auto`, where a gateable chain drafts only while its drafts pay."""
+        self.chain = chain
         self.warmups = warmups  # draft sessions being created off the critical path: wait for them before drafting
-        # a round without drafts is a floor round (one guess, T=2) on a bundle that decodes two rows at least
-        self.floor = FloorGuess(backend, config, bundle.model, 1) if decode_rows >= 2 else None
         self.counts = RoundCounts()
-        self.gate: DraftingGate | None = None
-        if drafter is not None:
-            self.source, self.k, self.drafter = drafter.name, drafter.k, drafter
-            return
-        self.source = source or default_source(bundle, config)
-        source_class = draft_source(self.source)
-        if not source_class.available(config):
-            raise UsageError(
-                f"configuration {config.id!r} has no {self.source} draft engines",
-                "use --draft prompt_lookup, --mode ar, or rebuild with --speculate",
-            )
-        calibrated = bundle.manifest.calibrated(self.source)
-        self.k = int(draft_len or calibrated.draft_len or DEFAULT_LOOKUP_K)
-        if self.k < 1:
-            raise UsageError(f"draft length {self.k} is not positive", "use a draft length of 1 or more")
-        if growing and self.source != FREE_SOURCE:
-            raise ValueError(f"only prompt lookup grows its drafts, not {self.source}")
-        drafter_class = GrowingLookup if growing else source_class
-        self.drafter = drafter_class(backend, config, bundle.model, self.k)
-        if gated and source_class.gateable:
-            prepacked = config.decode in getattr(backend, "prepack", ())  # ORT: T > 1 passes much cheaper
-            costs = calibrated.verify_costs(prepacked)
-            draft_cost = float(
-                calibrated.draft_cost or 0.0
-            )  # a draft engine's T=1 step in T=1 decode passes (lookup: none)
-            # a drafting round in T=1 passes by the build's measurement: k draft steps and one T=k+1 pass
-            round_passes = self.k * draft_cost + float(costs.get(str(self.k), default_verify_cost(self.k)))
-            plain_passes = float(costs.get("1", default_verify_cost(1))) if self.floor is not None else 1.0
-            self.gate = DraftingGate(round_passes, source_class.free_proposals, plain_passes)
+        self.gate = drafting_gate(bundle, chain.env.backend, chain) if gated else None
 
     def tokens(self, state: SequenceState, max_new_tokens: int, sampler: Sampler) -> Iterator[int]:
         """Emitted tokens, round after round; the consumer records each in state.tokens before asking for the next."""
         context = list(state.prompt_ids) + list(state.tokens)
+        self.chain.begin(context)
         while True:
-            # k = 0: the budget leaves only the bonus row, so the round is a plain T=1 step
-            k = self.drafter.max_drafts(max_new_tokens - len(state.tokens))
-            for token in self._round(state, k, sampler, context):
+            for token in self._round(state, max_new_tokens - len(state.tokens), sampler, context):
                 state.pending = token
                 context.append(token)
                 yield token
 
-    def _verified(self, state: SequenceState, k: int, sampler: Sampler, context: list[int]) -> Round:
-        """A round of up to k drafts by the source; without drafts a plain step (T=1), or a floor round."""
-        return speculative_round(self.drafter, state, context, k, sampler, self.floor)
-
-    def _round(self, state: SequenceState, k: int, sampler: Sampler, context: list[int]) -> list[int]:
-        """One round, gated: the gate may make it a plain step, and learns what it cost."""
-        gate = self.gate
+    def _round(self, state: SequenceState, budget: int, sampler: Sampler, context: list[int]) -> list[int]:
+        """One round, gated: the gate may make it a plain step, and learns what it cost. A budget
+        that leaves only the bonus row (no drafts fit) is a plain step too."""
+        chain, gate = self.chain, self.gate
+        k = chain.max_drafts(budget)
         if gate is None:
             self._await_sessions(k)
-            done = self._verified(state, k, sampler, context)
+            done = speculative_round(chain, state, context, budget, sampler)
             self.counts.add(done)
             return done.emitted
         started = time.perf_counter()
         drafting = k >= 1 and gate.should_draft()
         if not drafting and k >= 1 and gate.wants_shadow():  # a free proposal, scored by the plain tokens
             arena = state.arena
-            gate.watch(self.drafter.propose(state.pending, context, k, arena.length, arena, sampler).tokens)
+            shadow = chain.propose(state.pending, context, budget, arena.length, arena, sampler, floor=False)[1]
+            gate.watch(shadow.tokens)
         self.counts.draft_s += time.perf_counter() - started
         self._await_sessions(k if drafting else 0)
-        done = self._verified(state, k if drafting else 0, sampler, context)
+        done = speculative_round(chain, state, context, budget, sampler, drafting)
         self.counts.add(done)
         plain = done.proposal.plain or done.floor
         gate.record_round(not plain, len(done.emitted), time.perf_counter() - started)
@@ -324,8 +300,8 @@ class SpeculativeRunner:
         """What this sequence's rounds did (`stats.speculation`)."""
         counts, gate = self.counts, self.gate
         return SpeculationReport(
-            draft_source=self.source,
-            draft_len=self.k,
+            draft_source=self.chain.name,
+            draft_len=self.chain.k,
             rounds=counts.rounds,
             drafted=counts.drafted,
             accepted=counts.accepted,
@@ -340,4 +316,8 @@ class SpeculativeRunner:
             floor_rounds=counts.floor_rounds,
             floor_accepted=counts.floor_accepted,
             passes_by_rows={str(rows): n for rows, n in sorted(counts.passes.items())},
+            rounds_by_source={
+                name: {"rounds": tally[0], "drafted": tally[1], "accepted": tally[2]}
+                for name, tally in counts.by_source.items()
+            },
         )

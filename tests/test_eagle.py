@@ -93,15 +93,19 @@ def test_eagle_drafts_keep_plain_tokens(eagle_bundle: Path, prompt: str, capsys:
 def test_the_floor_round_guesses_with_the_head() -> None:
     """A floor round's guess: prompt lookup's when the context repeats, else the last pass's in-graph
     guess for this very position, else `pending`."""
-    from adaptive_export.runtimes.speculative import FloorGuess
+    from adaptive_export.runtimes.drafting import PLAIN, RoundOutcome
+    from adaptive_export.runtimes.drafting.prompt_lookup import FloorGuess
+
+    def heard(length: int, guess: int | None) -> RoundOutcome:
+        return RoundOutcome(None, PLAIN, 0, (7,), length, guess)
 
     floor = FloorGuess.__new__(FloorGuess)  # propose reads no engine: the backend is never touched
     sampler = None  # nor the sampler: a floor guess is deterministic
     context = [1, 2, 3, 4]  # no n-gram repeats
-    floor.observe_guess(10, 42)
+    floor.accept(heard(10, 42))
     assert floor.propose(7, context, 1, 10, None, sampler).tokens == [42]  # type: ignore[arg-type]
     assert floor.propose(7, context, 1, 11, None, sampler).tokens == [7]  # type: ignore[arg-type]
-    floor.observe_guess(11, None)
+    floor.accept(heard(11, None))
     assert floor.propose(7, context, 1, 11, None, sampler).tokens == [7]  # type: ignore[arg-type]
     assert floor.propose(7, [5, 6, 5], 1, 11, None, sampler).tokens == [6]  # type: ignore[arg-type]
 

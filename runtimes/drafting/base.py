@@ -1,11 +1,16 @@
-"""The draft-source protocol of self-speculative decoding (docs/architecture.md section 7).
+"""The draft-source lifecycle of self-speculative decoding (docs/architecture.md section 7).
 
-A draft source proposes up to k tokens after `pending` (a `Proposal`) and runs the verify pass
-that scores them; the speculative loop (runtimes/speculative.py) owns everything else:
-acceptance (runtimes/acceptance.py), the arena crop, stats and gating. Everything a verify
-pass needs to know about its round is in the proposal it gets, so a source keeps no
-round-to-round flags. Calibration measures the
-same sources under the same names (calibration/drafts/; the registry: runtimes/draft_registry.py).
+A draft source is asked, in the shape of llama.cpp's `common_speculative`:
+- `begin(context)` once per sequence, after prefill (the prompt's tokens);
+- `propose(...)` each round it is asked: up to k tokens after `pending` (a `Proposal`), or none;
+- `verify(...)` when its proposal is the round's: the one pass that scores it;
+- `accept(outcome)` after every round, whichever source drafted it (`RoundOutcome`).
+Sources are asked in a chain (runtimes/drafting/chain.py): the first with drafts drafts the round.
+The speculative loop (runtimes/speculative.py) owns everything else: acceptance
+(runtimes/acceptance.py), the arena crop, stats and gating. A source is one class and one
+registration: the bundle's sources by their manifest contract (runtimes/draft_registry.py), a
+run-time source (no engine or manifest field of its own) by `register_source`. Calibration
+measures the bundle's sources under the same names (calibration/drafts/).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -46,6 +51,39 @@ class Proposal:
 PLAIN = Proposal([])
 
 
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What a round did, as every source of the chain hears it (`DraftSource.accept`).
+
+    `drafter`: the name of the source whose proposal was verified (None: a plain step). `length`:
+    the arena length after the crop, where the next round starts. `guess`: the verify pass's
+    in-graph guess at the token after the last one emitted (`StepOutputs.guesses`; None: none)."""
+
+    drafter: str | None
+    proposal: Proposal
+    accepted: int
+    emitted: tuple[int, ...]
+    length: int
+    guess: int | None = None
+
+
+class ModelDrafter(Protocol):
+    """A model that drafts on engines and an arena of its own (runtimes/draft_model.py `DraftModel`)."""
+
+    def draft(self, context: list[int], k: int, sampler: Sampler) -> Proposal: ...
+
+
+@dataclass(frozen=True)
+class SourceEnv:
+    """What a source is made from: the backend and configuration it drafts for, and the run-time
+    resources a caller brings (a draft bundle's engines, runtimes/draft_model.py)."""
+
+    backend: Backend
+    config: ConfigEntry
+    model: ModelDims
+    draft_model: ModelDrafter | None = None
+
+
 class DraftSource(DraftContract, ABC):
     """One way of drafting. Subclasses set the class attributes and implement propose/verify; what
     a source adds to the manifest is its contract (runtimes/draft_contracts.py), which it inherits."""
@@ -66,9 +104,17 @@ class DraftSource(DraftContract, ABC):
     # two rows or more, so on a bundle that decodes two rows at least (`min_decode_rows`) the
     # round computes what plain decoding computes; False where another engine writes kept rows
     decode_engine_rows: ClassVar[bool] = True
+    # a floor source (a two-row bundle's free guess) proposes one token whenever it is asked, also in
+    # a round the gate made plain or the budget leaves no draft for: a chain asks it last
+    floor: ClassVar[bool] = False
 
     def __init__(self, backend: Backend, config: ConfigEntry, model: ModelDims, k: int) -> None:
         self.backend, self.config, self.k = backend, config, k
+
+    @classmethod
+    def create(cls, env: SourceEnv, k: int) -> DraftSource:
+        """The source for one sequence's rounds, drafting up to k tokens a round."""
+        return cls(env.backend, env.config, env.model, k)
 
     @classmethod
     def available(cls, config: ConfigEntry) -> bool:
@@ -83,10 +129,13 @@ class DraftSource(DraftContract, ABC):
     guess: int | None = None
     guess_at: int = -1
 
-    def observe_guess(self, start: int, guess: int | None) -> None:
-        """After each round: the verify pass's in-graph guess (`StepOutputs.guesses`) at the token
-        after the last one the round emitted, for the round at arena length `start` (None: no guess)."""
-        self.guess, self.guess_at = guess, start
+    def begin(self, context: list[int]) -> None:
+        """A new sequence after prefill (`context`: its prompt): forget the last one's state."""
+        self.guess, self.guess_at = None, -1
+
+    def accept(self, outcome: RoundOutcome) -> None:
+        """After each round: keep the verify pass's in-graph guess for the round it drafts for."""
+        self.guess, self.guess_at = outcome.guess, outcome.length
 
     def guess_for(self, start: int) -> int | None:
         """The in-graph guess for the round at arena length `start`, if the last pass made one for it."""
@@ -170,3 +219,21 @@ def decode_engine_verify(
     layer's rows: its last row scores the position after the last draft (the bonus token)."""
     inputs = np.asarray([[pending, *drafts]], dtype=np.int64)
     return backend.run(config.decode, inputs, arena, start)
+
+
+# Run-time sources by name: sources with no engine or manifest field of their own (runtimes/drafting/
+# prompt_lookup.py's variants, a draft bundle, or a caller's own), which `--draft` and a chain name
+# beside the bundle's registered ones (runtimes/drafting/__init__.py `draft_source`).
+RUNTIME_SOURCES: dict[str, type[DraftSource]] = {}
+
+
+def register_source(source: type[DraftSource]) -> type[DraftSource]:
+    """Register a run-time draft source under its `name` (usable as a class decorator)."""
+    name = getattr(source, "name", None)
+    if not (isinstance(source, type) and issubclass(source, DraftSource) and isinstance(name, str) and name):
+        raise TypeError(f"{source!r} is not a DraftSource with a name")
+    known = RUNTIME_SOURCES.get(name)
+    if known is not None and known is not source:
+        raise ValueError(f"a draft source named {name!r} is registered already ({known.__qualname__})")
+    RUNTIME_SOURCES[name] = source
+    return source
