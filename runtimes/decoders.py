@@ -108,7 +108,7 @@ class DecodeContext:
         """The named sources for this configuration, each drafting k a round (None: its calibrated
         length); on two rows or more with the floor guess asked last. `name`: what stats call it."""
         env = SourceEnv(self.backend, config, self.bundle.model, self.draft_model)
-        lengths = {name: k or draft_length(self.bundle, name, None) for name in names}
+        lengths = {source: draft_length(self.bundle, source, k) for source in names}
         return make_chain(env, names, lengths, rows >= 2, name)
 
     def warm(self, graphs: list[str]) -> list[DraftWarmup]:
